@@ -1,0 +1,26 @@
+"""graphexec: a graph-first LLM executor built on torch.compile.
+
+Public names are resolved on first access, so importing one submodule does not load them all.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_PUBLIC = {
+    "Engine": "graphexec.engine",
+    "RequestOutput": "graphexec.engine",
+    "SamplingParams": "graphexec.sampling_params",
+    "GraphexecError": "graphexec.errors",
+    "InvalidRequestError": "graphexec.errors",
+    "ConfigError": "graphexec.errors",
+    "CheckpointError": "graphexec.errors",
+}
+
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name: str):
+    if name in _PUBLIC:
+        return getattr(importlib.import_module(_PUBLIC[name]), name)
+    raise AttributeError(f"module 'graphexec' has no attribute {name!r}")

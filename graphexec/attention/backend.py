@@ -1,0 +1,55 @@
+"""The attention backend interface and the name → backend table used by config."""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
+
+import torch
+
+from graphexec.errors import ConfigError
+
+if TYPE_CHECKING:
+    from graphexec.forward_batch import ForwardBatch
+    from graphexec.forward_context import ForwardContext
+
+
+class AttentionBackend(ABC):
+    """Prepares per-step metadata once per forward (outside any graph), then serves every layer."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5
+
+    @abstractmethod
+    def init_forward_metadata(self, fb: "ForwardBatch", req_to_token: torch.Tensor) -> None:
+        """Build whatever the layers need (KV index lists, masks) for this forward."""
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        layer_id: int,
+        ctx: "ForwardContext",
+    ) -> None:
+        """Store k/v at `out_cache_loc` and write attention over each request's KV into `out`."""
+
+
+# Imported on demand so that naming a backend in config costs nothing until it is used.
+_BACKENDS = {
+    "torch_native": "graphexec.attention.torch_native:TorchNativeAttnBackend",
+}
+
+
+def create_attention_backend(name: str, num_heads: int, num_kv_heads: int, head_dim: int) -> AttentionBackend:
+    if name not in _BACKENDS:
+        raise ConfigError(f"attention_backend={name!r} is unknown; choose one of {sorted(_BACKENDS)}")
+    module_name, class_name = _BACKENDS[name].split(":")
+    backend_cls = getattr(importlib.import_module(module_name), class_name)
+    return backend_cls(num_heads, num_kv_heads, head_dim)

@@ -1,0 +1,104 @@
+"""Attention in plain torch (SDPA), correct on any device: the reference every other backend matches."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from graphexec.attention.backend import AttentionBackend
+
+if TYPE_CHECKING:
+    from graphexec.forward_batch import ForwardBatch
+    from graphexec.forward_context import ForwardContext
+
+
+@dataclass(frozen=True)
+class _DecodeMetadata:
+    kv_indices: torch.Tensor  # [batch, max_seq_len] KV slots; unused tail points at the dummy slot
+    attn_mask: torch.Tensor  # [batch, 1, 1, max_seq_len] bool, True where the key is live
+
+
+@dataclass(frozen=True)
+class _ExtendRun:
+    q_start: int
+    q_len: int
+    kv_indices: torch.Tensor  # [seq_len] KV slots of the whole sequence (prefix + new tokens)
+    attn_mask: torch.Tensor | None  # [q_len, seq_len] bool; None means plain causal (no prefix)
+
+
+class TorchNativeAttnBackend(AttentionBackend):
+    def init_forward_metadata(self, fb: "ForwardBatch", req_to_token: torch.Tensor) -> None:
+        if fb.forward_mode.is_extend():
+            self._metadata = self._extend_metadata(fb, req_to_token)
+        else:
+            self._metadata = self._decode_metadata(fb, req_to_token)
+
+    @staticmethod
+    def _decode_metadata(fb: "ForwardBatch", req_to_token: torch.Tensor) -> _DecodeMetadata:
+        bs = fb.batch_size
+        max_len = max(fb.seq_lens_cpu[:bs], default=1)
+        kv_indices = req_to_token[fb.req_pool_indices[:bs], :max_len]
+        key_pos = torch.arange(max_len, device=kv_indices.device)
+        live = key_pos[None, :] < fb.seq_lens[:bs, None]
+        return _DecodeMetadata(kv_indices=kv_indices, attn_mask=live[:, None, None, :])
+
+    @staticmethod
+    def _extend_metadata(fb: "ForwardBatch", req_to_token: torch.Tensor) -> list[_ExtendRun]:
+        runs, q_start = [], 0
+        rows = fb.req_pool_indices.tolist()
+        device = fb.input_ids.device
+        for row, prefix, q_len in zip(rows, fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu):
+            seq_len = prefix + q_len
+            mask = None
+            if prefix:
+                # Query i sits at position prefix + i and sees keys 0..prefix + i.
+                q_pos = torch.arange(prefix, seq_len, device=device)
+                mask = torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]
+            runs.append(_ExtendRun(q_start, q_len, req_to_token[row, :seq_len], mask))
+            q_start += q_len
+        return runs
+
+    def forward(self, q, k, v, out, layer_id, ctx: "ForwardContext") -> None:
+        fb = ctx.forward_batch
+        n = fb.num_token_non_padded
+        h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
+        ctx.kv_pool.write(layer_id, fb.out_cache_loc, k.view(-1, kvh, d), v.view(-1, kvh, d))
+        k_cache, v_cache = ctx.kv_pool.k_buffers[layer_id], ctx.kv_pool.v_buffers[layer_id]
+        if fb.forward_mode.is_extend():
+            self._extend(q, out, k_cache, v_cache)
+        else:
+            self._decode(q, out, k_cache, v_cache, fb.batch_size)
+        # Rows past the real tokens are padding: keep them finite and inert.
+        if out.shape[0] > n:
+            out[n:].zero_()
+
+    def _decode(self, q, out, k_cache, v_cache, bs: int) -> None:
+        meta: _DecodeMetadata = self._metadata
+        h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
+        keys = k_cache[meta.kv_indices].transpose(1, 2)  # [bs, kvh, max_len, d]
+        values = v_cache[meta.kv_indices].transpose(1, 2)
+        queries = q[:bs].view(bs, h, 1, d)
+        o = F.scaled_dot_product_attention(
+            queries, keys, values, attn_mask=meta.attn_mask, scale=self.scale, enable_gqa=h != kvh
+        )
+        out[:bs] = o.reshape(bs, h * d)
+
+    def _extend(self, q, out, k_cache, v_cache) -> None:
+        h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
+        for run in self._metadata:
+            queries = q[run.q_start : run.q_start + run.q_len].view(run.q_len, h, d).transpose(0, 1)
+            keys = k_cache[run.kv_indices].transpose(0, 1)  # [kvh, seq_len, d]
+            values = v_cache[run.kv_indices].transpose(0, 1)
+            o = F.scaled_dot_product_attention(
+                queries[None],
+                keys[None],
+                values[None],
+                attn_mask=run.attn_mask,
+                is_causal=run.attn_mask is None,
+                scale=self.scale,
+                enable_gqa=h != kvh,
+            )
+            out[run.q_start : run.q_start + run.q_len] = o[0].transpose(0, 1).reshape(run.q_len, h * d)

@@ -1,0 +1,193 @@
+"""Typed, frozen engine configuration, composed from the Hydra config groups in `configs/`.
+
+The YAML files are the single source of defaults; this module only composes them, checks every
+value once at start-up (errors name the option) and freezes the result.  Nothing mutates a config
+after composition.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Mapping, Sequence
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from graphexec.errors import ConfigError
+from graphexec.forward_mode import ForwardMode
+from graphexec.sampling_params import SamplingParams
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_MODEL_SOURCES = ("gguf", "hf", "random")
+
+
+def config_dir() -> Path:
+    """`configs/` of a source checkout, else the copy installed as package data."""
+    repo_configs = Path(__file__).resolve().parent.parent / "configs"
+    if (repo_configs / "config.yaml").is_file():
+        return repo_configs
+    installed = Path(__file__).resolve().parent / "configs"
+    if (installed / "config.yaml").is_file():
+        return installed
+    raise ConfigError(f"graphexec configs not found at {repo_configs} or {installed}; reinstall the package")
+
+
+def available_options(group: str) -> list[str]:
+    return sorted(p.stem for p in (config_dir() / group).glob("*.yaml"))
+
+
+def compose(overrides: Sequence[str] = (), config_name: str = "config") -> DictConfig:
+    """Compose like the command-line apps do, turning Hydra's errors into ConfigError."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.errors import HydraException
+
+    overrides = list(overrides)
+    for override in overrides:
+        group, _, choice = override.lstrip("+~").partition("=")
+        if (config_dir() / group).is_dir() and choice and choice not in available_options(group):
+            raise ConfigError(f"{group}={choice!r} is unknown; available: {available_options(group)}")
+    try:
+        with initialize_config_dir(version_base=None, config_dir=str(config_dir()), job_name="graphexec"):
+            return hydra_compose(config_name, overrides=overrides)
+    except HydraException as err:
+        raise ConfigError(f"invalid config override: {err}") from err
+
+
+@dataclass(frozen=True)
+class ModelSourceConfig:
+    name: str
+    source: str  # gguf | hf | random
+    path: str | None = None  # gguf/hf: file or directory; None for gguf means the packaged SmolLM2
+    seed: int = 0  # random only
+    architecture: Mapping[str, Any] = field(default_factory=dict)  # random only: ModelConfig fields
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    backend: str
+    options: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class CapturePlan:
+    """Which capture backend runs each ForwardMode."""
+
+    name: str
+    extend: BackendSpec
+    decode: BackendSpec
+    mixed: BackendSpec
+    idle: BackendSpec
+
+    def for_mode(self, mode: ForwardMode) -> BackendSpec:
+        return getattr(self, mode.config_key)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_running_requests: int
+    max_prefill_tokens: int
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    num_slots: int
+    max_context: int | None  # None: the model's own context length
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelSourceConfig
+    capture: CapturePlan
+    scheduler: SchedulerConfig
+    cache: CacheConfig
+    sampling: SamplingParams
+    device: str
+    dtype: str
+    attention_backend: str
+    seed: int
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    @classmethod
+    def from_overrides(cls, overrides: Sequence[str] = ()) -> "EngineConfig":
+        return cls.from_dictconfig(compose(overrides))
+
+    @classmethod
+    def from_dictconfig(cls, cfg: DictConfig) -> "EngineConfig":
+        raw = OmegaConf.to_container(cfg, resolve=True)
+        assert isinstance(raw, dict)
+        device = str(raw["device"])
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise ConfigError(f"device={device!r} needs a GPU and none is available; use device=cpu")
+        if not (device == "cpu" or device.startswith("cuda")):
+            raise ConfigError(f"device must be 'cpu' or 'cuda[:N]', got {device!r}")
+        if raw["dtype"] not in _DTYPES:
+            raise ConfigError(f"dtype must be one of {sorted(_DTYPES)}, got {raw['dtype']!r}")
+        return cls(
+            model=_model_source(raw["model"]),
+            capture=_capture_plan(raw["capture"]),
+            scheduler=_positive_ints(SchedulerConfig, raw["scheduler"], "scheduler"),
+            cache=_cache(raw["cache"]),
+            sampling=SamplingParams(**_known(SamplingParams, raw["sampling"], "sampling")),
+            device=device,
+            dtype=raw["dtype"],
+            attention_backend=str(raw["attention_backend"]),
+            seed=int(raw["seed"]),
+        )
+
+
+def _known(dc: type, values: Mapping[str, Any], prefix: str) -> dict[str, Any]:
+    names = {f.name for f in fields(dc)}
+    unknown = sorted(set(values) - names)
+    if unknown:
+        raise ConfigError(f"{prefix}.{unknown[0]} is not an option; known: {sorted(names)}")
+    return dict(values)
+
+
+def _positive_ints(dc: type, values: Mapping[str, Any], prefix: str):
+    values = _known(dc, values, prefix)
+    for key, value in values.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"{prefix}.{key} must be an integer >= 1, got {value!r}")
+    return dc(**values)
+
+
+def _cache(values: Mapping[str, Any]) -> CacheConfig:
+    values = _known(CacheConfig, values, "cache")
+    if not isinstance(values["num_slots"], int) or values["num_slots"] < 1:
+        raise ConfigError(f"cache.num_slots must be an integer >= 1, got {values['num_slots']!r}")
+    if values["max_context"] is not None and (not isinstance(values["max_context"], int) or values["max_context"] < 2):
+        raise ConfigError(f"cache.max_context must be null or an integer >= 2, got {values['max_context']!r}")
+    return CacheConfig(**values)
+
+
+def _model_source(values: Mapping[str, Any]) -> ModelSourceConfig:
+    values = _known(ModelSourceConfig, values, "model")
+    if values.get("source") not in _MODEL_SOURCES:
+        raise ConfigError(f"model.source must be one of {list(_MODEL_SOURCES)}, got {values.get('source')!r}")
+    if values["source"] == "hf" and not values.get("path"):
+        raise ConfigError("model.path is required when model.source=hf (a Hugging Face model directory)")
+    architecture = MappingProxyType(dict(values.pop("architecture", None) or {}))
+    return ModelSourceConfig(architecture=architecture, **values)
+
+
+def _capture_plan(values: Mapping[str, Any]) -> CapturePlan:
+    from capture.registry import available_backends
+
+    specs = {}
+    for mode in ForwardMode:
+        key = mode.config_key
+        entry = dict(values.get(key) or {})
+        backend = entry.pop("backend", None)
+        if backend not in available_backends():
+            raise ConfigError(f"capture.{key}.backend={backend!r} is unknown; available: {available_backends()}")
+        specs[key] = BackendSpec(backend=backend, options=MappingProxyType(entry))
+    extra = sorted(set(values) - {m.config_key for m in ForwardMode} - {"name"})
+    if extra:
+        raise ConfigError(f"capture.{extra[0]} is not a ForwardMode; plans map {[m.config_key for m in ForwardMode]}")
+    return CapturePlan(name=str(values.get("name", "custom")), **specs)

@@ -1,0 +1,44 @@
+"""`graphexec-generate prompt="..." [overrides]`: generate on the configured model and print it."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from omegaconf import DictConfig
+
+from graphexec.config import EngineConfig, config_dir
+from graphexec.errors import GraphexecError
+
+
+def _run(cfg: DictConfig) -> None:
+    from graphexec.engine import Engine
+
+    prompts = list(cfg.prompts) if cfg.prompts else [cfg.prompt]
+    try:
+        t0 = time.perf_counter()
+        engine = Engine(config=EngineConfig.from_dictconfig(cfg))
+        t1 = time.perf_counter()
+        outputs = engine.generate(prompts, chat=bool(cfg.chat))
+        t2 = time.perf_counter()
+    except GraphexecError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+    for prompt, out in zip(prompts, outputs):
+        print(f"> {prompt}\n{out.text}\n[{out.completion_tokens} tokens, finish_reason={out.finish_reason}]\n")
+    new_tokens = sum(o.completion_tokens for o in outputs)
+    print(
+        f"model={engine.model_config.name} capture={engine.config.capture.name} "
+        f"load {t1 - t0:.1f}s, generate {t2 - t1:.2f}s, {new_tokens / (t2 - t1):.1f} tokens/s",
+        file=sys.stderr,
+    )
+
+
+def main() -> None:
+    import hydra
+
+    hydra.main(version_base=None, config_path=str(config_dir()), config_name="generate")(_run)()
+
+
+if __name__ == "__main__":
+    main()

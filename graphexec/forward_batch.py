@@ -1,0 +1,108 @@
+"""ForwardBatch: the device-side contract of one forward, built from a ScheduleBatch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from graphexec.forward_mode import ForwardMode
+from graphexec.sampler import SamplingBatchInfo
+
+if TYPE_CHECKING:
+    from graphexec.schedule_batch import ScheduleBatch
+
+
+@dataclass(frozen=True)
+class ForwardBatch:
+    forward_mode: ForwardMode
+    batch_size: int
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64, position of each token in its own sequence
+    req_pool_indices: torch.Tensor  # [batch_size] int64
+    seq_lens: torch.Tensor  # [batch_size] int64, KV length after this forward
+    seq_lens_cpu: tuple[int, ...]  # host copy so metadata builders never sync on the device
+    seq_lens_sum: int
+    out_cache_loc: torch.Tensor  # [num_tokens] int64, slot each new K/V is written to
+    # Extend-only fields (None in decode): per-request prefix and new-token counts, and where
+    # each request's run of new tokens starts in input_ids.
+    extend_prefix_lens: torch.Tensor | None
+    extend_seq_lens: torch.Tensor | None
+    extend_start_loc: torch.Tensor | None
+    extend_prefix_lens_cpu: tuple[int, ...] | None
+    extend_seq_lens_cpu: tuple[int, ...] | None
+    extend_num_tokens: int | None
+    # Real token rows; a backend that pads to a bucket adds rows after these and no consumer
+    # reads past them.
+    num_token_non_padded: int
+    sampling_info: SamplingBatchInfo | None
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @classmethod
+    def init_new(cls, batch: "ScheduleBatch", device: torch.device | str, vocab_size: int) -> "ForwardBatch":
+        """Build the device tensors of one forward.  Never mutates `batch`."""
+        mode = batch.forward_mode
+
+        def on_device(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
+
+        seq_lens_cpu = tuple(batch.seq_lens)
+        prefix_cpu = tuple(batch.prefix_lens)
+        extend_cpu = tuple(batch.extend_lens)
+        if mode.is_decode_or_idle():
+            # The token being decoded sits at the old length L = seq_lens - 1.
+            positions = [max(s - 1, 0) for s in seq_lens_cpu]
+        else:
+            positions = [p for pre, ext in zip(prefix_cpu, extend_cpu) for p in range(pre, pre + ext)]
+
+        extend_fields = dict(
+            extend_prefix_lens=None,
+            extend_seq_lens=None,
+            extend_start_loc=None,
+            extend_prefix_lens_cpu=None,
+            extend_seq_lens_cpu=None,
+            extend_num_tokens=None,
+        )
+        if mode.is_extend():
+            start_loc, total = [], 0
+            for n in extend_cpu:
+                start_loc.append(total)
+                total += n
+            extend_fields = dict(
+                extend_prefix_lens=on_device(list(prefix_cpu)),
+                extend_seq_lens=on_device(list(extend_cpu)),
+                extend_start_loc=on_device(start_loc),
+                extend_prefix_lens_cpu=prefix_cpu,
+                extend_seq_lens_cpu=extend_cpu,
+                extend_num_tokens=total,
+            )
+
+        sampling_info = None
+        if batch.reqs:
+            sampling_info = SamplingBatchInfo.from_params(
+                [r.params for r in batch.reqs], [r.generator for r in batch.reqs], vocab_size, device
+            )
+        return cls(
+            forward_mode=mode,
+            batch_size=batch.batch_size,
+            input_ids=on_device(batch.input_ids),
+            positions=on_device(positions),
+            req_pool_indices=on_device(batch.req_pool_indices),
+            seq_lens=on_device(list(seq_lens_cpu)),
+            seq_lens_cpu=seq_lens_cpu,
+            seq_lens_sum=sum(seq_lens_cpu),
+            out_cache_loc=batch.out_cache_loc.to(device, non_blocking=True),
+            num_token_non_padded=len(batch.input_ids),
+            sampling_info=sampling_info,
+            **extend_fields,
+        )
+
+    def sample_row_indices(self) -> torch.Tensor:
+        """Hidden rows that produce a next token: each request's last new token."""
+        if self.forward_mode.is_extend():
+            return self.extend_start_loc + self.extend_seq_lens - 1
+        return torch.arange(self.batch_size, device=self.input_ids.device)

@@ -1,0 +1,49 @@
+"""The one scoped channel from ModelRunner to the attention op: KV pool and per-step metadata.
+
+The model's forward takes only (input_ids, positions); attention finds everything else here, so a
+compiler tracing the model never sees, copies or functionalizes the KV cache.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterator
+
+if TYPE_CHECKING:
+    from graphexec.attention.backend import AttentionBackend
+    from graphexec.forward_batch import ForwardBatch
+    from graphexec.kv_pool import TokenToKVPool
+    from graphexec.req_to_token_pool import ReqToTokenPool
+
+
+@dataclass(frozen=True)
+class ForwardContext:
+    forward_batch: "ForwardBatch"
+    attn_backend: "AttentionBackend"
+    kv_pool: "TokenToKVPool"
+    req_to_token_pool: "ReqToTokenPool"
+
+
+_CURRENT: contextvars.ContextVar[ForwardContext | None] = contextvars.ContextVar(
+    "graphexec_forward_context", default=None
+)
+
+
+@contextlib.contextmanager
+def forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
+    if _CURRENT.get() is not None:
+        raise RuntimeError("forward contexts do not nest: one forward runs at a time per thread")
+    token = _CURRENT.set(ctx)
+    try:
+        yield ctx
+    finally:
+        _CURRENT.reset(token)
+
+
+def get_forward_context() -> ForwardContext:
+    ctx = _CURRENT.get()
+    if ctx is None:
+        raise RuntimeError("attention ran outside ModelRunner.forward: no forward context is active")
+    return ctx

@@ -1,0 +1,77 @@
+"""The paged KV pool (page size 1): per-layer K and V buffers indexed by slot, and their allocator."""
+
+from __future__ import annotations
+
+import torch
+
+# Slot 0 is the dummy target for padded rows: they write there and nothing reads it as live KV.
+DUMMY_SLOT = 0
+
+
+class SlotAllocator:
+    """Free list of KV slots 1..num_slots (slot 0 is reserved)."""
+
+    def __init__(self, num_slots: int):
+        if num_slots < 1:
+            raise ValueError(f"cache.num_slots must be >= 1, got {num_slots}")
+        self.num_slots = num_slots
+        # A tensor free list keeps alloc/free O(n) in C rather than per-slot Python work.
+        self._free = torch.arange(1, num_slots + 1, dtype=torch.int64)
+
+    @property
+    def num_free(self) -> int:
+        return int(self._free.numel())
+
+    def alloc(self, n: int) -> torch.Tensor:
+        if n > self.num_free:
+            raise RuntimeError(f"KV pool exhausted: need {n} slots, {self.num_free} free")
+        slots, self._free = self._free[:n], self._free[n:]
+        return slots
+
+    def free(self, slots: torch.Tensor) -> None:
+        if slots.numel() == 0:
+            return
+        if bool((slots == DUMMY_SLOT).any()):
+            raise RuntimeError("attempt to free the dummy KV slot")
+        self._free = torch.cat([self._free, slots.to(torch.int64).cpu()])
+        if self._free.numel() > self.num_slots:
+            raise RuntimeError("KV slots freed twice")
+
+
+class TokenToKVPool:
+    """K and V buffers `[num_slots + 1, kv_heads, head_dim]` per layer, plus the slot allocator."""
+
+    def __init__(
+        self,
+        num_slots: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ):
+        self.allocator = SlotAllocator(num_slots)
+        shape = (num_slots + 1, num_kv_heads, head_dim)
+        self.k_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    @property
+    def num_slots(self) -> int:
+        return self.allocator.num_slots
+
+    @property
+    def num_free(self) -> int:
+        return self.allocator.num_free
+
+    def alloc(self, n: int) -> torch.Tensor:
+        return self.allocator.alloc(n)
+
+    def free(self, slots: torch.Tensor) -> None:
+        self.allocator.free(slots)
+
+    def write(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k_buffers[layer_id][slots] = k
+        self.v_buffers[layer_id][slots] = v
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.k_buffers + self.v_buffers)

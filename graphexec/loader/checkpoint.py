@@ -1,0 +1,66 @@
+"""What every loader returns, and the Hugging Face tensor names and shapes a ModelConfig implies."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from graphexec.errors import CheckpointError
+from graphexec.models.config import ModelConfig
+from graphexec.tokenizer import Tokenizer
+
+
+# eq=False: comparing dicts of tensors with == raises, and identity is what callers mean anyway.
+@dataclass(frozen=True, eq=False)
+class LoadedCheckpoint:
+    """A model's architecture, its weights under Hugging Face names, and its tokenizer if it ships one.
+
+    Tied checkpoints carry no "lm_head.weight": the model reuses "model.embed_tokens.weight".
+    """
+
+    config: ModelConfig
+    state_dict: dict[str, torch.Tensor]
+    tokenizer: Tokenizer | None
+
+
+def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a causal LM with this config needs, as [out_features, in_features] for linears."""
+    hidden, ffn = config.hidden_size, config.intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (config.vocab_size, hidden),
+        "model.norm.weight": (hidden,),
+    }
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, hidden)
+    for i in range(config.num_layers):
+        layer = f"model.layers.{i}"
+        shapes[f"{layer}.input_layernorm.weight"] = (hidden,)
+        shapes[f"{layer}.post_attention_layernorm.weight"] = (hidden,)
+        shapes[f"{layer}.self_attn.q_proj.weight"] = (config.q_size, hidden)
+        shapes[f"{layer}.self_attn.k_proj.weight"] = (config.kv_size, hidden)
+        shapes[f"{layer}.self_attn.v_proj.weight"] = (config.kv_size, hidden)
+        shapes[f"{layer}.self_attn.o_proj.weight"] = (hidden, config.q_size)
+        if config.attention_bias:
+            shapes[f"{layer}.self_attn.q_proj.bias"] = (config.q_size,)
+            shapes[f"{layer}.self_attn.k_proj.bias"] = (config.kv_size,)
+            shapes[f"{layer}.self_attn.v_proj.bias"] = (config.kv_size,)
+        shapes[f"{layer}.mlp.gate_proj.weight"] = (ffn, hidden)
+        shapes[f"{layer}.mlp.up_proj.weight"] = (ffn, hidden)
+        shapes[f"{layer}.mlp.down_proj.weight"] = (hidden, ffn)
+    return shapes
+
+
+def check_state_dict(config: ModelConfig, state_dict: dict[str, torch.Tensor], source: Path) -> None:
+    """Fail loudly at load time rather than with a shape error deep inside a forward pass."""
+    expected = expected_shapes(config)
+    missing = sorted(expected.keys() - state_dict.keys())
+    unexpected = sorted(state_dict.keys() - expected.keys())
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{source}: tensors do not match the config (missing {missing[:5]}, unexpected {unexpected[:5]})"
+        )
+    for key, shape in expected.items():
+        if tuple(state_dict[key].shape) != shape:
+            raise CheckpointError(f"{source}: {key} has shape {tuple(state_dict[key].shape)}, expected {shape}")

@@ -1,0 +1,167 @@
+"""Load a llama.cpp GGUF file (Llama or Qwen2) into Hugging Face-named float tensors."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from graphexec.errors import CheckpointError
+from graphexec.loader.checkpoint import LoadedCheckpoint, check_state_dict
+from graphexec.models.config import ModelConfig
+from graphexec.tokenizer import Tokenizer
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+
+_GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_BLOCK_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+def hf_tensor_name(gguf_name: str) -> str | None:
+    """The Hugging Face name of a GGUF tensor, or None for tensors a plain causal LM cannot use."""
+    if gguf_name in _GLOBAL_TENSORS:
+        return _GLOBAL_TENSORS[gguf_name]
+    match = _BLOCK_NAME.fullmatch(gguf_name)
+    if match is None or match[2] not in _BLOCK_TENSORS:
+        return None
+    return f"model.layers.{match[1]}.{_BLOCK_TENSORS[match[2]]}.{match[3]}"
+
+
+def unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row permutation, back to Hugging Face's rotate-half layout.
+
+    llama.cpp's converter interleaves each head's two rotary halves (row r of the first half and row r of
+    the second half become rows 2r and 2r+1) because its RoPE rotates adjacent pairs.  Works for the
+    [rows, in] weight and the [rows] bias alike.
+    """
+    head_dim = weight.shape[0] // num_heads
+    pairs = weight.reshape(num_heads, head_dim // 2, 2, *weight.shape[1:])
+    return pairs.transpose(1, 2).reshape(weight.shape).contiguous()
+
+
+def _open(path: Path):
+    from gguf import GGUFReader
+
+    if not path.is_file():
+        raise CheckpointError(f"GGUF file not found: {path}")
+    try:
+        return GGUFReader(path)
+    except (OSError, ValueError, KeyError) as error:
+        raise CheckpointError(f"cannot read GGUF file {path}: {error}") from error
+
+
+def _float32(value: Any) -> float:
+    """GGUF stores floats as float32; keep the shortest spelling (1e-05, not 9.999999747378752e-06)."""
+    return float(str(np.float32(value)))
+
+
+def _metadata(reader) -> dict[str, Any]:
+    return {key: field.contents() for key, field in reader.fields.items()}
+
+
+def _config_from_metadata(metadata: dict[str, Any], tensor_names: set[str], name: str, path: Path) -> ModelConfig:
+    arch = metadata.get("general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise CheckpointError(f"{path}: GGUF architecture {arch!r} is not supported (only {SUPPORTED_ARCHITECTURES})")
+
+    def field(key: str, default: Any = None) -> Any:
+        value = metadata.get(f"{arch}.{key}", default)
+        if value is None:
+            raise CheckpointError(f"{path}: GGUF metadata lacks {arch}.{key}")
+        return value
+
+    scaling = metadata.get(f"{arch}.rope.scaling.type", "none")
+    if scaling not in ("none", None) or "rope_freqs.weight" in tensor_names:
+        raise CheckpointError(f"{path}: RoPE scaling ({scaling}) is not supported")
+    hidden, heads = int(field("embedding_length")), int(field("attention.head_count"))
+    head_dim = int(field("attention.key_length", hidden // heads))
+    if int(field("rope.dimension_count", head_dim)) != head_dim:
+        raise CheckpointError(f"{path}: partial rotary embeddings are not supported")
+    tokens = metadata.get("tokenizer.ggml.tokens")
+    has_bias = "blk.0.attn_q.bias" in tensor_names
+    eos_ids = [
+        int(metadata[key])
+        for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+        if metadata.get(key) is not None
+    ]
+    bos = metadata.get("tokenizer.ggml.bos_token_id")
+    return ModelConfig(
+        name=name,
+        architecture="qwen2" if has_bias else "llama",
+        vocab_size=int(field("vocab_size", len(tokens) if tokens is not None else None)),
+        hidden_size=hidden,
+        intermediate_size=int(field("feed_forward_length")),
+        num_layers=int(field("block_count")),
+        num_heads=heads,
+        num_kv_heads=int(field("attention.head_count_kv", heads)),
+        head_dim=head_dim,
+        rms_norm_eps=_float32(field("attention.layer_norm_rms_epsilon")),
+        rope_theta=_float32(field("rope.freq_base", 10000.0)),
+        max_context=int(field("context_length")),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        attention_bias=has_bias,
+        bos_token_id=None if bos is None else int(bos),
+        eos_token_ids=tuple(dict.fromkeys(eos_ids)),
+    )
+
+
+def _state_dict(reader, config: ModelConfig, gguf_arch: str, dtype: torch.dtype, path: Path):
+    from gguf.quants import dequantize
+
+    state_dict: dict[str, torch.Tensor] = {}
+    for tensor in reader.tensors:
+        hf_name = hf_tensor_name(tensor.name)
+        if hf_name is None:
+            raise CheckpointError(f"{path}: tensor {tensor.name!r} has no place in a {gguf_arch} causal LM")
+        try:
+            # A plain-ndarray view: numpy's memmap subclass adds per-slice overhead that dominates dequantizing.
+            values = dequantize(np.asarray(tensor.data), tensor.tensor_type)
+        except NotImplementedError as error:
+            raise CheckpointError(f"{path}: cannot dequantize {tensor.name}: {error}") from error
+        # GGUF lists dimensions innermost first; torch wants [out_features, in_features].
+        shape = tuple(int(d) for d in reversed(tensor.shape))
+        # Copies only what is still a read-only view of the file (F32 tensors); dequantized ones are fresh.
+        weight = torch.from_numpy(np.require(values, np.float32, ["C", "W"]).reshape(shape))
+        # Only llama-arch files were permuted by the converter; Qwen2 files keep HF's layout.
+        if gguf_arch == "llama" and ".self_attn.q_proj." in hf_name:
+            weight = unpermute_rotary_rows(weight, config.num_heads)
+        elif gguf_arch == "llama" and ".self_attn.k_proj." in hf_name:
+            weight = unpermute_rotary_rows(weight, config.num_kv_heads)
+        state_dict[hf_name] = weight.to(dtype)
+    return state_dict
+
+
+def load_gguf_tokenizer(path: str | Path) -> Tokenizer:
+    """Only the tokenizer of a GGUF file (skips dequantizing the weights)."""
+    return Tokenizer.from_gguf(_metadata(_open(Path(path))))
+
+
+def load_gguf(path: str | Path, name: str, dtype: torch.dtype = torch.float32) -> LoadedCheckpoint:
+    """Read, dequantize and rename a GGUF checkpoint."""
+    path = Path(path)
+    reader = _open(path)
+    metadata = _metadata(reader)
+    tensor_names = {tensor.name for tensor in reader.tensors}
+    config = _config_from_metadata(metadata, tensor_names, name, path)
+    state_dict = _state_dict(reader, config, metadata["general.architecture"], dtype, path)
+    check_state_dict(config, state_dict, path)
+    tokenizer = Tokenizer.from_gguf(metadata) if "tokenizer.ggml.tokens" in metadata else None
+    return LoadedCheckpoint(config=config, state_dict=state_dict, tokenizer=tokenizer)

@@ -1,0 +1,131 @@
+"""Load a Hugging Face checkpoint directory (config.json + *.safetensors) of a Llama or Qwen2 model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from graphexec.errors import CheckpointError
+from graphexec.loader.checkpoint import LoadedCheckpoint, check_state_dict
+from graphexec.models.config import ModelConfig
+from graphexec.tokenizer import Tokenizer
+
+_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2"}
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:
+        raise CheckpointError(f"cannot read {path}: {error}") from error
+
+
+def _token_ids(value: Any) -> list[int]:
+    """eos_token_id may be absent, one id, or a list of ids."""
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, list) else [int(value)]
+
+
+def _architecture(config: dict[str, Any], path: Path) -> str:
+    for name in config.get("architectures") or ():
+        if name in _ARCHITECTURES:
+            return _ARCHITECTURES[name]
+    if config.get("model_type") in _MODEL_TYPES:
+        return _MODEL_TYPES[config["model_type"]]
+    raise CheckpointError(
+        f"{path}: unsupported model {config.get('architectures') or config.get('model_type')!r}; "
+        f"supported: {sorted(_ARCHITECTURES)}"
+    )
+
+
+def _rope_theta(config: dict[str, Any], path: Path) -> float:
+    # transformers 4 writes rope_theta (+ rope_scaling); transformers 5 nests both in rope_parameters.
+    parameters = config.get("rope_parameters") or {}
+    scaling = config.get("rope_scaling") or {}
+    for settings in (parameters, scaling):
+        rope_type = settings.get("rope_type", settings.get("type", "default"))
+        if rope_type != "default":
+            raise CheckpointError(f"{path}: RoPE scaling {rope_type!r} is not supported")
+    return float(config.get("rope_theta", parameters.get("rope_theta", 10000.0)))
+
+
+def _config(config: dict[str, Any], generation: dict[str, Any], name: str, has_lm_head: bool, path: Path):
+    architecture = _architecture(config, path)
+    # Features ModelConfig cannot express: refuse rather than run a silently different model.
+    if config.get("mlp_bias") or (architecture == "llama" and config.get("attention_bias")):
+        raise CheckpointError(f"{path}: Llama checkpoints with projection biases are not supported")
+    if config.get("use_sliding_window"):
+        raise CheckpointError(f"{path}: sliding-window attention is not supported")
+    if config.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(f"{path}: activation {config['hidden_act']!r} is not supported (only silu)")
+    hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+    eos_ids = _token_ids(config.get("eos_token_id")) + _token_ids(generation.get("eos_token_id"))
+    bos = config.get("bos_token_id")
+    return ModelConfig(
+        name=name,
+        architecture=architecture,
+        vocab_size=int(config["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(config["intermediate_size"]),
+        num_layers=int(config["num_hidden_layers"]),
+        num_heads=heads,
+        num_kv_heads=int(config.get("num_key_value_heads") or heads),
+        head_dim=int(config.get("head_dim") or hidden // heads),
+        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        rope_theta=_rope_theta(config, path),
+        max_context=int(config["max_position_embeddings"]),
+        # Older configs omit the flag; then the files themselves say whether a head is stored.
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", not has_lm_head)),
+        attention_bias=architecture == "qwen2",
+        bos_token_id=None if bos is None else int(bos),
+        eos_token_ids=tuple(dict.fromkeys(eos_ids)),
+    )
+
+
+def _read_safetensors(files: list[Path]) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        try:
+            tensors.update(load_file(file))
+        except Exception as error:  # safetensors raises its own SafetensorError besides OSError
+            raise CheckpointError(f"cannot read {file}: {error}") from error
+    return tensors
+
+
+def _unused(key: str, config: ModelConfig) -> bool:
+    """Tensors a checkpoint may carry that a causal LM with this config has no use for."""
+    if key.endswith("rotary_emb.inv_freq"):  # recomputed from rope_theta
+        return True
+    # Some tied checkpoints still store a copy of the embedding as the head.
+    return key == "lm_head.weight" and config.tie_word_embeddings
+
+
+def load_hf_dir(path: str | Path, name: str, dtype: torch.dtype = torch.float32) -> LoadedCheckpoint:
+    """Load config.json, every *.safetensors file, and the tokenizer if the directory has one."""
+    directory = Path(path)
+    if not directory.is_dir():
+        raise CheckpointError(f"checkpoint directory not found: {directory}")
+    config_file = directory / "config.json"
+    if not config_file.is_file():
+        raise CheckpointError(f"no config.json in {directory}")
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no *.safetensors files in {directory}")
+    generation_file = directory / "generation_config.json"
+    generation = _read_json(generation_file) if generation_file.is_file() else {}
+    raw = _read_safetensors(files)
+    try:
+        config = _config(_read_json(config_file), generation, name, "lm_head.weight" in raw, config_file)
+    except (KeyError, TypeError) as error:
+        raise CheckpointError(f"{config_file}: missing or malformed field {error}") from error
+    state_dict = {key: tensor.to(dtype) for key, tensor in raw.items() if not _unused(key, config)}
+    check_state_dict(config, state_dict, directory)
+    tokenizer = Tokenizer.from_hf_dir(directory) if (directory / "tokenizer.json").is_file() else None
+    return LoadedCheckpoint(config=config, state_dict=state_dict, tokenizer=tokenizer)

@@ -1,0 +1,23 @@
+"""Hidden rows → next-token logits, pruned to the rows that sample before the LM head runs.
+
+In extend only each request's last new token samples (9 input rows → 2 logits rows in seed 001's
+example), so the vocab-sized matmul runs on batch_size rows, never on num_tokens rows.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from graphexec.forward_batch import ForwardBatch
+
+
+class LogitsProcessor:
+    def __init__(self, compute_logits: Callable[[torch.Tensor], torch.Tensor]):
+        self.compute_logits = compute_logits
+
+    def __call__(self, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        # Padding rows (if a backend added any) sit after num_token_non_padded and are never selected.
+        real = hidden[: fb.num_token_non_padded]
+        return self.compute_logits(real[fb.sample_row_indices()])

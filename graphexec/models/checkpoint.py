@@ -1,0 +1,36 @@
+"""Resolve a model config entry to a loaded checkpoint (config, weights, tokenizer)."""
+
+from __future__ import annotations
+
+import torch
+
+from graphexec.config import ModelSourceConfig
+from graphexec.errors import ConfigError
+from graphexec.loader import LoadedCheckpoint, default_smollm2_gguf, load_gguf, load_hf_dir
+from graphexec.models.config import ModelConfig
+from graphexec.models.random_weights import random_state_dict
+from graphexec.tokenizer import ByteTokenizer
+
+
+def load_checkpoint(source: ModelSourceConfig, dtype: torch.dtype) -> LoadedCheckpoint:
+    if source.source == "gguf":
+        path = source.path if source.path is not None else default_smollm2_gguf()
+        return load_gguf(path, name=source.name, dtype=dtype)
+    if source.source == "hf":
+        return load_hf_dir(source.path, name=source.name, dtype=dtype)
+    return _random_checkpoint(source, dtype)
+
+
+def _random_checkpoint(source: ModelSourceConfig, dtype: torch.dtype) -> LoadedCheckpoint:
+    tokenizer = ByteTokenizer(vocab_size=source.architecture.get("vocab_size", 0))
+    try:
+        config = ModelConfig(
+            name=source.name,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_ids=tuple(tokenizer.eos_token_ids),
+            **source.architecture,
+        )
+    except TypeError as err:
+        raise ConfigError(f"model.architecture of {source.name!r} is incomplete or has unknown fields: {err}") from err
+    state_dict = {k: v.to(dtype) for k, v in random_state_dict(config, source.seed).items()}
+    return LoadedCheckpoint(config=config, state_dict=state_dict, tokenizer=tokenizer)

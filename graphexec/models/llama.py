@@ -1,0 +1,98 @@
+"""Llama-family causal LM (Llama, SmolLM2, Qwen2-style q/k/v bias) over the paged KV pool.
+
+`forward(input_ids, positions)` is the whole callable a capture backend sees: flat token rows in,
+final-norm hidden rows out.  Attention reaches the KV pool through the opaque custom op; the LM
+head runs later, in the LogitsProcessor, on the pruned rows only.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+from torch import nn
+
+from graphexec.attention.op import unified_attention
+from graphexec.models.config import ModelConfig
+from graphexec.models.layers import RMSNorm, RotaryEmbedding, SwiGLU
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.q_size, self.kv_size = config.q_size, config.kv_size
+        # q, k and v fused: one matmul reads all three weights.
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = rotary(positions, q.view(-1, self.num_heads, self.head_dim), k.view(-1, self.num_kv_heads, self.head_dim))
+        out = unified_attention(q.reshape(-1, self.q_size), k.reshape(-1, self.kv_size), v.contiguous(), self.layer_id)
+        return self.o_proj(out)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, layer_id)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x), rotary)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.rotary = RotaryEmbedding(config.head_dim, config.max_context, config.rope_theta)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(positions, x, self.rotary)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, weight).float()
+
+    @torch.no_grad()
+    def load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Load Hugging Face-named tensors, fusing q/k/v and gate/up; every parameter must be set."""
+        fused = _fuse_hf_names(state_dict, self.config.num_layers)
+        if self.lm_head is None:
+            # Tied checkpoints sometimes store the shared matrix twice.
+            fused.pop("lm_head.weight", None)
+        params = dict(self.named_parameters())
+        missing = sorted(set(params) - set(fused))
+        unexpected = sorted(set(fused) - set(params))
+        if missing or unexpected:
+            raise ValueError(f"checkpoint does not match the model: missing {missing[:4]}, unexpected {unexpected[:4]}")
+        for name, tensor in fused.items():
+            if params[name].shape != tensor.shape:
+                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(params[name].shape)}")
+            params[name].copy_(tensor)
+
+
+def _fuse_hf_names(state_dict: Mapping[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
+    sd = {name.removeprefix("model."): t for name, t in state_dict.items()}
+    fused: dict[str, torch.Tensor] = {}
+    for i in range(num_layers):
+        attn, mlp = f"layers.{i}.self_attn", f"layers.{i}.mlp"
+        fused[f"{attn}.qkv_proj.weight"] = torch.cat([sd.pop(f"{attn}.{p}_proj.weight") for p in "qkv"])
+        if f"{attn}.q_proj.bias" in sd:
+            fused[f"{attn}.qkv_proj.bias"] = torch.cat([sd.pop(f"{attn}.{p}_proj.bias") for p in "qkv"])
+        fused[f"{mlp}.gate_up_proj.weight"] = torch.cat([sd.pop(f"{mlp}.gate_proj.weight"), sd.pop(f"{mlp}.up_proj.weight")])
+    fused.update(sd)
+    return fused

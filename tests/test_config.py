@@ -1,0 +1,43 @@
+"""Hydra composition into typed, frozen configs."""
+
+import dataclasses
+
+import pytest
+
+from graphexec.config import EngineConfig, available_options
+from graphexec.forward_mode import ForwardMode
+
+
+def test_defaults_compose():
+    cfg = EngineConfig.from_overrides([])
+    assert cfg.model.name == "smollm2-135m" and cfg.model.source == "gguf"
+    assert cfg.capture.name == "eager"
+    assert all(cfg.capture.for_mode(m).backend == "eager" for m in ForwardMode)
+    assert cfg.sampling.temperature == 0.0 and cfg.device == "cpu"
+
+
+def test_overrides_reach_typed_fields():
+    cfg = EngineConfig.from_overrides(
+        ["model=tiny-qwen2", "scheduler.max_running_requests=7", "sampling.max_new_tokens=5", "cache.max_context=100"]
+    )
+    assert cfg.model.architecture["attention_bias"] is True
+    assert cfg.scheduler.max_running_requests == 7
+    assert cfg.sampling.max_new_tokens == 5
+    assert cfg.cache.max_context == 100
+
+
+def test_configs_are_frozen():
+    cfg = EngineConfig.from_overrides(["model=tiny-llama"])
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.device = "cuda"
+    with pytest.raises(TypeError):
+        cfg.model.architecture["num_layers"] = 99
+    with pytest.raises(TypeError):
+        cfg.capture.decode.options["x"] = 1
+
+
+def test_config_groups_exist():
+    assert {"smollm2-135m", "tiny-llama", "tiny-qwen2"} <= set(available_options("model"))
+    assert "eager" in available_options("capture")
+    for group in ("scheduler", "cache", "sampling"):
+        assert available_options(group)

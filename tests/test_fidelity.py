@@ -1,0 +1,111 @@
+"""graphexec against Hugging Face transformers on the same weights (fp32, CPU)."""
+
+import pytest
+import torch
+
+from graphexec import Engine, SamplingParams
+from graphexec.forward_batch import ForwardBatch
+from graphexec.schedule_batch import ScheduleBatch
+from tests.invariants import assert_no_leak
+from tests.reference import hf_greedy, hf_last_logits, hf_model_from
+
+NEW_TOKENS = 32
+GREEDY = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+
+
+def _tiny_prompts(vocab: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(7)
+    # Different lengths, so requests are prefilled together but sit at different positions.
+    return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in (1, 5, 17, 40)]
+
+
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen2"])
+def test_tiny_greedy_matches_transformers(model):
+    engine = Engine(overrides=[f"model={model}", "capture=eager", "cache.num_slots=1024"])
+    from graphexec.models.checkpoint import load_checkpoint
+
+    ckpt = load_checkpoint(engine.config.model, torch.float32)
+    reference = hf_model_from(ckpt.config, ckpt.state_dict)
+    prompts = _tiny_prompts(ckpt.config.vocab_size)
+    # Staggered lengths make requests finish at different steps while others keep decoding.
+    params = [SamplingParams(max_new_tokens=NEW_TOKENS + 3 * i, ignore_eos=True) for i in range(len(prompts))]
+    outputs = engine.generate(prompts, params)
+    for prompt, sp, out in zip(prompts, params, outputs):
+        expected, _ = hf_greedy(reference, prompt, sp.max_new_tokens)
+        assert out.token_ids == expected
+        assert out.finish_reason == "length"
+    assert_no_leak(engine)
+
+
+def _runner_logits(engine, prompts, decode_tokens):
+    """Prefill all prompts in one extend batch, then one decode batch; return both logits."""
+    runner = engine.runner
+    from graphexec.request import Req
+
+    reqs = [Req(f"r{i}", p, GREEDY, (), engine.max_context) for i, p in enumerate(prompts)]
+    batch = ScheduleBatch.prepare_for_extend(reqs, runner.req_to_token_pool, runner.kv_pool)
+    prefill = runner.forward_and_sample(runner.init_forward_batch(batch)).logits
+    for req, tok in zip(reqs, decode_tokens):
+        req.num_cached_tokens = req.seq_len
+        req.output_ids.append(tok)
+    batch = ScheduleBatch.prepare_for_decode(reqs, runner.req_to_token_pool, runner.kv_pool)
+    decode = runner.forward_and_sample(runner.init_forward_batch(batch)).logits
+    for req in reqs:
+        req.num_cached_tokens = req.seq_len
+        engine.scheduler._release(req)
+    return prefill, decode
+
+
+def test_smollm2_logits_close_to_transformers(smollm2_engine, hf_smollm2):
+    tok = smollm2_engine.tokenizer
+    prompts = [tok.encode(t) for t in ["The capital of France is", "def fibonacci(n):\n    ", "1, 2, 3,"]]
+    decode_tokens = [42, 1000, 7]
+    prefill, decode = _runner_logits(smollm2_engine, prompts, decode_tokens)
+    for i, (p, t) in enumerate(zip(prompts, decode_tokens)):
+        torch.testing.assert_close(prefill[i], hf_last_logits(hf_smollm2, p), atol=2e-3, rtol=1e-4)
+        torch.testing.assert_close(decode[i], hf_last_logits(hf_smollm2, p + [t]), atol=2e-3, rtol=1e-4)
+    assert_no_leak(smollm2_engine)
+
+
+def test_smollm2_greedy_matches_transformers(smollm2_engine, hf_smollm2):
+    tok = smollm2_engine.tokenizer
+    texts = [
+        "What is the capital of France?",
+        "Write a haiku about graphs.",
+        "List three prime numbers greater than 100 and explain why each is prime.",
+    ]
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}])) for t in texts]
+    outputs = smollm2_engine.generate(prompts, GREEDY)
+    for prompt, out in zip(prompts, outputs):
+        expected, _ = hf_greedy(hf_smollm2, prompt, NEW_TOKENS)
+        assert out.token_ids == expected, (tok.decode(out.token_ids), tok.decode(expected))
+    assert_no_leak(smollm2_engine)
+
+
+def test_smollm2_chat_answer(smollm2_engine):
+    (out,) = smollm2_engine.generate(["What is the capital of France?"], SamplingParams(max_new_tokens=24), chat=True)
+    assert "Paris" in out.text
+    assert out.finish_reason == "stop"  # ended by <|im_end|>, which is not part of the output
+    assert 2 not in out.token_ids
+
+
+def test_prefix_then_extend_equals_one_extend(tiny_engine):
+    """Seed 001's R2: three cached prefix tokens plus three new ones give the full-prompt logits."""
+    runner = tiny_engine.runner
+    from graphexec.request import Req
+
+    prompt = [11, 12, 13, 14, 15, 16]
+    full, _ = _runner_logits(tiny_engine, [prompt], [5])
+    req = Req("p", prompt[:3], GREEDY, (), tiny_engine.max_context)
+    batch = ScheduleBatch.prepare_for_extend([req], runner.req_to_token_pool, runner.kv_pool)
+    runner.forward_and_sample(runner.init_forward_batch(batch))
+    req.num_cached_tokens = 3
+    req.prompt_ids = prompt
+    batch = ScheduleBatch.prepare_for_extend([req], runner.req_to_token_pool, runner.kv_pool)
+    fb = runner.init_forward_batch(batch)
+    assert fb.positions.tolist() == [3, 4, 5]
+    logits = runner.forward_and_sample(fb).logits
+    torch.testing.assert_close(logits[0], full[0], atol=1e-5, rtol=1e-5)
+    req.num_cached_tokens = req.seq_len
+    tiny_engine.scheduler._release(req)
+    assert_no_leak(tiny_engine)

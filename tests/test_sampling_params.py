@@ -1,0 +1,160 @@
+import dataclasses
+import math
+
+import pytest
+
+from graphexec.errors import InvalidRequestError
+from graphexec.sampling_params import MAX_LOGPROBS, SamplingParams
+
+BAD_VALUES = [
+    # (field, bad value, expected substring of the message)
+    ("max_new_tokens", -1, "max_new_tokens must be >= 0, got -1"),
+    ("max_new_tokens", 1.5, "max_new_tokens must be an int >= 0, got 1.5 (float)"),
+    ("max_new_tokens", True, "max_new_tokens must be an int >= 0, got True (bool)"),
+    ("max_new_tokens", "8", "max_new_tokens must be an int >= 0, got '8' (str)"),
+    ("max_new_tokens", None, "max_new_tokens must be an int >= 0, got None"),
+    ("temperature", -0.5, "temperature must be >= 0 (0 means greedy), got -0.5"),
+    ("temperature", -1, "temperature must be >= 0 (0 means greedy), got -1"),
+    ("temperature", math.nan, "temperature must be >= 0 (0 means greedy), got nan"),
+    ("temperature", math.inf, "temperature must be >= 0 (0 means greedy), got inf"),
+    ("temperature", "hot", "temperature must be a number >= 0 (0 means greedy), got 'hot' (str)"),
+    ("temperature", False, "temperature must be a number >= 0 (0 means greedy), got False (bool)"),
+    ("temperature", None, "temperature must be a number >= 0 (0 means greedy), got None"),
+    ("top_p", 0, "top_p must be in (0, 1], got 0"),
+    ("top_p", 0.0, "top_p must be in (0, 1], got 0.0"),
+    ("top_p", -0.1, "top_p must be in (0, 1], got -0.1"),
+    ("top_p", 1.01, "top_p must be in (0, 1], got 1.01"),
+    ("top_p", math.nan, "top_p must be in (0, 1], got nan"),
+    ("top_p", True, "top_p must be a number in (0, 1], got True (bool)"),
+    ("top_k", 0, "top_k must be -1 (disabled) or >= 1, got 0"),
+    ("top_k", -2, "top_k must be -1 (disabled) or >= 1, got -2"),
+    ("top_k", 5.0, "top_k must be an int, -1 (disabled) or >= 1, got 5.0 (float)"),
+    ("top_k", True, "top_k must be an int, -1 (disabled) or >= 1, got True (bool)"),
+    ("top_k", None, "top_k must be an int, -1 (disabled) or >= 1, got None"),
+    ("min_p", 1.5, "min_p must be in [0, 1], got 1.5"),
+    ("min_p", -0.01, "min_p must be in [0, 1], got -0.01"),
+    ("min_p", math.inf, "min_p must be in [0, 1], got inf"),
+    ("min_p", "0.1", "min_p must be a number in [0, 1], got '0.1' (str)"),
+    ("seed", -1, "seed must be None or an int in [0, 2**64), got -1 (int)"),
+    ("seed", 2**64, "seed must be None or an int in [0, 2**64), got 18446744073709551616 (int)"),
+    ("seed", 1.0, "seed must be None or an int in [0, 2**64), got 1.0 (float)"),
+    ("seed", True, "seed must be None or an int in [0, 2**64), got True (bool)"),
+    ("stop_token_ids", 5, "stop_token_ids must be a tuple or list of ints >= 0, got 5 (int)"),
+    ("stop_token_ids", "12", "stop_token_ids must be a tuple or list of ints >= 0, got '12' (str)"),
+    ("stop_token_ids", {1, 2}, "stop_token_ids must be a tuple or list of ints >= 0"),
+    ("stop_token_ids", None, "stop_token_ids must be a tuple or list of ints >= 0, got None"),
+    ("stop_token_ids", [1, -3], "stop_token_ids[1] must be an int >= 0, got -3 (int)"),
+    ("stop_token_ids", [1, 2.0], "stop_token_ids[1] must be an int >= 0, got 2.0 (float)"),
+    ("stop_token_ids", (True,), "stop_token_ids[0] must be an int >= 0, got True (bool)"),
+    ("ignore_eos", 1, "ignore_eos must be a bool, got 1 (int)"),
+    ("ignore_eos", None, "ignore_eos must be a bool, got None"),
+    ("logprobs", -1, f"logprobs must be None (off) or an int in [0, {MAX_LOGPROBS}], got -1 (int)"),
+    ("logprobs", MAX_LOGPROBS + 1, f"logprobs must be None (off) or an int in [0, {MAX_LOGPROBS}], got 21"),
+    ("logprobs", 2.0, "logprobs must be None (off) or an int in [0, 20], got 2.0 (float)"),
+    ("logprobs", True, "logprobs must be None (off) or an int in [0, 20], got True (bool)"),
+]
+
+
+@pytest.mark.parametrize(("field", "value", "message"), BAD_VALUES)
+def test_bad_value_is_rejected_with_a_message_naming_field_and_range(field, value, message):
+    with pytest.raises(InvalidRequestError) as excinfo:
+        SamplingParams(**{field: value})
+    assert message in str(excinfo.value)
+
+
+def test_invalid_request_error_is_a_value_error():
+    with pytest.raises(ValueError):
+        SamplingParams(top_p=0)
+
+
+GOOD_VALUES = [
+    ("max_new_tokens", 0),
+    ("max_new_tokens", 1_000_000),
+    ("temperature", 0),
+    ("temperature", 0.0),
+    ("temperature", 1e-9),
+    ("temperature", 100),
+    ("top_p", 1),
+    ("top_p", 1e-9),
+    ("top_p", 0.5),
+    ("top_k", -1),
+    ("top_k", 1),
+    ("top_k", 10**9),
+    ("min_p", 0),
+    ("min_p", 1),
+    ("min_p", 0.05),
+    ("seed", None),
+    ("seed", 0),
+    ("seed", 2**64 - 1),
+    ("stop_token_ids", ()),
+    ("stop_token_ids", (0, 7)),
+    ("ignore_eos", True),
+    ("logprobs", None),
+    ("logprobs", 0),
+    ("logprobs", MAX_LOGPROBS),
+]
+
+
+@pytest.mark.parametrize(("field", "value"), GOOD_VALUES)
+def test_good_value_is_accepted_and_kept(field, value):
+    params = SamplingParams(**{field: value})
+    assert getattr(params, field) == value
+
+
+def test_defaults():
+    params = SamplingParams()
+    assert [(f.name, getattr(params, f.name)) for f in dataclasses.fields(params)] == [
+        ("max_new_tokens", 128),
+        ("temperature", 0.0),
+        ("top_p", 1.0),
+        ("top_k", -1),
+        ("min_p", 0.0),
+        ("seed", None),
+        ("stop_token_ids", ()),
+        ("ignore_eos", False),
+        ("logprobs", None),
+    ]
+
+
+def test_int_float_fields_are_stored_as_floats():
+    params = SamplingParams(temperature=1, top_p=1, min_p=0)
+    assert type(params.temperature) is float
+    assert type(params.top_p) is float
+    assert type(params.min_p) is float
+
+
+def test_stop_token_ids_list_becomes_a_tuple_detached_from_the_caller():
+    ids = [3, 1, 4]
+    params = SamplingParams(stop_token_ids=ids)
+    ids.append(9)
+    assert params.stop_token_ids == (3, 1, 4)
+    hash(params)
+
+
+def test_params_are_frozen():
+    params = SamplingParams()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        params.temperature = 1.0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "greedy"),
+    [
+        ({}, True),
+        ({"temperature": 0.7}, False),
+        ({"temperature": 0.7, "top_k": 1}, True),
+        ({"temperature": 0.7, "top_k": 2}, False),
+        ({"top_k": 5}, True),
+    ],
+)
+def test_is_greedy(kwargs, greedy):
+    assert SamplingParams(**kwargs).is_greedy is greedy
+
+
+def test_replace_changes_fields_and_revalidates():
+    params = SamplingParams(temperature=0.5, seed=3)
+    changed = params.replace(top_k=10, stop_token_ids=[2])
+    assert (changed.temperature, changed.seed, changed.top_k, changed.stop_token_ids) == (0.5, 3, 10, (2,))
+    assert params.top_k == -1
+    with pytest.raises(InvalidRequestError, match="top_k must be -1"):
+        params.replace(top_k=0)

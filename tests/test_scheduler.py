@@ -1,0 +1,109 @@
+"""Continuous batching: requests join and finish at different steps; stops; abort; no leaks."""
+
+import torch
+
+from graphexec import Engine, SamplingParams
+from graphexec.forward_mode import ForwardMode
+from graphexec.request import Req
+from tests.conftest import TINY_OVERRIDES
+from tests.invariants import assert_no_leak
+
+
+def _ids(n, seed):
+    return torch.randint(3, 320, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_batched_equals_alone_and_budget_splits_prefill():
+    """A request's greedy tokens do not depend on which others share its batches."""
+    engine = Engine(overrides=TINY_OVERRIDES + ["scheduler.max_prefill_tokens=32", "scheduler.max_running_requests=3"])
+    prompts = [_ids(n, s) for s, n in enumerate([20, 3, 30, 9, 14])]
+    params = [SamplingParams(max_new_tokens=6 + 5 * i, ignore_eos=True) for i in range(5)]
+    alone = [engine.generate([p], sp)[0].token_ids for p, sp in zip(prompts, params)]
+
+    modes, sizes = [], []
+    original_step = engine.runner.forward_and_sample
+
+    def spy(fb):
+        modes.append(fb.forward_mode)
+        sizes.append(fb.batch_size)
+        return original_step(fb)
+
+    engine.runner.forward_and_sample = spy
+    together = [o.token_ids for o in engine.generate(prompts, params)]
+    assert together == alone
+    assert max(sizes) <= 3  # max_running_requests
+    # The 32-token budget forces several prefill batches, interleaved with decode steps.
+    assert modes.count(ForwardMode.EXTEND) >= 3 and ForwardMode.DECODE in modes
+    assert_no_leak(engine)
+
+
+def test_stop_token_ids_and_eos():
+    engine = Engine(overrides=TINY_OVERRIDES)
+    prompt = _ids(8, 1)
+    (free_run,) = engine.generate([prompt], SamplingParams(max_new_tokens=12, ignore_eos=True))
+    stop_at = free_run.token_ids[4]
+    first = free_run.token_ids.index(stop_at)
+    (stopped,) = engine.generate([prompt], SamplingParams(max_new_tokens=12, stop_token_ids=[stop_at]))
+    assert stopped.token_ids == free_run.token_ids[:first]
+    assert stopped.finish_reason == "stop"
+    assert_no_leak(engine)
+
+
+def test_max_new_tokens_zero_and_one():
+    engine = Engine(overrides=TINY_OVERRIDES)
+    zero, one = engine.generate([[5, 6], [5, 6]], [SamplingParams(max_new_tokens=0), SamplingParams(max_new_tokens=1, ignore_eos=True)])
+    assert zero.token_ids == [] and zero.finish_reason == "length"
+    assert len(one.token_ids) == 1 and one.finish_reason == "length"
+    assert_no_leak(engine)
+
+
+def test_context_limit_finishes_with_length():
+    engine = Engine(overrides=TINY_OVERRIDES + ["cache.max_context=24"])
+    (out,) = engine.generate([_ids(20, 2)], SamplingParams(max_new_tokens=100, ignore_eos=True))
+    assert len(out.token_ids) == 4 and out.finish_reason == "length"  # 20 + 4 = the 24-token context
+    assert_no_leak(engine)
+
+
+def test_abort_frees_slots_mid_generation():
+    engine = Engine(overrides=TINY_OVERRIDES)
+    sched = engine.scheduler
+    reqs = [Req(f"a{i}", _ids(10, i), SamplingParams(max_new_tokens=50, ignore_eos=True), (), 512) for i in range(3)]
+    for r in reqs:
+        sched.add_request(r)
+    for _ in range(4):
+        sched.step()
+    assert engine.runner.kv_pool.num_free < engine.runner.kv_pool.num_slots
+    assert sched.abort("a1") and reqs[1].finish_reason.value == "abort"
+    assert not sched.abort("a1")
+    while sched.has_unfinished():
+        sched.step()
+    assert [len(r.output_ids) for r in (reqs[0], reqs[2])] == [50, 50]
+    assert_no_leak(engine)
+
+
+def test_kv_pressure_queues_instead_of_failing():
+    """More work than the pool holds at once: requests wait for capacity, then all complete."""
+    engine = Engine(overrides=["model=tiny-llama", "cache.num_slots=64"])
+    outs = engine.generate([_ids(10, s) for s in range(6)], SamplingParams(max_new_tokens=20, ignore_eos=True))
+    assert all(len(o.token_ids) == 20 for o in outs)
+    assert_no_leak(engine)
+
+
+def test_failed_forward_releases_the_batch():
+    engine = Engine(overrides=TINY_OVERRIDES)
+
+    def boom(fb):
+        raise RuntimeError("injected failure")
+
+    real = engine.runner.forward_and_sample
+    engine.runner.forward_and_sample = boom
+    try:
+        engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=5))
+    except RuntimeError as err:
+        assert "injected" in str(err)
+    else:
+        raise AssertionError("the injected failure was swallowed")
+    assert_no_leak(engine)
+    engine.runner.forward_and_sample = real
+    (out,) = engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=5, ignore_eos=True))
+    assert len(out.token_ids) == 5
