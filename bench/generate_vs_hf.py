@@ -3,8 +3,8 @@
 Runs are paired (engine, HF, engine, HF, ...) so machine noise hits both sides alike; reports the
 median tokens/s of each and their ratio.  EOS is ignored so both generate exactly the same count.
 
-    python bench/generate_vs_hf.py --requests 8 --prompt-len 32 --new-tokens 64 --rounds 3
-    python bench/generate_vs_hf.py --overrides capture=eager model=smollm2-135m
+    python -m bench.generate_vs_hf --requests 8 --prompt-len 32 --new-tokens 64 --rounds 3
+    python -m bench.generate_vs_hf --overrides capture=eager model=smollm2-135m
 """
 
 from __future__ import annotations

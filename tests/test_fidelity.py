@@ -68,18 +68,35 @@ def test_smollm2_logits_close_to_transformers(smollm2_engine, hf_smollm2):
 
 
 def test_smollm2_greedy_matches_transformers(smollm2_engine, hf_smollm2):
-    tok = smollm2_engine.tokenizer
+    """Requests join a running batch mid-decode and finish at different steps; tokens stay exact."""
+    from graphexec.request import Req
+
+    engine, tok = smollm2_engine, smollm2_engine.tokenizer
     texts = [
         "What is the capital of France?",
         "Write a haiku about graphs.",
         "List three prime numbers greater than 100 and explain why each is prime.",
     ]
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}])) for t in texts]
-    outputs = smollm2_engine.generate(prompts, GREEDY)
-    for prompt, out in zip(prompts, outputs):
-        expected, _ = hf_greedy(hf_smollm2, prompt, NEW_TOKENS)
-        assert out.token_ids == expected, (tok.decode(out.token_ids), tok.decode(expected))
-    assert_no_leak(smollm2_engine)
+    lengths = [NEW_TOKENS + 8, NEW_TOKENS, NEW_TOKENS + 4]
+    reqs = [
+        Req(f"g{i}", p, SamplingParams(max_new_tokens=n, ignore_eos=True), (), engine.max_context)
+        for i, (p, n) in enumerate(zip(prompts, lengths))
+    ]
+    sched = engine.scheduler
+    sched.add_request(reqs[0])
+    for _ in range(5):
+        sched.step()
+    sched.add_request(reqs[1])
+    for _ in range(3):
+        sched.step()
+    sched.add_request(reqs[2])
+    while sched.has_unfinished():
+        sched.step()
+    for prompt, n, req in zip(prompts, lengths, reqs):
+        expected, _ = hf_greedy(hf_smollm2, prompt, n)
+        assert req.output_ids == expected, (tok.decode(req.output_ids), tok.decode(expected))
+    assert_no_leak(engine)
 
 
 def test_smollm2_chat_answer(smollm2_engine):
