@@ -4,7 +4,16 @@ This package knows ForwardBatch and the model's callable; it knows nothing of th
 requests.
 """
 
-from capture.backend import BackendStats, CaptureBackend, ModelCallable
+from capture.backend import BackendStats, CaptureBackend, CaptureEnv, ModelCallable
+from capture.padding import PaddingPolicy
 from capture.registry import available_backends, create_backend
 
-__all__ = ["BackendStats", "CaptureBackend", "ModelCallable", "available_backends", "create_backend"]
+__all__ = [
+    "BackendStats",
+    "CaptureBackend",
+    "CaptureEnv",
+    "ModelCallable",
+    "PaddingPolicy",
+    "available_backends",
+    "create_backend",
+]

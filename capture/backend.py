@@ -1,12 +1,14 @@
-"""The one interface every capture backend implements, and the counters it keeps."""
+"""The one interface every capture backend implements, what it is given, and the counters it keeps."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Mapping
 
 import torch
+
+from capture.padding import PaddingPolicy
 
 if TYPE_CHECKING:
     from graphexec.forward_batch import ForwardBatch
@@ -16,15 +18,39 @@ if TYPE_CHECKING:
 ModelCallable = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+@dataclass(frozen=True)
+class CaptureEnv:
+    """What the ModelRunner hands a backend.  No scheduler, no requests, no attention internals."""
+
+    model: ModelCallable
+    device: torch.device
+    # Enter to run a forward over this batch: sets the forward context and prepares the attention
+    # backend's metadata for it (outside any graph).
+    forward_scope: Callable[["ForwardBatch"], ContextManager[None]]
+    padding: PaddingPolicy
+    # Switch the attention backend to fixed-address, fixed-shape decode metadata for batches of up
+    # to this many rows: what a CUDA graph replays against.
+    enable_static_metadata: Callable[[int], None]
+
+
 @dataclass
 class BackendStats:
     """What a backend did, for benchmarks and /metrics."""
 
     capture_seconds: dict[int, float] = field(default_factory=dict)  # per bucket
-    capture_bytes: dict[int, int] = field(default_factory=dict)  # per bucket
-    executions: int = 0  # forwards run (replays for graph backends)
+    capture_bytes: dict[int, int] = field(default_factory=dict)  # per bucket (device or host RSS)
+    executions: int = 0  # forwards run (graph replays for graph backends)
     fallbacks: int = 0  # forwards handed to eager because this backend could not run them
     padded_rows: int = 0  # rows added to reach a bucket, summed over executions
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "capture_seconds": dict(self.capture_seconds),
+            "capture_bytes": dict(self.capture_bytes),
+            "executions": self.executions,
+            "fallbacks": self.fallbacks,
+            "padded_rows": self.padded_rows,
+        }
 
 
 class CaptureBackend(ABC):
@@ -32,10 +58,11 @@ class CaptureBackend(ABC):
 
     name: str = ""
 
-    def __init__(self, model: ModelCallable, device: torch.device, options: Mapping[str, Any]):
-        self.model = model
-        self.device = device
+    def __init__(self, env: CaptureEnv, options: Mapping[str, Any], config_path: str = "capture"):
+        self.env = env
         self.options = dict(options)
+        # Where this backend's options live in the config, so errors can name them.
+        self.config_path = config_path
         self.stats = BackendStats()
 
     def capture(self) -> None:
@@ -46,4 +73,4 @@ class CaptureBackend(ABC):
 
     @abstractmethod
     def execute(self, fb: "ForwardBatch") -> torch.Tensor:
-        """Hidden rows for fb's tokens: exactly fb.num_token_non_padded rows of real output first."""
+        """Hidden rows for fb: its fb.num_token_non_padded real rows first (padding, if any, after)."""

@@ -15,4 +15,5 @@ class EagerRunner(CaptureBackend):
 
     def execute(self, fb) -> torch.Tensor:
         self.stats.executions += 1
-        return self.model(fb.input_ids, fb.positions)
+        with self.env.forward_scope(fb):
+            return self.env.model(fb.input_ids, fb.positions)

@@ -5,12 +5,11 @@ from __future__ import annotations
 import importlib
 from typing import Any, Mapping
 
-import torch
-
-from capture.backend import CaptureBackend, ModelCallable
+from capture.backend import CaptureBackend, CaptureEnv
 
 _BACKENDS: Mapping[str, str] = {
     "eager": "capture.eager:EagerRunner",
+    "full_graph": "capture.full_graph:FullGraphBackend",
 }
 
 
@@ -26,6 +25,6 @@ def backend_class(name: str) -> type[CaptureBackend]:
 
 
 def create_backend(
-    name: str, model: ModelCallable, device: torch.device, options: Mapping[str, Any] | None = None
+    name: str, env: CaptureEnv, options: Mapping[str, Any] | None = None, config_path: str = "capture"
 ) -> CaptureBackend:
-    return backend_class(name)(model, device, options or {})
+    return backend_class(name)(env, options or {}, config_path)

@@ -4,15 +4,16 @@ ForwardMode, and turns a ForwardBatch into sampled tokens.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 
-from capture import CaptureBackend, create_backend
+from capture import CaptureBackend, CaptureEnv, PaddingPolicy, create_backend
 from capture.eager import EagerRunner
 from graphexec.attention.backend import create_attention_backend
 from graphexec.config import EngineConfig
-from graphexec.errors import ConfigError
 from graphexec.forward_batch import ForwardBatch
 from graphexec.forward_context import ForwardContext, forward_context
 from graphexec.forward_mode import ForwardMode
@@ -54,41 +55,55 @@ class ModelRunner:
         self.logits_processor = LogitsProcessor(self.model.compute_logits)
         self.sampler = Sampler()
 
-        self.eager = EagerRunner(self.model, self.device, {})
+        env = CaptureEnv(
+            model=self.model,
+            device=self.device,
+            forward_scope=self._forward_scope,
+            padding=PaddingPolicy(seq_len=self.attn_backend.padded_seq_len),
+            enable_static_metadata=lambda max_rows: self.attn_backend.enable_static_decode_metadata(
+                max_rows, self.max_context, self.device
+            ),
+        )
+        self.eager = EagerRunner(env, {}, "capture.eager")
+        # One instance per distinct spec, so modes that share a spec share its graphs.
+        instances: dict[str, CaptureBackend] = {repr(("eager", {})): self.eager}
         self.backends: dict[ForwardMode, CaptureBackend] = {}
         for mode in ForwardMode:
             spec = config.capture.for_mode(mode)
-            if spec.backend == "eager":
-                self.backends[mode] = self.eager
-            else:
-                try:
-                    self.backends[mode] = create_backend(spec.backend, self.model, self.device, spec.options)
-                except ValueError as err:
-                    raise ConfigError(f"capture.{mode.config_key}: {err}") from err
+            key = repr((spec.backend, dict(spec.options)))
+            if key not in instances:
+                instances[key] = create_backend(spec.backend, env, spec.options, f"capture.{mode.config_key}")
+            self.backends[mode] = instances[key]
 
     def capture(self) -> None:
         """Build every backend's graphs once, before serving."""
         for backend in {id(b): b for b in self.backends.values()}.values():
             backend.capture()
 
+    @contextlib.contextmanager
+    def _forward_scope(self, fb: ForwardBatch) -> Iterator[None]:
+        with forward_context(ForwardContext(fb, self.attn_backend, self.kv_pool, self.req_to_token_pool)):
+            # Metadata is prepared once per forward, outside any graph.
+            self.attn_backend.init_forward_metadata(fb, self.req_to_token_pool.req_to_token)
+            yield
+
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         """Hidden rows of fb's real tokens, from the mode's backend or, if it cannot run fb, eager."""
-        ctx = ForwardContext(fb, self.attn_backend, self.kv_pool, self.req_to_token_pool)
-        with forward_context(ctx):
-            # Metadata is prepared once per forward, outside any graph.
-            self.attn_backend.init_forward_metadata(fb, self.req_to_token_pool.req_to_token)
-            backend = self.backends[fb.forward_mode]
-            if backend is not self.eager and not backend.can_run(fb):
-                backend.stats.fallbacks += 1
-                backend = self.eager
-            hidden = backend.execute(fb)
-        return hidden[: fb.num_token_non_padded]
+        backend = self.backends[fb.forward_mode]
+        if not backend.can_run(fb):
+            backend.stats.fallbacks += 1
+            backend = self.eager
+        return backend.execute(fb)[: fb.num_token_non_padded]
 
     @torch.inference_mode()
     def forward_and_sample(self, fb: ForwardBatch) -> StepOutput:
         logits = self.logits_processor(self.forward(fb), fb)
         return StepOutput(sampler=self.sampler(logits, fb.sampling_info), logits=logits)
+
+    def backend_stats(self) -> dict[str, dict]:
+        """Per-mode counters: capture cost, executions, fallbacks, padded rows."""
+        return {mode.config_key: backend.stats.as_dict() | {"backend": backend.name} for mode, backend in self.backends.items()}
 
     def init_forward_batch(self, schedule_batch) -> ForwardBatch:
         return ForwardBatch.init_new(schedule_batch, self.device, self.model_config.vocab_size)

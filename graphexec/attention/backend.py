@@ -18,6 +18,9 @@ if TYPE_CHECKING:
 class AttentionBackend(ABC):
     """Prepares per-step metadata once per forward (outside any graph), then serves every layer."""
 
+    # seq_lens value of a padded row: a length the kernels accept (it attends to the dummy slot).
+    padded_seq_len: int = 1
+
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -27,6 +30,10 @@ class AttentionBackend(ABC):
     @abstractmethod
     def init_forward_metadata(self, fb: "ForwardBatch", req_to_token: torch.Tensor) -> None:
         """Build whatever the layers need (KV index lists, masks) for this forward."""
+
+    def enable_static_decode_metadata(self, max_rows: int, max_kv_len: int, device: torch.device) -> None:
+        """From now on, build decode metadata into fixed-address, bucket-shaped buffers (for CUDA graphs)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot run inside a captured CUDA graph")
 
     @abstractmethod
     def forward(

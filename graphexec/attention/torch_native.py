@@ -30,11 +30,32 @@ class _ExtendRun:
 
 
 class TorchNativeAttnBackend(AttentionBackend):
+    _static: _DecodeMetadata | None = None  # [max_rows, max_kv_len] buffers once enabled
+
     def init_forward_metadata(self, fb: "ForwardBatch", req_to_token: torch.Tensor) -> None:
+        self._replayable = False
         if fb.forward_mode.is_extend():
             self._metadata = self._extend_metadata(fb, req_to_token)
+        elif self._static is not None and fb.batch_size <= self._static.kv_indices.shape[0]:
+            self._metadata = self._static_decode_metadata(fb, req_to_token)
+            self._replayable = True
         else:
             self._metadata = self._decode_metadata(fb, req_to_token)
+
+    def enable_static_decode_metadata(self, max_rows: int, max_kv_len: int, device: torch.device) -> None:
+        self._static = _DecodeMetadata(
+            kv_indices=torch.zeros(max_rows, max_kv_len, dtype=torch.int64, device=device),
+            attn_mask=torch.zeros(max_rows, 1, 1, max_kv_len, dtype=torch.bool, device=device),
+        )
+        self._key_positions = torch.arange(max_kv_len, device=device)
+
+    def _static_decode_metadata(self, fb: "ForwardBatch", req_to_token: torch.Tensor) -> _DecodeMetadata:
+        """Shapes depend on the batch size only and addresses never move: safe to replay."""
+        bs, max_kv_len = fb.batch_size, self._static.kv_indices.shape[1]
+        kv_indices, mask = self._static.kv_indices[:bs], self._static.attn_mask[:bs]
+        kv_indices.copy_(req_to_token[fb.req_pool_indices, :max_kv_len])
+        torch.lt(self._key_positions[None, :], fb.seq_lens[:, None], out=mask.view(bs, max_kv_len))
+        return _DecodeMetadata(kv_indices=kv_indices, attn_mask=mask)
 
     @staticmethod
     def _decode_metadata(fb: "ForwardBatch", req_to_token: torch.Tensor) -> _DecodeMetadata:
@@ -71,8 +92,10 @@ class TorchNativeAttnBackend(AttentionBackend):
             self._extend(q, out, k_cache, v_cache)
         else:
             self._decode(q, out, k_cache, v_cache, fb.batch_size)
-        # Rows past the real tokens are padding: keep them finite and inert.
-        if out.shape[0] > n:
+        # Rows past the real tokens are padding: keep them finite and inert.  Under static metadata
+        # (a replayed graph) n is not a replay-time value, so padded decode rows are instead kept
+        # finite by attending only to the dummy slot.
+        if out.shape[0] > n and not self._replayable:
             out[n:].zero_()
 
     def _decode(self, q, out, k_cache, v_cache, bs: int) -> None:

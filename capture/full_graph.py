@@ -1,0 +1,156 @@
+"""Full-graph decode: the whole decode forward as one graph per batch-size bucket.
+
+The live batch is padded up to the smallest bucket that holds it (capture/padding.py), run
+through that bucket's graph, and sliced back to its real rows.  What "graph" means depends on
+the `graph` option:
+  compile     torch.compile(fullgraph=True) with static shapes per bucket (inductor); the
+              attention op stays opaque inside, its metadata prepared outside.  The CPU default.
+  cuda_graph  one torch.cuda.CUDAGraph per bucket, captured largest first into one shared memory
+              pool, optionally over the compiled forward.  The CUDA default.
+  eager       debug: the same padding and static buffers, plain module calls inside, so "is it
+              the capture or the model?" is one override away.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Callable, Mapping
+
+import torch
+from tqdm import tqdm
+
+from capture.backend import CaptureBackend, CaptureEnv
+from capture.buckets import bucket_for, validate_buckets
+from capture.memory import memory_in_use
+from capture.padding import StaticDecodeInputs
+from graphexec.errors import ConfigError
+from graphexec.forward_batch import ForwardBatch
+from graphexec.forward_mode import ForwardMode
+
+GRAPH_KINDS = ("auto", "compile", "cuda_graph", "eager")
+_OPTIONS = {"buckets", "graph", "compile", "lazy", "progress"}
+_COMPILE_OPTIONS = {"enabled", "mode", "dynamic", "freezing", "cache_dir"}
+
+BucketRunner = Callable[[ForwardBatch], torch.Tensor]
+
+
+class FullGraphBackend(CaptureBackend):
+    name = "full_graph"
+
+    def __init__(self, env: CaptureEnv, options: Mapping[str, Any], config_path: str = "capture.decode"):
+        super().__init__(env, options, config_path)
+        unknown = sorted(set(self.options) - _OPTIONS)
+        if unknown:
+            raise ConfigError(f"{config_path}.{unknown[0]} is not a full_graph option; known: {sorted(_OPTIONS)}")
+        self.buckets = validate_buckets(self.options.get("buckets"), f"{config_path}.buckets")
+        self.graph_kind = _resolve_graph_kind(self.options.get("graph", "auto"), env.device, config_path)
+        self.compile_options = dict(self.options.get("compile") or {})
+        unknown = sorted(set(self.compile_options) - _COMPILE_OPTIONS)
+        if unknown:
+            raise ConfigError(f"{config_path}.compile.{unknown[0]} is unknown; known: {sorted(_COMPILE_OPTIONS)}")
+        self.lazy = bool(self.options.get("lazy", False))
+        self.progress = bool(self.options.get("progress", True))
+        self.buffers = StaticDecodeInputs(self.buckets[-1], env.device)
+        self._runners: dict[int, BucketRunner] = {}
+        self._compiled: Callable | None = None
+        self._cuda_pool = None
+
+    # -- capture -------------------------------------------------------------------------------
+
+    def capture(self) -> None:
+        if self.graph_kind == "cuda_graph":
+            self.env.enable_static_metadata(self.buckets[-1])
+        if self.lazy:
+            return
+        # Largest first: on CUDA the later, smaller graphs reuse the shared pool's blocks.
+        order = sorted(self.buckets, reverse=True)
+        bar = tqdm(order, desc=f"capture {self.name} ({self.graph_kind})", unit="bucket", disable=not self.progress)
+        for bucket in bar:
+            bar.set_postfix(bucket=bucket)
+            self._capture_timed(bucket)
+        bar.close()
+
+    def _capture_timed(self, bucket: int) -> BucketRunner:
+        before, t0 = memory_in_use(self.env.device), time.perf_counter()
+        runner = self._capture_bucket(bucket)
+        self.stats.capture_seconds[bucket] = time.perf_counter() - t0
+        self.stats.capture_bytes[bucket] = max(0, memory_in_use(self.env.device) - before)
+        self._runners[bucket] = runner
+        return runner
+
+    def _capture_bucket(self, bucket: int) -> BucketRunner:
+        dummy = self.buffers.dummy_batch(bucket, self.env.padding, ForwardMode.DECODE)
+        if self.graph_kind == "eager":
+            return self._run_model
+        if self.graph_kind == "compile":
+            forward = self._compiled_forward()
+            with self.env.forward_scope(dummy):
+                forward(dummy.input_ids, dummy.positions)  # compiles this bucket's static shape
+            return lambda fb: forward(fb.input_ids, fb.positions)
+        return self._capture_cuda_graph(dummy)
+
+    def _compiled_forward(self) -> Callable:
+        if self._compiled is None:
+            opts = self.compile_options
+            if opts.get("cache_dir"):
+                # Inductor reads its on-disk cache location from the environment.
+                os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(opts["cache_dir"])
+            inductor = {"freezing": True} if opts.get("freezing") else {}
+            mode = opts.get("mode", "default")
+            self._compiled = torch.compile(
+                self.env.model,
+                fullgraph=True,
+                dynamic=bool(opts.get("dynamic", False)),
+                **({"options": inductor} if inductor else {"mode": None if mode == "default" else mode}),
+            )
+        return self._compiled
+
+    def _capture_cuda_graph(self, dummy: ForwardBatch) -> BucketRunner:
+        use_compile = bool(self.compile_options.get("enabled", False))
+        forward = self._compiled_forward() if use_compile else self.env.model
+        with self.env.forward_scope(dummy):
+            for _ in range(2):  # warm-up: lazy inits, allocator, compilation happen outside capture
+                forward(dummy.input_ids, dummy.positions)
+            torch.cuda.synchronize(self.env.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._cuda_pool):
+                static_out = forward(dummy.input_ids, dummy.positions)
+        self._cuda_pool = graph.pool()
+
+        def replay(fb: ForwardBatch) -> torch.Tensor:
+            graph.replay()
+            return static_out
+
+        return replay
+
+    def _run_model(self, fb: ForwardBatch) -> torch.Tensor:
+        return self.env.model(fb.input_ids, fb.positions)
+
+    # -- serving -------------------------------------------------------------------------------
+
+    def can_run(self, fb: ForwardBatch) -> bool:
+        if not fb.forward_mode.is_decode_or_idle():
+            return False
+        bucket = bucket_for(fb.batch_size, self.buckets)
+        return bucket is not None and (self.lazy or bucket in self._runners)
+
+    def execute(self, fb: ForwardBatch) -> torch.Tensor:
+        bucket = bucket_for(fb.batch_size, self.buckets)
+        runner = self._runners.get(bucket) or self._capture_timed(bucket)
+        padded = self.buffers.load(fb, bucket, self.env.padding)
+        with self.env.forward_scope(padded):
+            hidden = runner(padded)
+        self.stats.executions += 1
+        self.stats.padded_rows += bucket - fb.batch_size
+        return hidden[: fb.num_token_non_padded]
+
+
+def _resolve_graph_kind(kind: str, device: torch.device, config_path: str) -> str:
+    if kind not in GRAPH_KINDS:
+        raise ConfigError(f"{config_path}.graph={kind!r} is unknown; choose one of {list(GRAPH_KINDS)}")
+    if kind == "auto":
+        return "cuda_graph" if device.type == "cuda" else "compile"
+    if kind == "cuda_graph" and device.type != "cuda":
+        raise ConfigError(f"{config_path}.graph=cuda_graph needs device=cuda; this engine runs on {device.type}")
+    return kind
