@@ -14,8 +14,9 @@ if TYPE_CHECKING:
     from graphexec.forward_batch import ForwardBatch
 
 # (input_ids, positions) -> final hidden rows.  Attention metadata reaches the model through the
-# forward context, so this is the whole signature a graph needs to capture.
-ModelCallable = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# forward context, so this is the whole signature a graph needs to capture.  The model also takes
+# an optional `layer_runner=` keyword (see LlamaForCausalLM.forward) for regional compilation.
+ModelCallable = Callable[..., torch.Tensor]
 
 
 @dataclass(frozen=True)

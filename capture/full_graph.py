@@ -30,7 +30,7 @@ from graphexec.forward_mode import ForwardMode
 
 GRAPH_KINDS = ("auto", "compile", "cuda_graph", "eager")
 _OPTIONS = {"buckets", "graph", "compile", "lazy", "progress"}
-_COMPILE_OPTIONS = {"enabled", "mode", "dynamic", "freezing", "cache_dir"}
+_COMPILE_OPTIONS = {"enabled", "mode", "dynamic", "freezing", "cache_dir", "regional"}
 
 BucketRunner = Callable[[ForwardBatch], torch.Tensor]
 
@@ -73,7 +73,11 @@ class FullGraphBackend(CaptureBackend):
 
     def _capture_timed(self, bucket: int) -> BucketRunner:
         before, t0 = memory_in_use(self.env.device), time.perf_counter()
-        runner = self._capture_bucket(bucket)
+        # Each bucket is a legitimate compile of the same code (two with regional compilation: the
+        # first specializes layer_id), so lift Dynamo's recompile limit while capturing.
+        limit = 2 * len(self.buckets) + 8
+        with torch._dynamo.config.patch(recompile_limit=limit, accumulated_recompile_limit=max(256, limit)):
+            runner = self._capture_bucket(bucket)
         self.stats.capture_seconds[bucket] = time.perf_counter() - t0
         self.stats.capture_bytes[bucket] = max(0, memory_in_use(self.env.device) - before)
         self._runners[bucket] = runner
@@ -98,12 +102,29 @@ class FullGraphBackend(CaptureBackend):
                 os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(opts["cache_dir"])
             inductor = {"freezing": True} if opts.get("freezing") else {}
             mode = opts.get("mode", "default")
-            self._compiled = torch.compile(
-                self.env.model,
+            compile_kwargs = dict(
                 fullgraph=True,
                 dynamic=bool(opts.get("dynamic", False)),
                 **({"options": inductor} if inductor else {"mode": None if mode == "default" else mode}),
             )
+            if opts.get("regional"):
+                # Compile the repeated decoder layer once and call it for every layer: compile
+                # time stops scaling with depth.  layer_id must become symbolic for the layers to
+                # share a graph, so shapes are pinned with mark_static instead of dynamic=False
+                # (which would specialize every int).
+                dynamic = compile_kwargs.pop("dynamic")
+                compiled_layer = torch.compile(_call_layer, dynamic=True if dynamic else None, **compile_kwargs)
+                model = self.env.model
+
+                def run_layer(layer, positions, x, rotary, layer_id):
+                    if not dynamic:
+                        torch._dynamo.mark_static(x, 0)
+                        torch._dynamo.mark_static(positions, 0)
+                    return compiled_layer(layer, positions, x, rotary, layer_id)
+
+                self._compiled = lambda ids, pos: model(ids, pos, layer_runner=run_layer)
+            else:
+                self._compiled = torch.compile(self.env.model, **compile_kwargs)
         return self._compiled
 
     def _capture_cuda_graph(self, dummy: ForwardBatch) -> BucketRunner:
@@ -144,6 +165,10 @@ class FullGraphBackend(CaptureBackend):
         self.stats.executions += 1
         self.stats.padded_rows += bucket - fb.batch_size
         return hidden[: fb.num_token_non_padded]
+
+
+def _call_layer(layer, positions, x, rotary, layer_id):
+    return layer(positions, x, rotary, layer_id)
 
 
 def _resolve_graph_kind(kind: str, device: torch.device, config_path: str) -> str:

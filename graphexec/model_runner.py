@@ -75,8 +75,9 @@ class ModelRunner:
                 instances[key] = create_backend(spec.backend, env, spec.options, f"capture.{mode.config_key}")
             self.backends[mode] = instances[key]
 
+    @torch.inference_mode()
     def capture(self) -> None:
-        """Build every backend's graphs once, before serving."""
+        """Build every backend's graphs once, before serving (in the inference mode they replay in)."""
         for backend in {id(b): b for b in self.backends.values()}.values():
             backend.capture()
 

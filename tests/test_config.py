@@ -11,8 +11,11 @@ from graphexec.forward_mode import ForwardMode
 def test_defaults_compose():
     cfg = EngineConfig.from_overrides([])
     assert cfg.model.name == "smollm2-135m" and cfg.model.source == "gguf"
-    assert cfg.capture.name == "eager"
-    assert all(cfg.capture.for_mode(m).backend == "eager" for m in ForwardMode)
+    assert cfg.capture.name == "graph_first"
+    assert cfg.capture.decode.backend == cfg.capture.idle.backend == "full_graph"
+    assert cfg.capture.extend.backend == cfg.capture.mixed.backend == "eager"
+    eager = EngineConfig.from_overrides(["capture=eager"])
+    assert all(eager.capture.for_mode(m).backend == "eager" for m in ForwardMode)
     assert cfg.sampling.temperature == 0.0 and cfg.device == "cpu"
 
 
@@ -24,6 +27,9 @@ def test_overrides_reach_typed_fields():
     assert cfg.scheduler.max_running_requests == 7
     assert cfg.sampling.max_new_tokens == 5
     assert cfg.cache.max_context == 100
+    cfg = EngineConfig.from_overrides(["capture.decode.buckets=[1,2,4,8]", "capture.decode.compile.freezing=true"])
+    assert list(cfg.capture.decode.options["buckets"]) == [1, 2, 4, 8]
+    assert cfg.capture.idle.options["compile"]["freezing"] is True  # idle follows decode
 
 
 def test_configs_are_frozen():

@@ -51,7 +51,7 @@ def test_bad_sampling_params(kwargs, message):
 
 
 def test_request_larger_than_kv_pool_is_rejected():
-    engine = Engine(overrides=["model=tiny-llama", "cache.num_slots=16"])
+    engine = Engine(overrides=["model=tiny-llama", "capture=eager", "cache.num_slots=16"])
     with pytest.raises(InvalidRequestError, match="needs up to 20 KV slots .* raise cache.num_slots"):
         engine.generate([[1] * 10], SamplingParams(max_new_tokens=10))
     (out,) = engine.generate([[1] * 10], SamplingParams(max_new_tokens=6, ignore_eos=True))

@@ -83,7 +83,7 @@ def test_abort_frees_slots_mid_generation():
 
 def test_kv_pressure_queues_instead_of_failing():
     """More work than the pool holds at once: requests wait for capacity, then all complete."""
-    engine = Engine(overrides=["model=tiny-llama", "cache.num_slots=64"])
+    engine = Engine(overrides=["model=tiny-llama", "capture=eager", "cache.num_slots=64"])
     outs = engine.generate([_ids(10, s) for s in range(6)], SamplingParams(max_new_tokens=20, ignore_eos=True))
     assert all(len(o.token_ids) == 20 for o in outs)
     assert_no_leak(engine)

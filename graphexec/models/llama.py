@@ -7,7 +7,7 @@ head runs later, in the LogitsProcessor, on the pruned rows only.
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch
 from torch import nn
@@ -18,32 +18,32 @@ from graphexec.models.layers import RMSNorm, RotaryEmbedding, SwiGLU
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int):
+    def __init__(self, config: ModelConfig):
         super().__init__()
-        self.layer_id = layer_id
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         self.q_size, self.kv_size = config.q_size, config.kv_size
         # q, k and v fused: one matmul reads all three weights.
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding, layer_id: int) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = rotary(positions, q.view(-1, self.num_heads, self.head_dim), k.view(-1, self.num_kv_heads, self.head_dim))
-        out = unified_attention(q.reshape(-1, self.q_size), k.reshape(-1, self.kv_size), v.contiguous(), self.layer_id)
+        out = unified_attention(q.reshape(-1, self.q_size), k.reshape(-1, self.kv_size), v.contiguous(), layer_id)
         return self.o_proj(out)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int):
+    def __init__(self, config: ModelConfig):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, layer_id)
+        self.self_attn = LlamaAttention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), rotary)
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding, layer_id: int) -> torch.Tensor:
+        # layer_id is an argument, not an attribute, so one compiled layer serves every layer.
+        x = x + self.self_attn(positions, self.input_layernorm(x), rotary, layer_id)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -53,14 +53,21 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.rotary = RotaryEmbedding(config.head_dim, config.max_context, config.rope_theta)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, layer_runner: Callable | None = None
+    ) -> torch.Tensor:
+        """`layer_runner(layer, positions, x, rotary, layer_id)`, when given, runs each decoder
+        layer: how a capture backend compiles the repeated layer once (regional compilation)."""
         x = self.embed_tokens(input_ids)
-        for layer in self.layers:
-            x = layer(positions, x, self.rotary)
+        for layer_id, layer in enumerate(self.layers):
+            if layer_runner is None:
+                x = layer(positions, x, self.rotary, layer_id)
+            else:
+                x = layer_runner(layer, positions, x, self.rotary, layer_id)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

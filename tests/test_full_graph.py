@@ -1,0 +1,160 @@
+"""Full-graph decode: same tokens as eager at every batch size, padding inert, fallbacks counted."""
+
+import pytest
+import torch
+
+from graphexec import ConfigError, Engine, SamplingParams
+from graphexec.forward_mode import ForwardMode
+from tests.invariants import assert_no_leak
+
+TINY = ["model=tiny-llama", "cache.num_slots=1024"]
+GRAPH = TINY + ["capture=graph_first", "capture.decode.buckets=[1,2,4]", "capture.decode.progress=false"]
+
+
+def _workload(vocab=320):
+    """Five staggered requests: the running batch shrinks 5 → 1, crossing every bucket boundary."""
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in (3, 11, 17, 6, 29)]
+    params = [SamplingParams(max_new_tokens=4 + 5 * i, ignore_eos=True) for i in range(5)]
+    return prompts, params
+
+
+@pytest.fixture(scope="module")
+def eager_tokens():
+    prompts, params = _workload()
+    return [o.token_ids for o in Engine(overrides=TINY + ["capture=eager"]).generate(prompts, params)]
+
+
+@pytest.fixture(scope="module")
+def graph_engine():
+    return Engine(overrides=GRAPH)
+
+
+def _batch_sizes(engine):
+    sizes = []
+    real = engine.runner.forward
+
+    def spy(fb):
+        if fb.forward_mode.is_decode():
+            sizes.append(fb.batch_size)
+        return real(fb)
+
+    engine.runner.forward = spy
+    return sizes
+
+
+def test_graph_first_equals_eager_across_buckets(graph_engine, eager_tokens):
+    prompts, params = _workload()
+    stats = graph_engine.runner.backends[ForwardMode.DECODE].stats
+    before = stats.executions, stats.fallbacks, stats.padded_rows
+    sizes = _batch_sizes(graph_engine)
+    outputs = graph_engine.generate(prompts, params)
+    graph_engine.runner.__dict__.pop("forward")
+    assert [o.token_ids for o in outputs] == eager_tokens
+    assert set(sizes) == {1, 2, 3, 4, 5}  # every bucket, a padded size (3) and an oversize batch (5)
+    assert stats.fallbacks - before[1] == sizes.count(5)  # 5 > largest bucket: eager, counted
+    assert stats.executions - before[0] == len(sizes) - sizes.count(5)
+    assert stats.padded_rows - before[2] == sizes.count(3)  # 3 pads to 4
+    assert_no_leak(graph_engine)
+
+
+def test_idle_shares_the_decode_graphs(graph_engine):
+    runner = graph_engine.runner
+    assert runner.backends[ForwardMode.IDLE] is runner.backends[ForwardMode.DECODE]
+    assert runner.backends[ForwardMode.EXTEND] is runner.eager
+    assert set(runner.backends[ForwardMode.DECODE].stats.capture_seconds) == {1, 2, 4}
+
+
+def test_padding_is_inert_and_alone_equals_padded(graph_engine):
+    """A request alone (bucket 1) and inside a padded bucket (3 rows → 4) gives the same tokens,
+    and padded rows write no real KV slot."""
+    prompts, _ = _workload()
+    new_tokens = 12
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    alone = graph_engine.generate([prompts[1]], params)[0].token_ids
+
+    kv = graph_engine.runner.kv_pool
+    assert kv.num_free == kv.num_slots
+    for buf in kv.k_buffers + kv.v_buffers:
+        buf[1:] = float("nan")  # every real slot poisoned; the dummy slot 0 is not
+    sizes = _batch_sizes(graph_engine)
+    together = graph_engine.generate(prompts[:3], params)
+    graph_engine.runner.__dict__.pop("forward")
+    assert 3 in sizes and together[1].token_ids == alone
+    # Exactly the requests' own KV was written: each holds its prompt plus all but its last token.
+    expected_written = sum(len(p) + new_tokens - 1 for p in prompts[:3])
+    for buf in kv.k_buffers + kv.v_buffers:
+        written = ~torch.isnan(buf[1:]).flatten(1).all(dim=1)
+        assert int(written.sum()) == expected_written
+        buf.nan_to_num_(0.0)
+    assert_no_leak(graph_engine)
+
+
+@pytest.mark.parametrize("graph", ["eager"])
+def test_debug_switch_runs_padding_with_eager_inside(graph, eager_tokens):
+    engine = Engine(overrides=GRAPH + [f"capture.decode.graph={graph}"])
+    prompts, params = _workload()
+    assert [o.token_ids for o in engine.generate(prompts, params)] == eager_tokens
+    assert engine.runner.backends[ForwardMode.DECODE].stats.padded_rows > 0
+
+
+def test_static_metadata_matches_dynamic(eager_tokens):
+    """The CUDA-graph metadata path (fixed shapes and addresses), exercised on the CPU."""
+    engine = Engine(overrides=GRAPH + ["capture.decode.graph=eager"])
+    engine.runner.attn_backend.enable_static_decode_metadata(4, engine.max_context, engine.runner.device)
+    prompts, params = _workload()
+    assert [o.token_ids for o in engine.generate(prompts, params)] == eager_tokens
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("capture.decode.buckets=[]", "capture.decode.buckets must be a non-empty list"),
+        ("capture.decode.buckets=[8,4]", "capture.decode.buckets must be sorted ascending"),
+        ("capture.decode.graph=cuda_graph", "capture.decode.graph=cuda_graph needs device=cuda"),
+        ("capture.decode.graph=warp", "capture.decode.graph='warp' is unknown"),
+        ("capture.decode.backend=hyperdrive", "capture.decode.backend='hyperdrive' is unknown"),
+        ("+capture.decode.turbo=1", "capture.decode.turbo is not a full_graph option"),
+        ("+capture.decode.compile.fast=1", "capture.decode.compile.fast is unknown"),
+    ],
+)
+def test_config_errors_name_the_option(override, message):
+    if torch.cuda.is_available() and "cuda_graph" in override:
+        pytest.skip("cuda_graph is valid on this machine")
+    with pytest.raises(ConfigError) as err:
+        Engine(overrides=GRAPH + [override])
+    assert message in str(err.value)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replay_equals_eager_logits_per_bucket():
+    engine = Engine(overrides=GRAPH + ["device=cuda"])
+    eager = Engine(overrides=TINY + ["capture=eager", "device=cuda"])
+    prompts, params = _workload()
+    assert [o.token_ids for o in engine.generate(prompts, params)] == [
+        o.token_ids for o in eager.generate(prompts, params)
+    ]
+
+
+def test_smollm2_graph_first_equals_eager(smollm2_engine):
+    """The real model: five staggered requests, batch sizes 5 (eager fallback), 4, 3 (padded), 2, 1."""
+    graph = Engine(
+        overrides=[
+            "model=smollm2-135m",
+            "cache.num_slots=4096",
+            "capture=graph_first",
+            "capture.decode.buckets=[1,2,4]",
+            "capture.decode.progress=false",
+        ]
+    )
+    tok = graph.tokenizer
+    texts = ["Hi!", "Name a color.", "What is 2+2?", "Write one word about the sea.", "Count to five."]
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}])) for t in texts]
+    params = [SamplingParams(max_new_tokens=6 + 4 * i, ignore_eos=True) for i in range(len(texts))]
+    sizes = _batch_sizes(graph)
+    got = [o.token_ids for o in graph.generate(prompts, params)]
+    assert got == [o.token_ids for o in smollm2_engine.generate(prompts, params)]
+    assert {1, 2, 3, 4, 5} <= set(sizes)
+    stats = graph.runner.backends[ForwardMode.DECODE].stats
+    assert stats.fallbacks == sizes.count(5) and stats.padded_rows == sizes.count(3)
+    assert_no_leak(graph)
