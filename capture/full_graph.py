@@ -30,7 +30,7 @@ from graphexec.forward_mode import ForwardMode
 
 GRAPH_KINDS = ("auto", "compile", "cuda_graph", "eager")
 _OPTIONS = {"buckets", "graph", "compile", "lazy", "progress"}
-_COMPILE_OPTIONS = {"enabled", "mode", "dynamic", "freezing", "cache_dir", "regional"}
+_COMPILE_OPTIONS = {"enabled", "mode", "dynamic", "freezing", "cache_dir", "regional", "skip_module_guards"}
 
 BucketRunner = Callable[[ForwardBatch], torch.Tensor]
 
@@ -100,12 +100,18 @@ class FullGraphBackend(CaptureBackend):
             if opts.get("cache_dir"):
                 # Inductor reads its on-disk cache location from the environment.
                 os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(opts["cache_dir"])
-            inductor = {"freezing": True} if opts.get("freezing") else {}
+            options: dict[str, Any] = {"freezing": True} if opts.get("freezing") else {}
+            if opts.get("skip_module_guards"):
+                # Weights never change identity or shape after loading, so checking every
+                # module attribute on each call (30 times a step when regional) buys nothing.
+                options["guard_filter_fn"] = torch.compiler.skip_guard_on_all_nn_modules_unsafe
             mode = opts.get("mode", "default")
+            if mode != "default" and options:
+                raise ConfigError(f"{self.config_path}.compile.mode={mode!r} cannot be combined with freezing or skip_module_guards")
             compile_kwargs = dict(
                 fullgraph=True,
                 dynamic=bool(opts.get("dynamic", False)),
-                **({"options": inductor} if inductor else {"mode": None if mode == "default" else mode}),
+                **({"options": options} if options else {"mode": None if mode == "default" else mode}),
             )
             if opts.get("regional"):
                 # Compile the repeated decoder layer once and call it for every layer: compile

@@ -73,24 +73,4 @@ class StaticDecodeInputs:
 
     def dummy_batch(self, bucket: int, policy: PaddingPolicy, mode) -> ForwardBatch:
         """A batch of `bucket` padding rows only: what capture and warm-up run on."""
-        empty = torch.zeros(0, dtype=torch.int64, device=self.input_ids.device)
-        template = ForwardBatch(
-            forward_mode=mode,
-            batch_size=0,
-            input_ids=empty,
-            positions=empty,
-            req_pool_indices=empty,
-            seq_lens=empty,
-            seq_lens_cpu=(),
-            seq_lens_sum=0,
-            out_cache_loc=empty,
-            extend_prefix_lens=None,
-            extend_seq_lens=None,
-            extend_start_loc=None,
-            extend_prefix_lens_cpu=None,
-            extend_seq_lens_cpu=None,
-            extend_num_tokens=None,
-            num_token_non_padded=0,
-            sampling_info=None,
-        )
-        return self.load(template, bucket, policy)
+        return self.load(ForwardBatch.empty(mode, self.input_ids.device), bucket, policy)

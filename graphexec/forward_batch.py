@@ -14,6 +14,17 @@ if TYPE_CHECKING:
     from graphexec.schedule_batch import ScheduleBatch
 
 
+# Decode (and idle) batches carry no per-request extend layout.
+_NO_EXTEND_FIELDS = dict(
+    extend_prefix_lens=None,
+    extend_seq_lens=None,
+    extend_start_loc=None,
+    extend_prefix_lens_cpu=None,
+    extend_seq_lens_cpu=None,
+    extend_num_tokens=None,
+)
+
+
 @dataclass(frozen=True)
 class ForwardBatch:
     forward_mode: ForwardMode
@@ -59,14 +70,7 @@ class ForwardBatch:
         else:
             positions = [p for pre, ext in zip(prefix_cpu, extend_cpu) for p in range(pre, pre + ext)]
 
-        extend_fields = dict(
-            extend_prefix_lens=None,
-            extend_seq_lens=None,
-            extend_start_loc=None,
-            extend_prefix_lens_cpu=None,
-            extend_seq_lens_cpu=None,
-            extend_num_tokens=None,
-        )
+        extend_fields = dict(_NO_EXTEND_FIELDS)
         if mode.is_extend():
             start_loc, total = [], 0
             for n in extend_cpu:
@@ -99,6 +103,25 @@ class ForwardBatch:
             num_token_non_padded=len(batch.input_ids),
             sampling_info=sampling_info,
             **extend_fields,
+        )
+
+    @classmethod
+    def empty(cls, mode: ForwardMode, device: torch.device | str) -> "ForwardBatch":
+        """A batch with no rows: what padding turns into an all-dummy batch for capture."""
+        none = torch.zeros(0, dtype=torch.int64, device=device)
+        return cls(
+            forward_mode=mode,
+            batch_size=0,
+            input_ids=none,
+            positions=none,
+            req_pool_indices=none,
+            seq_lens=none,
+            seq_lens_cpu=(),
+            seq_lens_sum=0,
+            out_cache_loc=none,
+            num_token_non_padded=0,
+            sampling_info=None,
+            **_NO_EXTEND_FIELDS,
         )
 
     def sample_row_indices(self) -> torch.Tensor:

@@ -12,6 +12,9 @@ from graphexec.errors import InvalidRequestError
 # OpenAI's API caps top_logprobs at 20; larger values would only cost a wider top-k per step.
 MAX_LOGPROBS = 20
 
+# Stop strings are searched in the decoded text after every token; a handful is all any API offers.
+MAX_STOP_STRINGS = 8
+
 # torch.Generator.manual_seed accepts at most a 64-bit unsigned value.
 _SEED_LIMIT = 2**64
 
@@ -36,6 +39,8 @@ class SamplingParams:
     temperature 0 means greedy.  top_k -1 disables top-k.  logprobs None turns
     log-probabilities off, 0 returns only the chosen token's, k > 0 also the
     k most likely alternatives.  Float fields accept ints and store floats.
+    `stop` strings end the request when they appear in the decoded text; the
+    match and anything after it are left out of the output text.
     """
 
     max_new_tokens: int = 128
@@ -45,6 +50,7 @@ class SamplingParams:
     min_p: float = 0.0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
 
@@ -56,6 +62,7 @@ class SamplingParams:
         self._set_float("min_p", lambda v: 0 <= v <= 1, "in [0, 1]")
         self._check_seed()
         self._set_stop_token_ids()
+        self._set_stop()
         if not isinstance(self.ignore_eos, bool):
             raise InvalidRequestError(f"ignore_eos must be a bool, got {_describe(self.ignore_eos)}")
         self._check_logprobs()
@@ -116,6 +123,20 @@ class SamplingParams:
                 )
         # A tuple keeps the params hashable and immune to the caller mutating its list later.
         object.__setattr__(self, "stop_token_ids", tuple(ids))
+
+    def _set_stop(self) -> None:
+        strings = self.stop
+        if isinstance(strings, str):
+            # Taken as a sequence, a bare string would stop on each of its characters.
+            raise InvalidRequestError(f"stop must be a tuple or list of strings (wrap a single one: ({strings!r},)), got {_describe(strings)}")
+        if not isinstance(strings, (tuple, list)):
+            raise InvalidRequestError(f"stop must be a tuple or list of strings, got {_describe(strings)}")
+        if len(strings) > MAX_STOP_STRINGS:
+            raise InvalidRequestError(f"stop must have at most {MAX_STOP_STRINGS} strings, got {len(strings)}")
+        for position, text in enumerate(strings):
+            if not isinstance(text, str) or not text:
+                raise InvalidRequestError(f"stop[{position}] must be a non-empty string, got {_describe(text)}")
+        object.__setattr__(self, "stop", tuple(strings))
 
     def _check_logprobs(self) -> None:
         value = self.logprobs

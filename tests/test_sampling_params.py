@@ -46,6 +46,11 @@ BAD_VALUES = [
     ("stop_token_ids", [1, -3], "stop_token_ids[1] must be an int >= 0, got -3 (int)"),
     ("stop_token_ids", [1, 2.0], "stop_token_ids[1] must be an int >= 0, got 2.0 (float)"),
     ("stop_token_ids", (True,), "stop_token_ids[0] must be an int >= 0, got True (bool)"),
+    ("stop", "###", "stop must be a tuple or list of strings (wrap a single one: ('###',)), got '###' (str)"),
+    ("stop", None, "stop must be a tuple or list of strings, got None"),
+    ("stop", ["a"] * 9, "stop must have at most 8 strings, got 9"),
+    ("stop", ["a", ""], "stop[1] must be a non-empty string, got '' (str)"),
+    ("stop", ("a", 5), "stop[1] must be a non-empty string, got 5 (int)"),
     ("ignore_eos", 1, "ignore_eos must be a bool, got 1 (int)"),
     ("ignore_eos", None, "ignore_eos must be a bool, got None"),
     ("logprobs", -1, f"logprobs must be None (off) or an int in [0, {MAX_LOGPROBS}], got -1 (int)"),
@@ -88,6 +93,9 @@ GOOD_VALUES = [
     ("seed", 2**64 - 1),
     ("stop_token_ids", ()),
     ("stop_token_ids", (0, 7)),
+    ("stop", ()),
+    ("stop", ("\n\n", "User:", "停")),
+    ("stop", ("x",) * 8),
     ("ignore_eos", True),
     ("logprobs", None),
     ("logprobs", 0),
@@ -111,6 +119,7 @@ def test_defaults():
         ("min_p", 0.0),
         ("seed", None),
         ("stop_token_ids", ()),
+        ("stop", ()),
         ("ignore_eos", False),
         ("logprobs", None),
     ]
@@ -129,6 +138,10 @@ def test_stop_token_ids_list_becomes_a_tuple_detached_from_the_caller():
     ids.append(9)
     assert params.stop_token_ids == (3, 1, 4)
     hash(params)
+
+
+def test_stop_list_becomes_a_tuple():
+    assert SamplingParams(stop=["END", "\n"]).stop == ("END", "\n")
 
 
 def test_params_are_frozen():

@@ -2,6 +2,11 @@
 
 Opaque so that graph capture can keep it inside a whole-forward graph (decode) or split the graph
 at it (piecewise prefill) without the compiler ever tracing the KV pool or ragged metadata.
+
+Why `torch.library.custom_op` and not the lower-level `Library.define`/`impl` (7 µs per call
+against 55 µs here): with the latter, Dynamo specializes the `layer_id` int on every call, so a
+regionally compiled decoder layer recompiles once per layer (30 graphs, recompile limit hit)
+instead of sharing one graph with a symbolic layer_id.
 """
 
 from __future__ import annotations
