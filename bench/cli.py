@@ -16,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from graphexec.config import config_dir
 
-SUITES = ("decode",)
+SUITES = ("decode", "prefill")
 
 
 def _machine() -> dict:
@@ -35,7 +35,7 @@ def _machine() -> dict:
 def _run(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
-    from bench import decode
+    from bench import decode, prefill
     from graphexec.config import EngineConfig
     from graphexec.engine import Engine
 
@@ -43,8 +43,12 @@ def _run(cfg: DictConfig) -> None:
         sys.exit(f"error: bench.suite={cfg.bench.suite!r} is unknown; choose one of {list(SUITES)}")
     overrides = [o for o in HydraConfig.get().overrides.task if not o.startswith("bench")]
     engine = Engine(config=EngineConfig.from_dictconfig(cfg))
-    result = decode.run(engine, cfg, ["capture=graph_first", *overrides])
-    report = decode.markdown(result)
+    if cfg.bench.suite == "prefill":
+        result = prefill.run(engine, cfg)
+        report = prefill.markdown(result)
+    else:
+        result = decode.run(engine, cfg, ["capture=graph_first", *overrides])
+        report = decode.markdown(result)
     out_dir = Path(HydraConfig.get().runtime.output_dir)
     payload = {"suite": cfg.bench.suite, "config": OmegaConf.to_container(cfg, resolve=True), "machine": _machine(), "result": result}
     (out_dir / "results.json").write_text(json.dumps(payload, indent=2))

@@ -23,7 +23,7 @@ from tqdm import tqdm
 from capture.backend import CaptureBackend, CaptureEnv
 from capture.buckets import bucket_for, validate_buckets
 from capture.memory import memory_in_use
-from capture.padding import StaticDecodeInputs
+from capture.padding import StaticInputs
 from graphexec.errors import ConfigError
 from graphexec.forward_batch import ForwardBatch
 from graphexec.forward_mode import ForwardMode
@@ -51,7 +51,7 @@ class FullGraphBackend(CaptureBackend):
             raise ConfigError(f"{config_path}.compile.{unknown[0]} is unknown; known: {sorted(_COMPILE_OPTIONS)}")
         self.lazy = bool(self.options.get("lazy", False))
         self.progress = bool(self.options.get("progress", True))
-        self.buffers = StaticDecodeInputs(self.buckets[-1], env.device)
+        self.buffers = StaticInputs(self.buckets[-1], env.device)
         self._runners: dict[int, BucketRunner] = {}
         self._compiled: Callable | None = None
         self._cuda_pool = None

@@ -27,8 +27,10 @@ class PaddingPolicy:
     seq_len: int = 1
 
 
-class StaticDecodeInputs:
+class StaticInputs:
     """Per-row input buffers sized for the largest bucket; a bucket uses a prefix slice.
+
+    Decode pads requests (`load`: every per-row field); extend pads tokens (`load_tokens`).
 
     The addresses never change, which is what a captured CUDA graph requires; the CPU compiled
     path uses the very same buffers so the same code is tested everywhere.
@@ -71,6 +73,30 @@ class StaticDecodeInputs:
             num_token_non_padded=fb.num_token_non_padded,
         )
 
+    def load_tokens(self, fb: ForwardBatch, bucket: int, policy: PaddingPolicy) -> ForwardBatch:
+        """Extend/mixed: pad the token rows only; the per-request layout (extend_* fields,
+        seq_lens) stays that of the real requests, so attention never sees a padded token."""
+        n = fb.num_tokens
+        if not n <= bucket <= self.max_rows:
+            raise ValueError(f"batch of {n} tokens does not fit bucket {bucket} (buffers hold {self.max_rows})")
+        for buffer, live, fill in (
+            (self.input_ids, fb.input_ids, policy.input_id),
+            (self.positions, fb.positions, policy.position),
+            (self.out_cache_loc, fb.out_cache_loc, policy.out_cache_loc),
+        ):
+            buffer[:n].copy_(live)
+            buffer[n:bucket].fill_(fill)
+        return dataclasses.replace(
+            fb,
+            input_ids=self.input_ids[:bucket],
+            positions=self.positions[:bucket],
+            out_cache_loc=self.out_cache_loc[:bucket],
+            num_token_non_padded=fb.num_token_non_padded,
+        )
+
     def dummy_batch(self, bucket: int, policy: PaddingPolicy, mode) -> ForwardBatch:
         """A batch of `bucket` padding rows only: what capture and warm-up run on."""
-        return self.load(ForwardBatch.empty(mode, self.input_ids.device), bucket, policy)
+        empty = ForwardBatch.empty(mode, self.input_ids.device)
+        if mode.is_extend():
+            return self.load_tokens(empty, bucket, policy)
+        return self.load(empty, bucket, policy)

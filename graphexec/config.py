@@ -21,6 +21,7 @@ from graphexec.sampling_params import SamplingParams
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _MODEL_SOURCES = ("gguf", "hf", "random")
+_DEFAULT_PREFILL_TOKENS = 2048
 
 
 def config_dir() -> Path:
@@ -88,7 +89,10 @@ class CapturePlan:
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_running_requests: int
+    # New tokens per prefill batch; longer prompts are chunked.  Composed as null it becomes the
+    # largest token bucket of the extend backend (so every chunk fits a graph), else 2048.
     max_prefill_tokens: int
+    mixed_chunk: bool  # running decodes join a prefill batch as one-token extends (MIXED)
 
 
 @dataclass(frozen=True)
@@ -131,7 +135,7 @@ class EngineConfig:
         return cls(
             model=_model_source(raw["model"]),
             capture=_capture_plan(raw["capture"]),
-            scheduler=_positive_ints(SchedulerConfig, raw["scheduler"], "scheduler"),
+            scheduler=_scheduler(raw["scheduler"], raw["capture"]),
             cache=_cache(raw["cache"]),
             sampling=SamplingParams(**_known(SamplingParams, raw["sampling"], "sampling")),
             device=device,
@@ -149,18 +153,26 @@ def _known(dc: type, values: Mapping[str, Any], prefix: str) -> dict[str, Any]:
     return dict(values)
 
 
-def _positive_ints(dc: type, values: Mapping[str, Any], prefix: str):
-    values = _known(dc, values, prefix)
-    for key, value in values.items():
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ConfigError(f"{prefix}.{key} must be an integer >= 1, got {value!r}")
-    return dc(**values)
+def _scheduler(values: Mapping[str, Any], capture: Mapping[str, Any]) -> SchedulerConfig:
+    values = _known(SchedulerConfig, values, "scheduler")
+    if values.get("max_prefill_tokens") is None:
+        buckets = (capture.get("extend") or {}).get("buckets")
+        values["max_prefill_tokens"] = max(buckets) if buckets else _DEFAULT_PREFILL_TOKENS
+    for key in ("max_running_requests", "max_prefill_tokens"):
+        _check_positive_int(values.get(key), f"scheduler.{key}")
+    if not isinstance(values.get("mixed_chunk"), bool):
+        raise ConfigError(f"scheduler.mixed_chunk must be true or false, got {values.get('mixed_chunk')!r}")
+    return SchedulerConfig(**values)
+
+
+def _check_positive_int(value: Any, option: str) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"{option} must be an integer >= 1, got {value!r}")
 
 
 def _cache(values: Mapping[str, Any]) -> CacheConfig:
     values = _known(CacheConfig, values, "cache")
-    if not isinstance(values["num_slots"], int) or values["num_slots"] < 1:
-        raise ConfigError(f"cache.num_slots must be an integer >= 1, got {values['num_slots']!r}")
+    _check_positive_int(values["num_slots"], "cache.num_slots")
     if values["max_context"] is not None and (not isinstance(values["max_context"], int) or values["max_context"] < 2):
         raise ConfigError(f"cache.max_context must be null or an integer >= 2, got {values['max_context']!r}")
     return CacheConfig(**values)

@@ -9,10 +9,13 @@ import torch
 
 from graphexec.forward_mode import ForwardMode
 from graphexec.sampler import SamplingBatchInfo
+from graphexec.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from graphexec.schedule_batch import ScheduleBatch
 
+
+_NO_SAMPLING = SamplingParams(temperature=0.0)
 
 # Decode (and idle) batches carry no per-request extend layout.
 _NO_EXTEND_FIELDS = dict(
@@ -87,8 +90,13 @@ class ForwardBatch:
 
         sampling_info = None
         if batch.reqs:
+            # A prompt chunk's row is computed but not sampled: greedy and generator-free, so it
+            # never advances a seeded request's random stream.
             sampling_info = SamplingBatchInfo.from_params(
-                [r.params for r in batch.reqs], [r.generator for r in batch.reqs], vocab_size, device
+                [r.params if s else _NO_SAMPLING for r, s in zip(batch.reqs, batch.samples)],
+                [r.generator if s else None for r, s in zip(batch.reqs, batch.samples)],
+                vocab_size,
+                device,
             )
         return cls(
             forward_mode=mode,
@@ -109,6 +117,16 @@ class ForwardBatch:
     def empty(cls, mode: ForwardMode, device: torch.device | str) -> "ForwardBatch":
         """A batch with no rows: what padding turns into an all-dummy batch for capture."""
         none = torch.zeros(0, dtype=torch.int64, device=device)
+        extend = _NO_EXTEND_FIELDS
+        if mode.is_extend():
+            extend = dict(
+                extend_prefix_lens=none,
+                extend_seq_lens=none,
+                extend_start_loc=none,
+                extend_prefix_lens_cpu=(),
+                extend_seq_lens_cpu=(),
+                extend_num_tokens=0,
+            )
         return cls(
             forward_mode=mode,
             batch_size=0,
@@ -121,7 +139,7 @@ class ForwardBatch:
             out_cache_loc=none,
             num_token_non_padded=0,
             sampling_info=None,
-            **_NO_EXTEND_FIELDS,
+            **extend,
         )
 
     def sample_row_indices(self) -> torch.Tensor:

@@ -55,7 +55,7 @@ class ModelRunner:
         self.logits_processor = LogitsProcessor(self.model.compute_logits)
         self.sampler = Sampler()
 
-        env = CaptureEnv(
+        self.capture_env = env = CaptureEnv(
             model=self.model,
             device=self.device,
             forward_scope=self._forward_scope,

@@ -30,6 +30,9 @@ class ScheduleBatch:
     seq_lens: list[int]
     # Slot each new token's K/V is written to, in input order.
     out_cache_loc: torch.Tensor
+    # Per request: does this forward produce its next token?  False for a prompt chunk that
+    # does not reach the end of its prompt.
+    samples: tuple[bool, ...]
 
     @property
     def batch_size(self) -> int:
@@ -37,34 +40,43 @@ class ScheduleBatch:
 
     @classmethod
     def prepare_for_extend(
-        cls, reqs: list[Req], req_pool: ReqToTokenPool, kv_pool: TokenToKVPool
+        cls,
+        reqs: list[Req],
+        req_pool: ReqToTokenPool,
+        kv_pool: TokenToKVPool,
+        extend_lens: list[int] | None = None,
+        mixed: bool = False,
     ) -> "ScheduleBatch":
-        """Give each request a table row (first time only) and slots for every uncached token."""
+        """Give each request a table row (first time only) and slots for its next `extend_lens`
+        uncached tokens (default: all of them).  `mixed` marks decode requests riding along as
+        one-token extends."""
+        if extend_lens is None:
+            extend_lens = [r.seq_len - r.num_cached_tokens for r in reqs]
         input_ids: list[int] = []
-        prefix_lens, extend_lens, rows = [], [], []
-        new_slots = kv_pool.alloc(sum(r.seq_len - r.num_cached_tokens for r in reqs))
+        prefix_lens, rows = [], []
+        new_slots = kv_pool.alloc(sum(extend_lens))
         offset = 0
-        for req in reqs:
+        for req, extend in zip(reqs, extend_lens):
             if req.req_pool_idx is None:
                 req.req_pool_idx = req_pool.alloc()
             prefix = req.num_cached_tokens
-            extend = req.seq_len - prefix
             req_pool.write(req.req_pool_idx, prefix, new_slots[offset : offset + extend])
             req.num_allocated_tokens = prefix + extend
             offset += extend
-            input_ids.extend(req.all_ids[prefix:])
+            input_ids.extend(req.all_ids[prefix : prefix + extend])
             prefix_lens.append(prefix)
-            extend_lens.append(extend)
             rows.append(req.req_pool_idx)
+        seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
         return cls(
-            forward_mode=ForwardMode.EXTEND,
+            forward_mode=ForwardMode.MIXED if mixed else ForwardMode.EXTEND,
             reqs=tuple(reqs),
             input_ids=input_ids,
             req_pool_indices=rows,
             prefix_lens=prefix_lens,
-            extend_lens=extend_lens,
-            seq_lens=[p + e for p, e in zip(prefix_lens, extend_lens)],
+            extend_lens=list(extend_lens),
+            seq_lens=seq_lens,
             out_cache_loc=new_slots,
+            samples=tuple(s == r.seq_len for s, r in zip(seq_lens, reqs)),
         )
 
     @classmethod
@@ -86,4 +98,5 @@ class ScheduleBatch:
             extend_lens=[1] * len(reqs),
             seq_lens=[n + 1 for n in old_lens],
             out_cache_loc=new_slots,
+            samples=(True,) * len(reqs),
         )

@@ -54,15 +54,28 @@ class Scheduler:
         return False
 
     def step(self) -> list[Req]:
-        """Run one forward: a prefill batch if any request can be admitted, else a decode batch."""
-        admitted = self._admit()
-        reqs = admitted or list(self.running)
+        """Run one forward: a prefill batch (chunked to the token budget; with mixed_chunk, the
+        running requests' decode tokens ride along as one-token extends) if any request can be
+        admitted, else a decode batch."""
+        budget = self.config.max_prefill_tokens
+        mixed = self.config.mixed_chunk and bool(self.running)
+        if mixed:
+            budget -= len(self.running)
+        admitted, chunks = self._admit(budget)
+        runner = self.runner
+        if admitted and mixed:
+            reqs, lens = admitted + self.running, chunks + [1] * len(self.running)
+        else:
+            reqs, lens = (admitted, chunks) if admitted else (list(self.running), None)
         if not reqs:
             return []
-        runner = self.runner
         try:
-            prepare = ScheduleBatch.prepare_for_extend if admitted else ScheduleBatch.prepare_for_decode
-            batch = prepare(reqs, runner.req_to_token_pool, runner.kv_pool)
+            if lens is None:
+                batch = ScheduleBatch.prepare_for_decode(reqs, runner.req_to_token_pool, runner.kv_pool)
+            else:
+                batch = ScheduleBatch.prepare_for_extend(
+                    reqs, runner.req_to_token_pool, runner.kv_pool, lens, mixed=bool(admitted and mixed)
+                )
             result = runner.forward_and_sample(runner.init_forward_batch(batch))
         except BaseException:
             # Leave the pools as if these requests had never run; other requests are untouched.
@@ -70,33 +83,43 @@ class Scheduler:
                 req.finish_reason = FinishReason.ABORT
                 self._release(req)
             self.running = [r for r in self.running if not r.finished]
+            self.waiting = deque(r for r in self.waiting if not r.finished)
             raise
         return self._process_result(batch, result)
 
-    def _admit(self) -> list[Req]:
+    def _admit(self, budget: int) -> tuple[list[Req], list[int]]:
+        """Waiting requests for the next prefill and how many new tokens each computes now.
+
+        A prompt longer than the remaining budget is cut into chunks over several steps; it stays
+        at the head of the queue, its KV and reservation kept, until its last chunk runs.
+        """
         admitted: list[Req] = []
-        budget = self.config.max_prefill_tokens
-        while self.waiting and len(self.running) + len(admitted) < self.config.max_running_requests:
+        chunks: list[int] = []
+        while budget > 0 and self.waiting and len(self.running) + len(admitted) < self.config.max_running_requests:
             req = self.waiting[0]
-            new_tokens = req.seq_len - req.num_cached_tokens
-            # A prompt longer than the whole budget still runs, alone, rather than starving.
-            # TODO(chunked prefill): split it into budget-sized chunks instead.
-            if admitted and new_tokens > budget:
-                break
-            if self.reserved_slots + req.max_total_tokens() > self.kv_capacity:
+            if req not in self._reservations:
+                if self.reserved_slots + req.max_total_tokens() > self.kv_capacity:
+                    break
+                self._reservations[req] = req.max_total_tokens()
+            remaining = req.seq_len - req.num_cached_tokens
+            chunk = min(remaining, budget)
+            admitted.append(req)
+            chunks.append(chunk)
+            budget -= chunk
+            if chunk < remaining:
                 break
             self.waiting.popleft()
-            self._reservations[req] = req.max_total_tokens()
-            admitted.append(req)
-            budget -= new_tokens
-        return admitted
+        return admitted, chunks
 
     def _process_result(self, batch: ScheduleBatch, result: StepOutput) -> list[Req]:
         out = result.sampler
         next_ids = out.next_token_ids.tolist()
         finished = []
-        for i, (req, seq_len) in enumerate(zip(batch.reqs, batch.seq_lens)):
+        running = set(self.running)
+        for i, (req, seq_len, samples) in enumerate(zip(batch.reqs, batch.seq_lens, batch.samples)):
             req.num_cached_tokens = seq_len
+            if not samples:
+                continue  # a prompt chunk: its KV is kept, its token comes with the last chunk
             n_before = len(req.output_ids)
             req.append_token(next_ids[i])
             if req.params.logprobs is not None and len(req.output_ids) > n_before:
@@ -104,7 +127,7 @@ class Scheduler:
             if req.finished:
                 finished.append(req)
                 self._release(req)
-            elif batch.forward_mode.is_extend():
+            elif req not in running:
                 self.running.append(req)
         if finished:
             self.running = [r for r in self.running if not r.finished]
@@ -120,6 +143,18 @@ class Scheduler:
             req.req_pool_idx = None
             req.num_cached_tokens = req.num_allocated_tokens = 0
         self._reservations.pop(req, None)
+
+    def finish(self, rid: str, reason: FinishReason) -> bool:
+        """End a waiting or running request early for a reason decided outside the scheduler
+        (a stop string matched in the decoded text), releasing everything it holds."""
+        for queue in (self.waiting, self.running):
+            for req in queue:
+                if req.rid == rid:
+                    queue.remove(req)
+                    req.finish_reason = reason
+                    self._release(req)
+                    return True
+        return False
 
 
 def _logprob_entry(out, row: int, top_k: int) -> dict:

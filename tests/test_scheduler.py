@@ -107,3 +107,62 @@ def test_failed_forward_releases_the_batch():
     engine.runner.forward_and_sample = real
     (out,) = engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=5, ignore_eos=True))
     assert len(out.token_ids) == 5
+
+
+def test_chunked_prefill_equals_whole_prefill():
+    """Prompts longer than the token budget run in chunks over several steps, KV kept between
+    them; tokens (greedy and seeded) equal a run where every prompt fits in one batch."""
+    prompts = [_ids(n, 40 + n) for n in (45, 7, 23, 61)]
+    params = [
+        SamplingParams(max_new_tokens=8, ignore_eos=True),
+        SamplingParams(max_new_tokens=5, ignore_eos=True),
+        SamplingParams(max_new_tokens=9, temperature=0.9, seed=5, ignore_eos=True),
+        SamplingParams(max_new_tokens=6, temperature=0.7, top_p=0.9, seed=9, ignore_eos=True),
+    ]
+    whole = Engine(overrides=TINY_OVERRIDES + ["scheduler.max_prefill_tokens=512"])
+    expected = [o.token_ids for o in whole.generate(prompts, params)]
+
+    chunked = Engine(overrides=TINY_OVERRIDES + ["scheduler.max_prefill_tokens=16"])
+    extend_sizes = []
+    real = chunked.runner.forward_and_sample
+
+    def spy(fb):
+        if fb.forward_mode.is_extend():
+            extend_sizes.append(fb.num_tokens)
+        return real(fb)
+
+    chunked.runner.forward_and_sample = spy
+    assert [o.token_ids for o in chunked.generate(prompts, params)] == expected
+    assert max(extend_sizes) <= 16 and sum(extend_sizes) == sum(map(len, prompts))
+    assert len(extend_sizes) >= sum(-(-len(p) // 16) for p in prompts[:1]) + 3
+    assert_no_leak(chunked)
+
+
+def test_mixed_chunk_batches_decode_with_prefill():
+    prompts = [_ids(n, 70 + n) for n in (12, 30, 9, 25, 18)]
+    params = [SamplingParams(max_new_tokens=6 + 2 * i, ignore_eos=True) for i in range(5)]
+    expected = [o.token_ids for o in Engine(overrides=TINY_OVERRIDES).generate(prompts, params)]
+    engine = Engine(overrides=TINY_OVERRIDES + ["scheduler.max_prefill_tokens=24", "scheduler.mixed_chunk=true"])
+    modes = []
+    real = engine.runner.forward_and_sample
+
+    def spy(fb):
+        modes.append(fb.forward_mode)
+        return real(fb)
+
+    engine.runner.forward_and_sample = spy
+    assert [o.token_ids for o in engine.generate(prompts, params)] == expected
+    assert ForwardMode.MIXED in modes
+    assert_no_leak(engine)
+
+
+def test_abort_of_a_half_prefilled_request_frees_its_chunks():
+    engine = Engine(overrides=TINY_OVERRIDES + ["scheduler.max_prefill_tokens=8"])
+    sched = engine.scheduler
+    req = Req("long", _ids(40, 3), SamplingParams(max_new_tokens=4), (), 512)
+    sched.add_request(req)
+    sched.step()
+    sched.step()
+    assert req.num_cached_tokens == 16 and not req.output_ids and req in sched.waiting
+    assert sched.abort("long")
+    assert_no_leak(engine)

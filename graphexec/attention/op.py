@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from capture.break_points import ATTENTION, break_point
 from graphexec.forward_context import get_forward_context
 
 
@@ -31,6 +32,7 @@ def _attention_fake(q, k, v, out, layer_id) -> None:
     return None
 
 
+@break_point(ATTENTION)
 def unified_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
     out = torch.empty_like(q)
     torch.ops.graphexec.attention(q, k, v, out, layer_id)

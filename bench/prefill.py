@@ -1,0 +1,87 @@
+"""Prefill suite: per token bucket, eager vs each piecewise variant, paired in one process, and
+what capturing each variant costs (seconds and memory per bucket, in this process)."""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.timing import paired_ms
+from capture import create_backend
+
+
+def run(engine, cfg) -> dict[str, Any]:
+    runner = engine.runner
+    buckets = list(cfg.bench.buckets)
+    variants = {}
+    for name in cfg.bench.variants:
+        backend = create_backend(name, runner.capture_env, {"buckets": buckets, "progress": False}, "bench.variants")
+        backend.capture()
+        variants[name] = backend
+    rows = []
+    for bucket in buckets:
+        fb, release = _extend_batch(engine, bucket)
+        sides = {"eager": lambda: runner.eager.execute(fb)}
+        sides |= {name: (lambda b=b: b.execute(fb)) for name, b in variants.items()}
+        with torch.inference_mode():
+            timings = paired_ms(sides, cfg.bench.rounds, cfg.bench.steps)
+        row = {"bucket": bucket, "eager": timings["eager"]}
+        for name, backend in variants.items():
+            row[name] = timings[name] | {
+                "speedup": timings["eager"]["median_ms"] / timings[name]["median_ms"],
+                "capture_seconds": backend.stats.capture_seconds.get(bucket),
+                "capture_mib": backend.stats.capture_bytes.get(bucket, 0) / 2**20,
+            }
+        rows.append(row)
+        release()
+    loc = {name: _lines_of_code(type(b)) for name, b in variants.items()}
+    return {"variants": list(variants), "buckets": rows, "lines_of_code": loc}
+
+
+def _extend_batch(engine, tokens: int):
+    """One prefill batch of exactly `tokens` new tokens (two requests), and how to free it."""
+    from graphexec import SamplingParams
+    from graphexec.request import Req
+    from graphexec.schedule_batch import ScheduleBatch
+
+    runner = engine.runner
+    gen = torch.Generator().manual_seed(tokens)
+    sizes = [tokens // 2, tokens - tokens // 2] if tokens > 1 else [1]
+    reqs = [
+        Req(f"prefill{i}", torch.randint(3, engine.model_config.vocab_size, (n,), generator=gen).tolist(),
+            SamplingParams(max_new_tokens=1), (), engine.max_context)
+        for i, n in enumerate(sizes)
+    ]
+    batch = ScheduleBatch.prepare_for_extend(reqs, runner.req_to_token_pool, runner.kv_pool)
+
+    def release() -> None:
+        for req in reqs:
+            engine.scheduler._release(req)
+
+    return runner.init_forward_batch(batch), release
+
+
+def _lines_of_code(cls) -> int:
+    """Non-blank, non-comment lines of the variant's module plus the shared piecewise base."""
+    files = {Path(inspect.getfile(cls))} | {Path(inspect.getfile(base)) for base in cls.__mro__[1:2]}
+    return sum(
+        1 for f in files for line in f.read_text().splitlines() if line.strip() and not line.strip().startswith("#")
+    )
+
+
+def markdown(result: dict[str, Any]) -> str:
+    names = result["variants"]
+    head = "| tokens | eager ms | " + " | ".join(f"{n} ms (×) | {n} capture s" for n in names) + " |"
+    lines = [head, "|" + "---|" * (2 + 2 * len(names))]
+    for row in result["buckets"]:
+        cells = [f"{row['bucket']}", f"{row['eager']['median_ms']:.0f}"]
+        for n in names:
+            v = row[n]
+            cap = v["capture_seconds"]
+            cells += [f"{v['median_ms']:.0f} ({v['speedup']:.2f}×)", "—" if cap is None else f"{cap:.1f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "lines of code (variant + shared base): " + ", ".join(f"{n} {c}" for n, c in result["lines_of_code"].items())]
+    return "\n".join(lines) + "\n"

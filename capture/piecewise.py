@@ -1,0 +1,91 @@
+"""What the two piecewise prefill backends share: token-count buckets, padding, capture loop.
+
+EXTEND and MIXED batches are padded up to the smallest token bucket that holds them (padded
+tokens: input id 0, position 0, the dummy KV slot; the per-request layout stays the real one, so
+attention never reads them and zeroes their output rows), run through that bucket's pieces, and
+sliced back to the real tokens.  A batch above the largest bucket runs eager, counted.
+Subclasses only say how the forward is cut into pieces (`_build_forward`).
+"""
+
+from __future__ import annotations
+
+import time
+from abc import abstractmethod
+from typing import Any, Callable, Mapping
+
+import torch
+from tqdm import tqdm
+
+from capture.backend import CaptureBackend, CaptureEnv
+from capture.buckets import bucket_for, validate_buckets
+from capture.memory import memory_in_use
+from capture.padding import StaticInputs
+from graphexec.errors import ConfigError
+from graphexec.forward_batch import ForwardBatch
+from graphexec.forward_mode import ForwardMode
+
+PieceForward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+_COMMON_OPTIONS = {"buckets", "progress", "lazy"}
+
+
+class PiecewiseBackend(CaptureBackend):
+    extra_options: frozenset[str] = frozenset()
+
+    def __init__(self, env: CaptureEnv, options: Mapping[str, Any], config_path: str = "capture.extend"):
+        super().__init__(env, options, config_path)
+        known = _COMMON_OPTIONS | self.extra_options
+        unknown = sorted(set(self.options) - known)
+        if unknown:
+            raise ConfigError(f"{config_path}.{unknown[0]} is not a {self.name} option; known: {sorted(known)}")
+        self.buckets = validate_buckets(self.options.get("buckets"), f"{config_path}.buckets")
+        self.progress = bool(self.options.get("progress", True))
+        self.lazy = bool(self.options.get("lazy", False))
+        self.buffers = StaticInputs(self.buckets[-1], env.device)
+        self._captured: set[int] = set()
+        self._forward: PieceForward | None = None
+
+    @abstractmethod
+    def _build_forward(self) -> PieceForward:
+        """The cut-up forward: (input_ids, positions) -> hidden, pieces compiled, breaks eager."""
+
+    def _run(self, fb: ForwardBatch) -> torch.Tensor:
+        """Run the pieced forward on a padded batch (subclasses wrap it in their break scope)."""
+        return self._forward(fb.input_ids, fb.positions)
+
+    def capture(self) -> None:
+        self._forward = self._build_forward()
+        if self.lazy:
+            return
+        bar = tqdm(sorted(self.buckets, reverse=True), desc=f"capture {self.name}", unit="bucket", disable=not self.progress)
+        for bucket in bar:
+            bar.set_postfix(tokens=bucket)
+            self._capture_timed(bucket)
+        bar.close()
+
+    def _capture_timed(self, bucket: int) -> None:
+        before, t0 = memory_in_use(self.env.device), time.perf_counter()
+        dummy = self.buffers.dummy_batch(bucket, self.env.padding, ForwardMode.EXTEND)
+        # Every segment of every layer is a legitimate compile of shared code: lift the limit.
+        with torch._dynamo.config.patch(recompile_limit=4096, accumulated_recompile_limit=65536):
+            with self.env.forward_scope(dummy):
+                self._run(dummy)
+        self.stats.capture_seconds[bucket] = time.perf_counter() - t0
+        self.stats.capture_bytes[bucket] = max(0, memory_in_use(self.env.device) - before)
+        self._captured.add(bucket)
+
+    def can_run(self, fb: ForwardBatch) -> bool:
+        if not fb.forward_mode.is_extend() or self._forward is None:
+            return False
+        bucket = bucket_for(fb.num_tokens, self.buckets)
+        return bucket is not None and (self.lazy or bucket in self._captured)
+
+    def execute(self, fb: ForwardBatch) -> torch.Tensor:
+        bucket = bucket_for(fb.num_tokens, self.buckets)
+        if bucket not in self._captured:
+            self._capture_timed(bucket)
+        padded = self.buffers.load_tokens(fb, bucket, self.env.padding)
+        with self.env.forward_scope(padded):
+            hidden = self._run(padded)
+        self.stats.executions += 1
+        self.stats.padded_rows += bucket - fb.num_tokens
+        return hidden[: fb.num_token_non_padded]
