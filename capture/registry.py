@@ -10,6 +10,7 @@ from capture.backend import CaptureBackend, CaptureEnv
 _BACKENDS: Mapping[str, str] = {
     "eager": "capture.eager:EagerRunner",
     "full_graph": "capture.full_graph:FullGraphBackend",
+    "breakable": "capture.breakable:BreakableBackend",
 }
 
 
