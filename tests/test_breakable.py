@@ -13,8 +13,10 @@ from tests.invariants import assert_no_leak
 TINY = ["model=tiny-llama", "cache.num_slots=1024"]
 
 
-def _plan(breaks="[attention]", buckets="[16,32,64]"):
+def _plan(breaks="[attention]", buckets="[16,32,64]", prefill_tokens=128):
+    # A budget above the largest bucket, so an oversized prompt reaches the backend unchunked.
     return TINY + [
+        f"scheduler.max_prefill_tokens={prefill_tokens}",
         "capture=eager",
         f"+capture.extend={{backend:breakable,buckets:{buckets},breaks:{breaks},progress:false}}",
         "capture.mixed=${capture.extend}",
@@ -129,7 +131,7 @@ def test_config_errors(override, message):
 def test_chunked_and_mixed_batches_through_breakable(eager_tokens):
     """Chunks of a long prompt and MIXED batches (decodes riding along as one-token extends) all
     go through the piecewise backend, and tokens stay equal to eager."""
-    engine = Engine(overrides=_plan(buckets="[32]") + ["scheduler.mixed_chunk=true"])
+    engine = Engine(overrides=_plan(buckets="[32]", prefill_tokens="null") + ["scheduler.mixed_chunk=true"])
     assert engine.config.scheduler.max_prefill_tokens == 32  # defaults to the largest bucket
     modes = []
     real = engine.runner.forward_and_sample
