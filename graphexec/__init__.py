@@ -9,12 +9,15 @@ import importlib
 
 _PUBLIC = {
     "Engine": "graphexec.engine",
-    "RequestOutput": "graphexec.engine",
+    "RequestOutput": "graphexec.request_output",
+    "RequestDelta": "graphexec.request_output",
     "SamplingParams": "graphexec.sampling_params",
     "GraphexecError": "graphexec.errors",
     "InvalidRequestError": "graphexec.errors",
     "ConfigError": "graphexec.errors",
     "CheckpointError": "graphexec.errors",
+    "RequestFailedError": "graphexec.errors",
+    "EngineClosedError": "graphexec.errors",
 }
 
 __all__ = sorted(_PUBLIC)

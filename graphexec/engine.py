@@ -1,46 +1,42 @@
-"""The Python serving API: `Engine(overrides=[...]).generate(prompts, SamplingParams(...))`."""
+"""The Python serving API: `Engine(overrides=[...])`, then `generate` (blocking batch), `stream`
+(blocking iterator of deltas), `agenerate` / `astream` (asyncio), `abort` and `shutdown`.
+
+All model work runs on one background thread (`EngineLoop`), started by the first request;
+callers only validate, tokenize and wait.
+"""
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
-from typing import Sequence
+import time
+import weakref
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
 from graphexec.config import EngineConfig
-from graphexec.errors import InvalidRequestError
+from graphexec.engine_loop import EngineLoop
+from graphexec.engine_metrics import EngineMetrics
+from graphexec.errors import InvalidRequestError, RequestFailedError
 from graphexec.model_runner import ModelRunner
 from graphexec.models.checkpoint import load_checkpoint
+from graphexec.prompt_encoder import Prompt, PromptEncoder
 from graphexec.request import Req
+from graphexec.request_output import RequestDelta, RequestOutput
+from graphexec.request_stream import AsyncRequestStream, RequestStream
+from graphexec.request_tracker import RequestTracker
 from graphexec.sampling_params import SamplingParams
 from graphexec.scheduler import Scheduler
 
-Prompt = str | Sequence[int]
-
-
-@dataclass(frozen=True)
-class RequestOutput:
-    request_id: str
-    prompt_token_ids: list[int]
-    text: str
-    token_ids: list[int]  # generated ids only; a stop token that ended the request is not included
-    finish_reason: str  # "stop" | "length" | "abort"
-    logprobs: list[dict] | None = None
-
-    @property
-    def prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
-
-    @property
-    def completion_tokens(self) -> int:
-        return len(self.token_ids)
+__all__ = ["Engine", "Prompt", "RequestDelta", "RequestOutput"]
 
 
 class Engine:
-    """Loads the configured model, builds the runner and scheduler, and serves generate calls.
+    """Loads the configured model, builds the runner and scheduler, and serves requests.
 
     `overrides` are Hydra overrides of `configs/config.yaml`, exactly as on the command line.
+    Once a request has been served, the engine loop owns `scheduler` and `runner`: drive them
+    directly only on an engine that serves no requests.
     """
 
     def __init__(self, overrides: Sequence[str] = (), *, config: EngineConfig | None = None):
@@ -52,7 +48,12 @@ class Engine:
         self.runner = ModelRunner(self.config, checkpoint)
         self.runner.capture()
         self.scheduler = Scheduler(self.runner, self.config.scheduler)
+        self.prompt_encoder = PromptEncoder(self.tokenizer, self.model_config.name, self.model_config.vocab_size, self.max_context)
         self._request_ids = itertools.count()
+        self._loop = EngineLoop(self.scheduler, self.runner.device)
+        # An engine dropped without shutdown() still stops its thread (the callback holds the
+        # loop, not the engine, so it does not keep the engine alive).
+        self._stop_loop = weakref.finalize(self, self._loop.shutdown)
 
     @property
     def max_context(self) -> int:
@@ -68,21 +69,82 @@ class Engine:
         """Generate for every prompt (strings, or token-id lists used as given); outputs in order.
 
         Every prompt is validated before any is queued, so a bad one fails the call cleanly.
+        If a request fails, the others of the call are aborted (and released) before it raises.
         """
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
-            raise InvalidRequestError("prompts must be a list of strings or a list of token-id lists")
+            raise InvalidRequestError("prompts must be a list of strings or a list of token-id lists", param="prompt")
         params = self._params_per_prompt(len(prompts), sampling_params)
-        reqs = [self._make_request(i, p, sp, chat) for i, (p, sp) in enumerate(zip(prompts, params))]
-        for req in reqs:
-            self.scheduler.add_request(req)
+        reqs = [self._make_request(p, sp, chat, f"prompt {i}") for i, (p, sp) in enumerate(zip(prompts, params))]
+        if not reqs:
+            return []
+        streams = self._submit(reqs, self._thread_stream)
         try:
-            while any(not req.finished for req in reqs):
-                self.scheduler.step()
+            return [stream.result() for stream in streams]
         except BaseException:
-            for req in reqs:
-                self.scheduler.abort(req.rid)
+            for stream in streams:
+                stream.cancel()
+            for stream in streams:
+                _drain(stream)
             raise
-        return [self._output(req) for req in reqs]
+
+    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None, *, chat: bool = False) -> RequestStream:
+        """Start one request; iterate the result for its deltas (`.result()` waits for the end)."""
+        (stream,) = self._submit([self._make_request(prompt, sampling_params, chat, "prompt")], self._thread_stream)
+        return stream
+
+    def astream(
+        self, prompt: Prompt, sampling_params: SamplingParams | None = None, *, chat: bool = False
+    ) -> AsyncRequestStream:
+        """Start one request from a running event loop; `async for` over the result for its deltas.
+
+        Bad input raises here, before anything is queued.
+        """
+        (stream,) = self._submit([self._make_request(prompt, sampling_params, chat, "prompt")], self._asyncio_stream)
+        return stream
+
+    async def agenerate(
+        self, prompt: Prompt, sampling_params: SamplingParams | None = None, *, chat: bool = False
+    ) -> RequestOutput:
+        """One request, awaited; cancelling the await aborts the request."""
+        return await self.astream(prompt, sampling_params, chat=chat).result()
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a request; its stream ends with finish_reason "abort" once its KV is released.
+
+        False when the id is unknown or the request already finished.
+        """
+        return self._loop.abort(request_id)
+
+    def shutdown(self) -> None:
+        """Abort unfinished requests and stop the engine loop; the engine takes no new requests."""
+        self._stop_loop()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.shutdown()
+
+    @property
+    def is_serving(self) -> bool:
+        return self._loop.is_alive
+
+    def num_unfinished(self) -> int:
+        """Requests submitted and not yet finished (queued or running)."""
+        return self._loop.num_unfinished()
+
+    def metrics(self) -> EngineMetrics:
+        return EngineMetrics.collect(self.scheduler, self.runner, self._loop)
+
+    def encode_prompt(self, prompt: Prompt, chat: bool = False, index: int = 0) -> list[int]:
+        return self.prompt_encoder.encode(prompt, chat=chat, label=f"prompt {index}")
+
+    def encode_chat(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+        """Token ids of a conversation through the model's chat template, ready for the reply."""
+        return self.prompt_encoder.encode_chat(messages)
+
+    def kv_slots_free(self) -> int:
+        return self.runner.kv_pool.num_free
 
     def _params_per_prompt(self, n: int, sampling_params) -> list[SamplingParams]:
         if sampling_params is None:
@@ -96,32 +158,13 @@ class Engine:
             )
         return params
 
-    def encode_prompt(self, prompt: Prompt, chat: bool = False, index: int = 0) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InvalidRequestError(f"prompt {index}: model {self.model_config.name!r} has no tokenizer; pass token ids")
-            if chat:
-                prompt = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-            ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            ids = list(prompt)
-        else:
-            raise InvalidRequestError(f"prompt {index} must be a string or a list of token ids, got {type(prompt).__name__}")
-        vocab = self.model_config.vocab_size
-        if not ids:
-            raise InvalidRequestError(f"prompt {index} is empty: at least one token is needed")
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequestError(f"prompt {index} has token id {bad[0]} outside the vocabulary [0, {vocab})")
-        if len(ids) >= self.max_context:
-            raise InvalidRequestError(
-                f"prompt {index} has {len(ids)} tokens; the context limit is {self.max_context} "
-                f"(prompt must be at most {self.max_context - 1} to generate)"
-            )
-        return ids
-
-    def _make_request(self, index: int, prompt: Prompt, params: SamplingParams, chat: bool) -> Req:
-        ids = self.encode_prompt(prompt, chat, index)
+    def _make_request(self, prompt: Prompt, params: SamplingParams | None, chat: bool, label: str) -> Req:
+        params = self.config.sampling if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        ids = self.prompt_encoder.encode(prompt, chat=chat, label=label)
+        if params.stop and self.tokenizer is None:
+            raise InvalidRequestError(f"stop strings need a tokenizer; model {self.model_config.name!r} has none", param="stop")
         req = Req(
             rid=f"req-{next(self._request_ids)}",
             prompt_ids=ids,
@@ -131,21 +174,32 @@ class Engine:
         )
         if req.max_total_tokens() > self.scheduler.kv_capacity:
             raise InvalidRequestError(
-                f"prompt {index} needs up to {req.max_total_tokens()} KV slots (prompt + max_new_tokens) "
-                f"but the pool has {self.scheduler.kv_capacity}; lower max_new_tokens or raise cache.num_slots"
+                f"{label} needs up to {req.max_total_tokens()} KV slots (prompt + max_new_tokens) "
+                f"but the pool has {self.scheduler.kv_capacity}; lower max_new_tokens or raise cache.num_slots",
+                param="max_tokens",
             )
         return req
 
-    def _output(self, req: Req) -> RequestOutput:
-        text = self.tokenizer.decode(req.output_ids) if self.tokenizer is not None else ""
-        return RequestOutput(
-            request_id=req.rid,
-            prompt_token_ids=list(req.prompt_ids),
-            text=text,
-            token_ids=list(req.output_ids),
-            finish_reason=req.finish_reason.value,
-            logprobs=list(req.output_logprobs) if req.params.logprobs is not None else None,
+    def _submit(self, reqs: list[Req], make_stream: Callable[[str], RequestStream | AsyncRequestStream]) -> list:
+        now = time.perf_counter()
+        streams = [make_stream(req.rid) for req in reqs]
+        self._loop.submit(
+            [RequestTracker(req, stream.channel.put, self.tokenizer, now) for req, stream in zip(reqs, streams)]
         )
+        return streams
 
-    def kv_slots_free(self) -> int:
-        return self.runner.kv_pool.num_free
+    def _thread_stream(self, rid: str) -> RequestStream:
+        loop = self._loop
+        return RequestStream(rid, loop.abort, lambda: loop.thread_alive)
+
+    def _asyncio_stream(self, rid: str) -> AsyncRequestStream:
+        return AsyncRequestStream(rid, self._loop.abort)
+
+
+def _drain(stream: RequestStream) -> None:
+    """Wait for a cancelled stream's last delta, i.e. until its request released its KV."""
+    try:
+        for _ in stream:
+            pass
+    except RequestFailedError:
+        pass

@@ -1,4 +1,8 @@
-"""Errors raised for bad input.  All are ValueError subclasses so callers can catch one type."""
+"""Errors graphexec raises.  Bad input gets a ValueError subclass, so callers can catch one type;
+failures of the engine itself (a step that raised, a closed engine) are RuntimeErrors.
+"""
+
+from __future__ import annotations
 
 
 class GraphexecError(ValueError):
@@ -6,7 +10,15 @@ class GraphexecError(ValueError):
 
 
 class InvalidRequestError(GraphexecError):
-    """A prompt or a request's sampling parameters are out of range."""
+    """A prompt or a request's sampling parameters are out of range.
+
+    `param` names the offending request field when the raiser knows it (the HTTP server reports
+    it as the OpenAI error's `param`); otherwise the message starts with the field name.
+    """
+
+    def __init__(self, message: str, *, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 class ConfigError(GraphexecError):
@@ -15,3 +27,11 @@ class ConfigError(GraphexecError):
 
 class CheckpointError(GraphexecError):
     """A model file or directory is missing or cannot be read."""
+
+
+class RequestFailedError(RuntimeError):
+    """The engine failed while running a request (the request ended; the engine keeps serving)."""
+
+
+class EngineClosedError(RuntimeError):
+    """The engine was shut down and takes no more requests."""

@@ -27,3 +27,47 @@ def test_generate_rejects_unknown_model_with_exit_code():
     result = _generate("model=no-such-model")
     assert result.returncode != 0
     assert "no-such-model" in result.stderr
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_serve_answers_on_the_configured_port_and_stops_on_sigint():
+    import signal
+    import time
+
+    import httpx
+
+    port = _free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "graphexec.entrypoints.serve", "model=tiny-llama", "capture=eager",
+         f"server.port={port}", "server.log_level=warning"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        with httpx.Client(trust_env=False, timeout=10) as http:
+            deadline = time.monotonic() + 120
+            while True:
+                assert server.poll() is None, server.stderr.read()
+                try:
+                    if http.get(f"{base}/health").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                assert time.monotonic() < deadline, "graphexec-serve did not come up"
+                time.sleep(0.2)
+            assert http.get(f"{base}/v1/models").json()["data"][0]["id"] == "tiny-llama"
+            body = {"model": "tiny-llama", "prompt": "hi", "max_tokens": 4, "ignore_eos": True}
+            assert http.post(f"{base}/v1/completions", json=body).json()["usage"]["completion_tokens"] == 4
+    finally:
+        server.send_signal(signal.SIGINT)
+        _, stderr = server.communicate(timeout=30)
+    assert server.returncode == 0, stderr
+    assert f"model=tiny-llama capture=eager on http://127.0.0.1:{port}" in stderr
+

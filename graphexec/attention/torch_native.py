@@ -85,7 +85,7 @@ class TorchNativeAttnBackend(AttentionBackend):
     def forward(self, q, k, v, out, layer_id, ctx: "ForwardContext") -> None:
         fb = ctx.forward_batch
         n = fb.num_token_non_padded
-        h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
+        kvh, d = self.num_kv_heads, self.head_dim
         ctx.kv_pool.write(layer_id, fb.out_cache_loc, k.view(-1, kvh, d), v.view(-1, kvh, d))
         k_cache, v_cache = ctx.kv_pool.k_buffers[layer_id], ctx.kv_pool.v_buffers[layer_id]
         if fb.forward_mode.is_extend():

@@ -1,0 +1,200 @@
+"""The engine loop: one background thread that owns the scheduler (and so the model).
+
+Callers on any thread submit requests and aborts through a locked inbox; the loop applies them
+between steps, steps while any of its requests is unfinished, publishes each request's delta
+after every step, and sleeps on a condition when idle.  The Scheduler stays single-threaded and
+unaware of threads: only this thread touches it once the loop has started.
+
+A step that raises fails only the requests of that batch (their streams end with the error);
+the loop keeps serving the rest.  The thread starts on the first submission, so code that drives
+`engine.scheduler.step()` itself on a fresh engine never races with it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from graphexec.errors import EngineClosedError
+from graphexec.request import FinishReason
+from graphexec.request_tracker import RequestTracker
+from graphexec.scheduler import Scheduler
+from graphexec.serving_stats import ServingStats
+
+_log = logging.getLogger(__name__)
+
+# How long shutdown waits for a step in flight before giving up on the thread.
+_JOIN_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True)
+class _Submit:
+    trackers: tuple[RequestTracker, ...]
+
+
+@dataclass(frozen=True)
+class _Abort:
+    rid: str
+
+
+class EngineLoop:
+    def __init__(self, scheduler: Scheduler, device: torch.device, name: str = "graphexec-engine-loop"):
+        self._scheduler = scheduler
+        self._device = device
+        self._name = name
+        self.stats = ServingStats()
+        self._wakeup = threading.Condition()
+        # Guarded by _wakeup: the inbox, the ids of unfinished requests, the stop flag, the thread.
+        self._inbox: list[_Submit | _Abort] = []
+        self._unfinished: set[str] = set()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        # Loop thread only.
+        self._trackers: dict[str, RequestTracker] = {}
+
+    # ---- any thread ----
+
+    def submit(self, trackers: list[RequestTracker]) -> None:
+        """Queue requests; all of them reach the scheduler in the same step, in order."""
+        with self._wakeup:
+            if self._stopping:
+                raise EngineClosedError("the engine was shut down; create a new Engine")
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+                self._thread.start()
+            self._inbox.append(_Submit(tuple(trackers)))
+            self._unfinished.update(t.rid for t in trackers)
+            self._wakeup.notify()
+
+    def abort(self, rid: str) -> bool:
+        """Ask the loop to abort a request; False if it is unknown or already finished."""
+        with self._wakeup:
+            if rid not in self._unfinished:
+                return False
+            self._inbox.append(_Abort(rid))
+            self._wakeup.notify()
+            return True
+
+    def num_unfinished(self) -> int:
+        with self._wakeup:
+            return len(self._unfinished)
+
+    @property
+    def thread_alive(self) -> bool:
+        """The thread runs (it outlives a shutdown until every request has its last delta)."""
+        with self._wakeup:
+            return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def is_alive(self) -> bool:
+        """Serving: not shut down, and the thread (once started) is running."""
+        with self._wakeup:
+            return not self._stopping and (self._thread is None or self._thread.is_alive())
+
+    def shutdown(self) -> None:
+        """Abort every unfinished request (their streams end with "abort") and stop the thread."""
+        with self._wakeup:
+            self._stopping = True
+            thread = self._thread
+            self._wakeup.notify()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(_JOIN_TIMEOUT_S)
+
+    # ---- loop thread ----
+
+    def _run(self) -> None:
+        if self._device.type == "cuda":
+            # The current CUDA device is per thread; graphs and pools live on the engine's.
+            torch.cuda.set_device(self._device)
+        while True:
+            with self._wakeup:
+                while not (self._inbox or self._trackers or self._stopping):
+                    self._wakeup.wait()
+                commands, self._inbox = self._inbox, []
+                stopping = self._stopping
+            if stopping:
+                self._abort_everything(commands)
+                return
+            try:
+                for command in commands:
+                    self._apply(command)
+                if self._trackers:
+                    self._step()
+                self._publish()
+            except Exception as error:  # a bug outside the model step: fail what is running, keep serving
+                _log.exception("engine loop iteration failed")
+                self._fail(list(self._trackers.values()), error)
+
+    def _apply(self, command: _Submit | _Abort) -> None:
+        if isinstance(command, _Submit):
+            for tracker in command.trackers:
+                self._trackers[tracker.rid] = tracker
+                self._scheduler.add_request(tracker.req)
+        else:
+            tracker = self._trackers.get(command.rid)
+            if tracker is not None and not tracker.req.finished:
+                tracker.abort_requested = True
+                self._scheduler.abort(command.rid)
+
+    def _step(self) -> None:
+        try:
+            self._scheduler.step()
+        except Exception as error:
+            # The scheduler released the failed batch and marked it aborted; those are the
+            # requests to fail, unless the caller had asked for the abort anyway.
+            failed = [
+                t for t in self._trackers.values()
+                if t.req.finish_reason is FinishReason.ABORT and not t.abort_requested
+            ]
+            _log.error("engine step failed for %d request(s): %r", len(failed), error)
+            self._fail(failed or list(self._trackers.values()), error)
+
+    def _publish(self) -> None:
+        now = time.perf_counter()
+        new_tokens = 0
+        for tracker in list(self._trackers.values()):
+            delta = tracker.collect(now)
+            if delta is None:
+                continue
+            new_tokens += len(delta.token_ids)
+            if tracker.stop_string_matched and not tracker.req.finished:
+                # Release the KV before anyone hears the request is over.
+                self._scheduler.finish(tracker.rid, FinishReason.STOP)
+            delivered = tracker.sink(delta)
+            if delta.finished:
+                self._forget(tracker, delta.finish_reason)
+            elif not delivered:  # the consumer's event loop is gone: stop generating for it
+                self._scheduler.abort(tracker.rid)
+                self._forget(tracker, "abort")
+        self.stats.record_tokens(now, new_tokens)
+        if self._trackers and not self._scheduler.has_unfinished():
+            # Nothing left to step yet requests are unfinished: never spin on them.
+            self._fail(list(self._trackers.values()), RuntimeError("the scheduler lost track of these requests"))
+
+    def _fail(self, trackers: list[RequestTracker], error: BaseException) -> None:
+        for tracker in trackers:
+            if not tracker.req.finished:
+                self._scheduler.abort(tracker.rid)
+            tracker.sink(error)
+            self._forget(tracker, "error")
+
+    def _forget(self, tracker: RequestTracker, reason: str) -> None:
+        self._trackers.pop(tracker.rid, None)
+        with self._wakeup:
+            self._unfinished.discard(tracker.rid)
+        self.stats.record_finish(reason)
+
+    def _abort_everything(self, commands: list[_Submit | _Abort]) -> None:
+        for command in commands:
+            if isinstance(command, _Submit):
+                for tracker in command.trackers:
+                    tracker.req.finish_reason = FinishReason.ABORT  # never reached the scheduler
+                    self._trackers[tracker.rid] = tracker
+        for tracker in self._trackers.values():
+            if not tracker.req.finished:
+                self._scheduler.abort(tracker.rid)
+        self._publish()

@@ -1,0 +1,44 @@
+"""`graphexec-serve [overrides]`: the configured model behind an OpenAI-compatible HTTP API."""
+
+from __future__ import annotations
+
+import sys
+
+from omegaconf import DictConfig, OmegaConf
+
+from graphexec.config import EngineConfig, config_dir
+from graphexec.errors import GraphexecError
+
+
+def _run(cfg: DictConfig) -> None:
+    import uvicorn
+
+    from graphexec.engine import Engine
+    from graphexec.server.app import create_app
+    from graphexec.server.config import ServerConfig
+
+    try:
+        server = ServerConfig.from_mapping(OmegaConf.to_container(cfg.server, resolve=True))
+        engine = Engine(config=EngineConfig.from_dictconfig(cfg))
+    except GraphexecError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+    print(
+        f"graphexec-serve: model={engine.config.model.name} capture={engine.config.capture.name} "
+        f"on http://{server.host}:{server.port}",
+        file=sys.stderr,
+    )
+    try:
+        uvicorn.run(create_app(engine, server), host=server.host, port=server.port, log_level=server.log_level)
+    finally:
+        engine.shutdown()
+
+
+def main() -> None:
+    import hydra
+
+    hydra.main(version_base=None, config_path=str(config_dir()), config_name="serve")(_run)()
+
+
+if __name__ == "__main__":
+    main()

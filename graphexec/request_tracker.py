@@ -1,0 +1,100 @@
+"""Loop-side state of one request: turns what the scheduler appended to a `Req` into deltas.
+
+Owned by the engine loop thread.  Text is detokenized incrementally and checked for stop strings
+here, in the engine layer, because the scheduler only sees token ids.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from graphexec.detokenizer import Decoder, IncrementalDetokenizer
+from graphexec.request import FinishReason, Req
+from graphexec.request_output import RequestDelta, RequestOutput
+from graphexec.stop_strings import StopStringMatcher
+
+# Receives each delta, or the exception that ended the request; False when nobody will read it.
+Sink = Callable[[RequestDelta | BaseException], bool]
+
+
+class RequestTracker:
+    def __init__(self, req: Req, sink: Sink, tokenizer: Decoder | None, arrival_time: float):
+        self.req = req
+        self.sink = sink
+        self.arrival_time = arrival_time
+        self.abort_requested = False
+        self._detokenizer = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
+        self._stop = StopStringMatcher(req.params.stop)
+        self._sent_tokens = 0
+        self._text = ""  # decoded so far (cut at a stop string), sent or held back
+        self._sent_chars = 0
+        self._searched_chars = 0
+        self._stop_string_matched = False
+        self._first_token_time: float | None = None
+        self._last_token_time: float | None = None
+
+    @property
+    def rid(self) -> str:
+        return self.req.rid
+
+    @property
+    def stop_string_matched(self) -> bool:
+        """The text reached a stop string; the scheduler may not know yet that the request is over."""
+        return self._stop_string_matched
+
+    @property
+    def finished(self) -> bool:
+        return self.req.finished or self._stop_string_matched
+
+    def collect(self, now: float) -> RequestDelta | None:
+        """The delta since the previous call; None when there is nothing to tell."""
+        req = self.req
+        new_ids = req.output_ids[self._sent_tokens :]
+        if not new_ids and not self.finished:
+            return None
+        start = self._sent_tokens
+        self._sent_tokens = len(req.output_ids)
+        if new_ids:
+            self._first_token_time = self._first_token_time or now
+            self._last_token_time = now
+        self._decode(new_ids, final=req.finished)
+        done = self.finished
+        end = len(self._text) if done else len(self._text) - self._stop.held_back(self._text)
+        text = self._text[self._sent_chars : max(end, self._sent_chars)]
+        self._sent_chars += len(text)
+        logprobs = req.output_logprobs[start : self._sent_tokens] if req.params.logprobs is not None else None
+        if not done:
+            return RequestDelta(req.rid, list(new_ids), text, logprobs)
+        reason = FinishReason.STOP if self._stop_string_matched else req.finish_reason
+        return RequestDelta(req.rid, list(new_ids), text, logprobs, reason.value, self._output(reason, now))
+
+    def _decode(self, new_ids: list[int], *, final: bool) -> None:
+        if self._detokenizer is None or self._stop_string_matched:
+            return
+        self._text += self._detokenizer.push(new_ids)
+        if final:
+            self._text += self._detokenizer.flush()
+        if not self._stop:
+            return
+        cut = self._stop.find(self._text, self._searched_chars)
+        self._searched_chars = len(self._text)
+        if cut is not None:
+            self._text = self._text[:cut]
+            self._stop_string_matched = True
+
+    def _output(self, reason: FinishReason, now: float) -> RequestOutput:
+        req = self.req
+        first, last = self._first_token_time, self._last_token_time
+        n = len(req.output_ids)
+        return RequestOutput(
+            request_id=req.rid,
+            prompt_token_ids=list(req.prompt_ids),
+            text=self._text,
+            token_ids=list(req.output_ids),
+            finish_reason=reason.value,
+            logprobs=list(req.output_logprobs) if req.params.logprobs is not None else None,
+            ttft=None if first is None else first - self.arrival_time,
+            tpot=(last - first) / (n - 1) if first is not None and last is not None and n > 1 else None,
+            latency=now - self.arrival_time,
+            cached_tokens=0,
+        )

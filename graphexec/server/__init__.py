@@ -1,0 +1,1 @@
+"""An OpenAI-compatible HTTP server over an `Engine` (FastAPI app; `graphexec-serve` runs it)."""

@@ -1,0 +1,63 @@
+"""The FastAPI app: OpenAI-compatible routes over one `Engine`.
+
+    POST /v1/completions, /v1/chat/completions   (stream=true answers server-sent events)
+    GET  /v1/models, /health, /metrics
+
+/metrics is JSON (not Prometheus text): the engine's EngineMetrics (running and waiting requests,
+KV slots used/free/reserved, tokens/s over the last seconds, finished requests by reason, and
+per-ForwardMode capture backend counters: executions = graph replays, fallbacks to eager).
+"""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from graphexec.engine import Engine
+from graphexec.server.config import ServerConfig
+from graphexec.server.errors import install_error_handlers
+from graphexec.server.serving import OpenAIServing
+
+
+def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
+    app = FastAPI(title="graphexec", openapi_url=None, docs_url=None, redoc_url=None)
+    install_error_handlers(app)
+    serving = OpenAIServing(engine, config)
+    started = int(time.time())
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await serving.completions(request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await serving.chat(request)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        model = {
+            "id": serving.model_name,
+            "object": "model",
+            "created": started,
+            "owned_by": "graphexec",
+            "max_model_len": engine.max_context,
+        }
+        return {"object": "list", "data": [model]}
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        serving_now = engine.is_serving
+        return JSONResponse({"status": "ok" if serving_now else "stopped"}, status_code=200 if serving_now else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> dict:
+        return {
+            "model": serving.model_name,
+            "uptime_s": round(time.time() - started, 3),
+            "max_queued_requests": config.max_queued_requests,
+            **engine.metrics().as_dict(),
+        }
+
+    return app

@@ -1,0 +1,98 @@
+"""OpenAI-style error responses: `{"error": {"message", "type", "param", "code"}}` with a status.
+
+Every failure the server answers (bad JSON, a validation error, graphexec's InvalidRequestError,
+an unknown route, the queue limit, a bug) takes this one shape, so clients parse a single format.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from types import MappingProxyType
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException
+
+from graphexec.errors import InvalidRequestError
+
+_log = logging.getLogger(__name__)
+
+# graphexec's own names for request fields, as the HTTP API spells them.
+_ENGINE_TO_API_FIELD = MappingProxyType({"max_new_tokens": "max_tokens"})
+_LEADING_FIELD = re.compile(r"^([a-z_]+)")
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, *, type: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def response(self) -> JSONResponse:
+        body = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
+        return JSONResponse({"error": body}, status_code=self.status)
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, type="invalid_request_error", param=param, code=code)
+
+
+def from_validation_error(error: ValidationError) -> APIError:
+    """The first problem pydantic found, as a 400 whose message and param name the field."""
+    first = error.errors(include_url=False)[0]
+    if first["type"] == "json_invalid":
+        return bad_request(f"request body is not valid JSON: {first['ctx']['error']}", code="invalid_json")
+    param = _param_name(first["loc"])
+    if param is None:
+        return bad_request(f"request body must be a JSON object: {first['msg']}")
+    message = first["msg"].removeprefix("Value error, ")
+    if first["type"] == "extra_forbidden":
+        message = "unknown field (not part of this API)"
+    elif first["type"] == "missing":
+        message = "field required"
+    return bad_request(f"{param}: {message}", param=param)
+
+
+def from_invalid_request(error: InvalidRequestError) -> APIError:
+    """graphexec's own validation (prompt length, vocabulary, sampling ranges) as a 400."""
+    param = error.param
+    if param is None:
+        match = _LEADING_FIELD.match(str(error))
+        param = match.group(1) if match else None
+    param = _ENGINE_TO_API_FIELD.get(param, param)
+    return bad_request(str(error), param=param)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, error: APIError) -> JSONResponse:
+        return error.response()
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, error: HTTPException) -> JSONResponse:
+        # Unknown routes and methods: Starlette's 404/405, in OpenAI's shape.
+        kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
+        return APIError(error.status_code, f"{request.method} {request.url.path}: {error.detail}", type=kind).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, error: Exception) -> JSONResponse:
+        _log.exception("unhandled error serving %s %s", request.method, request.url.path)
+        return APIError(500, f"internal error: {error!r}", type="server_error").response()
+
+
+def _param_name(loc: tuple) -> str | None:
+    """`("messages", 0, "content")` -> "messages[0].content"; stops at pydantic's type tags."""
+    name = ""
+    for part in loc:
+        if isinstance(part, int):
+            name += f"[{part}]"
+        elif part.isidentifier() and part.islower() and part not in {"str", "int", "float", "bool", "list"}:
+            name += f".{part}" if name else part
+        else:  # a union member tag like "list[int]" or "function-plain[...]"
+            break
+    return name or None

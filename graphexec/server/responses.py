@@ -1,0 +1,108 @@
+"""Response bodies and stream chunks of the OpenAI-compatible API, built from engine outputs.
+
+Plain dicts: the shapes are OpenAI's (the official client parses them), and building them
+directly keeps one place that says what goes over the wire.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from graphexec.request_output import RequestOutput
+
+
+def sse(payload: dict | str) -> str:
+    """One server-sent event; the stream ends with the literal `[DONE]`."""
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    return f"data: {data}\n\n"
+
+
+def usage(output: RequestOutput) -> dict:
+    return {
+        "prompt_tokens": output.prompt_tokens,
+        "completion_tokens": output.completion_tokens,
+        "total_tokens": output.prompt_tokens + output.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": output.cached_tokens},
+    }
+
+
+@dataclass(frozen=True)
+class ResponseHeader:
+    """What every body and chunk of one response repeats."""
+
+    id: str
+    created: int
+    model: str
+
+    def completion(self, output: RequestOutput, logprobs: dict | None) -> dict:
+        choice = {"index": 0, "text": output.text, "logprobs": logprobs, "finish_reason": output.finish_reason}
+        return self._body("text_completion", [choice]) | {"usage": usage(output)}
+
+    def completion_chunk(self, text: str, logprobs: dict | None, finish_reason: str | None) -> dict:
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        return self._body("text_completion", [choice])
+
+    def chat(self, output: RequestOutput, logprobs: dict | None) -> dict:
+        message = {"role": "assistant", "content": output.text}
+        choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": output.finish_reason}
+        return self._body("chat.completion", [choice]) | {"usage": usage(output)}
+
+    def chat_chunk(self, delta: dict, logprobs: dict | None, finish_reason: str | None) -> dict:
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        return self._body("chat.completion.chunk", [choice])
+
+    def usage_chunk(self, output: RequestOutput, object_name: str) -> dict:
+        return self._body(object_name, []) | {"usage": usage(output)}
+
+    def _body(self, object_name: str, choices: list[dict]) -> dict:
+        return {"id": self.id, "object": object_name, "created": self.created, "model": self.model, "choices": choices}
+
+
+@dataclass
+class LogprobsFormatter:
+    """graphexec's logprob entries ({token_id, logprob, top: [(id, logprob)]}) in OpenAI's shapes.
+
+    Keeps the text offset across the chunks of one streamed completion.
+    """
+
+    tokenizer: object
+    text_offset: int = field(default=0)
+
+    def token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def completion(self, entries: Sequence[dict] | None) -> dict | None:
+        """Legacy completions: parallel lists; top_logprobs holds the chosen token and the top k."""
+        if entries is None:
+            return None
+        tokens, offsets, tops = [], [], []
+        for entry in entries:
+            text = self.token(entry["token_id"])
+            tokens.append(text)
+            offsets.append(self.text_offset)
+            self.text_offset += len(text)
+            top = {self.token(i): lp for i, lp in entry.get("top", [])}
+            tops.append({text: entry["logprob"]} | top)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": tops,
+            "text_offset": offsets,
+        }
+
+    def chat(self, entries: Sequence[dict] | None) -> dict | None:
+        if entries is None:
+            return None
+        return {
+            "content": [
+                self._chat_token(e["token_id"], e["logprob"])
+                | {"top_logprobs": [self._chat_token(i, lp) for i, lp in e.get("top", [])]}
+                for e in entries
+            ]
+        }
+
+    def _chat_token(self, token_id: int, logprob: float) -> dict:
+        text = self.token(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}

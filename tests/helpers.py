@@ -1,0 +1,85 @@
+"""Small tools shared by the engine-loop and server tests."""
+
+import contextlib
+import socket
+import threading
+import time
+
+
+def wait_until(condition, timeout: float = 15.0, what: str = "condition") -> None:
+    """Poll `condition` (the engine loop works on its own thread) until true or fail."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.01)
+
+
+@contextlib.contextmanager
+def slowed(engine, seconds: float = 0.005):
+    """Every step takes at least `seconds`, so a long request is still running when a test
+    acts on it, however fast or loaded the machine is."""
+    real = engine.runner.forward_and_sample
+
+    def slow(fb):
+        time.sleep(seconds)
+        return real(fb)
+
+    engine.runner.forward_and_sample = slow
+    try:
+        yield
+    finally:
+        del engine.runner.forward_and_sample
+
+
+@contextlib.contextmanager
+def paused(engine):
+    """Steps wait until the block exits: requests pile up in a known state."""
+    gate = threading.Event()
+    real = engine.runner.forward_and_sample
+
+    def gated(fb):
+        gate.wait()
+        return real(fb)
+
+    engine.runner.forward_and_sample = gated
+    try:
+        yield
+    finally:
+        gate.set()
+        del engine.runner.forward_and_sample
+
+
+def server_config(**changes):
+    """Test servers: loopback, a free port, quiet logs."""
+    from graphexec.server.config import ServerConfig
+
+    defaults = {"host": "127.0.0.1", "port": 0, "max_queued_requests": 64, "log_level": "warning"}
+    return ServerConfig(**(defaults | changes))
+
+
+class ServerThread:
+    """uvicorn serving `app` on 127.0.0.1 at a free port, in a background thread of the test."""
+
+    def __init__(self, app):
+        import uvicorn
+
+        self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._socket.bind(("127.0.0.1", 0))
+        self.port = self._socket.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._socket]}, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> "ServerThread":
+        self._thread.start()
+        wait_until(lambda: self.server.started, what="uvicorn to start")
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.server.should_exit = True
+        self._thread.join(10)
+        self._socket.close()

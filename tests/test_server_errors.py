@@ -1,0 +1,105 @@
+"""The server's answers to bad input: an OpenAI error body naming the field, then it keeps serving."""
+
+import httpx
+import pytest
+
+from graphexec import ConfigError, Engine
+from graphexec.config import compose
+from graphexec.server.app import create_app
+from graphexec.server.config import ServerConfig
+from tests.conftest import TINY_OVERRIDES
+from tests.helpers import ServerThread, server_config, wait_until
+from tests.invariants import assert_no_leak
+
+TINY = "tiny-llama"
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    with Engine(overrides=TINY_OVERRIDES) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tiny):
+    with ServerThread(create_app(tiny, server_config())) as server:
+        yield server
+
+
+LONG_PROMPT = [65] * 600  # tiny-llama's context is 512
+
+# (endpoint, body or raw bytes, status, param, message fragment)
+BAD_REQUESTS = [
+    ("completions", b'{"model": "tiny-llama", "prompt": ', 400, None, "request body is not valid JSON"),
+    ("completions", b"", 400, None, "request body is not valid JSON"),
+    ("completions", b'["tiny-llama"]', 400, None, "request body must be a JSON object"),
+    ("completions", {"model": TINY, "prompt": "x", "max_tokns": 5}, 400, "max_tokns", "unknown field"),
+    ("completions", {"prompt": "x"}, 400, "model", "model: field required"),
+    ("completions", {"model": TINY}, 400, "prompt", "prompt: field required"),
+    ("completions", {"model": TINY, "prompt": 42}, 400, "prompt", "must be a string or a list of token ids"),
+    ("completions", {"model": TINY, "prompt": ["a", "b"]}, 400, "prompt", "batched prompts"),
+    ("completions", {"model": TINY, "prompt": "x", "max_tokens": "5"}, 400, "max_tokens", "valid integer"),
+    ("completions", {"model": TINY, "prompt": "x", "max_tokens": 0}, 400, "max_tokens", "greater than or equal to 1"),
+    ("completions", {"model": TINY, "prompt": "x", "temperature": 2.5}, 400, "temperature", "less than or equal to 2"),
+    ("completions", {"model": TINY, "prompt": "x", "temperature": True}, 400, "temperature", "valid number"),
+    ("completions", {"model": TINY, "prompt": "x", "top_p": 0}, 400, "top_p", "greater than 0"),
+    ("completions", {"model": TINY, "prompt": "x", "top_k": 0}, 400, "top_k", "-1 (disabled) or >= 1"),
+    ("completions", {"model": TINY, "prompt": "x", "min_p": 1.5}, 400, "min_p", "less than or equal to 1"),
+    ("completions", {"model": TINY, "prompt": "x", "seed": -1}, 400, "seed", "greater than or equal to 0"),
+    ("completions", {"model": TINY, "prompt": "x", "n": 2}, 400, "n", "only n=1 is supported"),
+    ("completions", {"model": TINY, "prompt": "x", "logprobs": 6}, 400, "logprobs", "less than or equal to 5"),
+    ("completions", {"model": TINY, "prompt": "x", "stop": ["a"] * 9}, 400, "stop", "at most 8 stop strings"),
+    ("completions", {"model": TINY, "prompt": "x", "stop": [""]}, 400, "stop", "non-empty"),
+    ("completions", {"model": TINY, "prompt": "x", "stream": "yes"}, 400, "stream", "valid boolean"),
+    ("completions", {"model": TINY, "prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty", "not supported"),
+    ("completions", {"model": TINY, "prompt": ""}, 400, "prompt", "prompt is empty"),
+    ("completions", {"model": TINY, "prompt": [1, 99999]}, 400, "prompt", "token id 99999 outside the vocabulary"),
+    ("completions", {"model": TINY, "prompt": LONG_PROMPT}, 400, "prompt", "prompt has 600 tokens; the context limit is 512"),
+    ("completions", {"model": "gpt-4", "prompt": "x"}, 404, "model", "model 'gpt-4' does not exist"),
+    ("chat/completions", {"model": TINY, "messages": []}, 400, "messages", "at least 1 item"),
+    ("chat/completions", {"model": TINY, "messages": [{"role": "user"}]}, 400, "messages[0].content", "field required"),
+    ("chat/completions", {"model": TINY, "messages": [{"role": "robot", "content": "hi"}]}, 400, "messages[0].role", "'system', 'user' or 'assistant'"),
+    ("chat/completions", {"model": TINY, "messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content", "must be a string or a list"),
+    ("chat/completions", {"model": TINY, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3}, 400, "top_logprobs", "requires logprobs=true"),
+    ("chat/completions", {"model": TINY, "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs", "less than or equal to 20"),
+    ("chat/completions", {"model": TINY, "messages": [{"role": "user", "content": "hi"}]}, 400, "messages", "has no chat template"),
+]
+
+
+@pytest.mark.parametrize("endpoint,body,status,param,message", BAD_REQUESTS)
+def test_bad_request_gets_openai_error_then_server_serves(tiny_server, tiny, endpoint, body, status, param, message):
+    url = f"{tiny_server.url}/v1/{endpoint}"
+    with httpx.Client(trust_env=False) as http:
+        sent = http.post(url, content=body) if isinstance(body, bytes) else http.post(url, json=body)
+        assert sent.status_code == status, sent.text
+        error = sent.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"}
+        assert error["type"] == "invalid_request_error" and error["param"] == param
+        assert message in error["message"]
+        good = http.post(f"{tiny_server.url}/v1/completions", json={"model": TINY, "prompt": "ok", "max_tokens": 3})
+        assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] >= 1
+    wait_until(lambda: tiny.num_unfinished() == 0, what="the engine to go idle")
+    assert_no_leak(tiny)
+
+def test_serve_config_composes_with_overrides():
+    cfg = compose(["server.port=8123", "capture=eager"], config_name="serve")
+    server = ServerConfig.from_mapping(cfg.server)
+    assert (server.host, server.port, server.max_queued_requests) == ("127.0.0.1", 8123, 256)
+    assert cfg.model.name == "smollm2-135m"  # the served model name is the config's
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        ({"port": 70000}, "server.port must be an integer in [0, 65535], got 70000"),
+        ({"port": "80"}, "server.port must be an integer in [0, 65535], got '80'"),
+        ({"host": ""}, "server.host must be a non-empty string"),
+        ({"max_queued_requests": -1}, "server.max_queued_requests must be an integer >= 0"),
+        ({"log_level": "loud"}, "server.log_level must be one of"),
+        ({"workers": 4}, "server.workers is not an option"),
+    ],
+)
+def test_bad_server_option_is_named(change, message):
+    values = {"host": "127.0.0.1", "port": 8000, "max_queued_requests": 4, "log_level": "info"} | change
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]").replace("(", r"\(")):
+        ServerConfig.from_mapping(values)
