@@ -34,7 +34,7 @@ class BreakableBackend(PiecewiseBackend):
         super().__init__(env, options, config_path)
         if env.device.type == "cuda":
             raise ConfigError(
-                f"{config_path}.backend=breakable has no CUDA segment capture yet; use tc_piecewise or eager on CUDA"
+                f"{config_path}.backend=breakable has no CUDA segment capture yet; use eager for extend on CUDA"
             )
         breaks = self.options.get("breaks", [ATTENTION])
         if not breaks or not all(isinstance(b, str) for b in breaks):
@@ -62,7 +62,14 @@ class BreakableBackend(PiecewiseBackend):
         if DEBUG in self.breaks:
             # One break around everything: no compiled segment at all, eager through this path.
             model = break_point(DEBUG)(model)
-        return torch.compile(model, backend=count_and_compile, fullgraph=False, dynamic=False)
+
+        # Graph breaks make Dynamo mark the frames it had to leave as skipped for every later
+        # compile in the process; compiling a frame of our own keeps that mark off the model's
+        # forward, which full_graph and tc_piecewise must still trace whole.
+        def segmented_forward(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+            return model(input_ids, positions)
+
+        return torch.compile(segmented_forward, backend=count_and_compile, fullgraph=False, dynamic=False)
 
     def _run(self, fb: ForwardBatch) -> torch.Tensor:
         with breaking(self.breaks):

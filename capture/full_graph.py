@@ -130,7 +130,15 @@ class FullGraphBackend(CaptureBackend):
 
                 self._compiled = lambda ids, pos: model(ids, pos, layer_runner=run_layer)
             else:
-                self._compiled = torch.compile(self.env.model, **compile_kwargs)
+                model = self.env.model
+
+                # Our own top frame, not the model's forward: Dynamo may have marked that code
+                # object as skipped after another backend's graph breaks (breakable), and a
+                # skipped top frame would be compiled layer by layer instead of whole.
+                def whole_forward(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+                    return model(input_ids, positions)
+
+                self._compiled = torch.compile(whole_forward, **compile_kwargs)
         return self._compiled
 
     def _capture_cuda_graph(self, dummy: ForwardBatch) -> BucketRunner:

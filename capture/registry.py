@@ -11,6 +11,7 @@ _BACKENDS: Mapping[str, str] = {
     "eager": "capture.eager:EagerRunner",
     "full_graph": "capture.full_graph:FullGraphBackend",
     "breakable": "capture.breakable:BreakableBackend",
+    "tc_piecewise": "capture.tc_piecewise:TcPiecewiseBackend",
 }
 
 

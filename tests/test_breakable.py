@@ -147,3 +147,15 @@ def test_chunked_and_mixed_batches_through_breakable(eager_tokens):
     backend = engine.runner.backends[ForwardMode.EXTEND]
     assert backend.stats.fallbacks == 0 and backend.stats.executions == sum(m.is_extend() for m in modes)
     assert_no_leak(engine)
+
+
+def test_breakable_leaves_whole_forward_compiles_intact(breakable):
+    """Dynamo marks frames left by graph breaks as skipped for the whole process; the breakable
+    backend compiles a frame of its own so a later whole-forward compile is still one graph."""
+    breakable.generate([_prompts()[0]], SamplingParams(max_new_tokens=2))
+    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    Engine(
+        overrides=TINY
+        + ["capture=graph_first", "capture.decode.buckets=[1]", "capture.decode.compile.regional=false", "capture.decode.progress=false"]
+    )
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == 1
