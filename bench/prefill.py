@@ -19,7 +19,8 @@ def run(engine, cfg) -> dict[str, Any]:
     variants = {}
     for name in cfg.bench.variants:
         backend = create_backend(name, runner.capture_env, {"buckets": buckets, "progress": False}, "bench.variants")
-        backend.capture()
+        with torch.inference_mode():  # the mode the graphs replay in, as ModelRunner.capture does
+            backend.capture()
         variants[name] = backend
     rows = []
     for bucket in buckets:

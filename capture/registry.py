@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import importlib
+import logging
 from typing import Any, Mapping
 
 from capture.backend import CaptureBackend, CaptureEnv
+from graphexec.errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 _BACKENDS: Mapping[str, str] = {
     "eager": "capture.eager:EagerRunner",
@@ -15,8 +19,16 @@ _BACKENDS: Mapping[str, str] = {
 }
 
 
+# `piecewise` names the prefill backend by role; `variant` picks the implementation.  `auto`
+# takes what measured best on each device: tc_piecewise on CPU (bench/prefill.py).  On CUDA
+# neither variant captures yet (TODO(gpu): Breakable CUDA Graph segments), so auto runs extend
+# eagerly there rather than refusing to start.
+PIECEWISE = "piecewise"
+_PIECEWISE_VARIANTS = ("auto", "breakable", "tc_piecewise")
+
+
 def available_backends() -> list[str]:
-    return sorted(_BACKENDS)
+    return sorted([*_BACKENDS, PIECEWISE])
 
 
 def backend_class(name: str) -> type[CaptureBackend]:
@@ -29,4 +41,19 @@ def backend_class(name: str) -> type[CaptureBackend]:
 def create_backend(
     name: str, env: CaptureEnv, options: Mapping[str, Any] | None = None, config_path: str = "capture"
 ) -> CaptureBackend:
-    return backend_class(name)(env, options or {}, config_path)
+    options = dict(options or {})
+    if name == PIECEWISE:
+        name, options = _resolve_piecewise(env, options, config_path)
+    return backend_class(name)(env, options, config_path)
+
+
+def _resolve_piecewise(env: CaptureEnv, options: dict[str, Any], config_path: str) -> tuple[str, dict[str, Any]]:
+    variant = options.pop("variant", "auto")
+    if variant not in _PIECEWISE_VARIANTS:
+        raise ConfigError(f"{config_path}.variant={variant!r} is unknown; choose one of {list(_PIECEWISE_VARIANTS)}")
+    if variant != "auto":
+        return variant, options
+    if env.device.type == "cuda":
+        logger.warning("%s: no piecewise variant captures on CUDA yet; extend runs eagerly", config_path)
+        return "eager", {}
+    return "tc_piecewise", options

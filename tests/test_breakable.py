@@ -156,6 +156,12 @@ def test_breakable_leaves_whole_forward_compiles_intact(breakable):
     before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     Engine(
         overrides=TINY
-        + ["capture=graph_first", "capture.decode.buckets=[1]", "capture.decode.compile.regional=false", "capture.decode.progress=false"]
+        + [
+            "capture=graph_first",
+            "capture.decode.buckets=[1]",
+            "capture.decode.compile.regional=false",
+            "capture.decode.progress=false",
+            "capture.extend.backend=eager",
+        ]
     )
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == 1

@@ -16,7 +16,7 @@ def _generate(*overrides):
 def test_generate_on_tiny_model():
     result = _generate(
         "model=tiny-llama", "chat=false", "prompt=hello", "sampling.max_new_tokens=5", "sampling.ignore_eos=true",
-        "capture.decode.buckets=[1,2]",
+        "capture.decode.buckets=[1,2]", "capture.extend.buckets=[64]",
     )
     assert result.returncode == 0, result.stderr
     assert "> hello" in result.stdout and "[5 tokens, finish_reason=length]" in result.stdout

@@ -13,7 +13,8 @@ def test_defaults_compose():
     assert cfg.model.name == "smollm2-135m" and cfg.model.source == "gguf"
     assert cfg.capture.name == "graph_first"
     assert cfg.capture.decode.backend == cfg.capture.idle.backend == "full_graph"
-    assert cfg.capture.extend.backend == cfg.capture.mixed.backend == "eager"
+    assert cfg.capture.extend.backend == cfg.capture.mixed.backend == "piecewise"
+    assert cfg.scheduler.max_prefill_tokens == max(cfg.capture.extend.options["buckets"])
     eager = EngineConfig.from_overrides(["capture=eager"])
     assert all(eager.capture.for_mode(m).backend == "eager" for m in ForwardMode)
     assert cfg.sampling.temperature == 0.0 and cfg.device == "cpu"

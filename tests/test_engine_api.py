@@ -185,7 +185,14 @@ def test_bad_input_raises_before_queueing(engine):
 
 
 # Compiled graphs replayed from the loop thread: tests/test_full_graph.py (generate runs there too).
-GRAPH_FIRST_DEBUG = ["capture=graph_first", "capture.decode.buckets=[1,2]", "capture.decode.graph=eager", "capture.decode.progress=false"]
+GRAPH_FIRST_DEBUG = [
+    "capture=graph_first",
+    "capture.decode.buckets=[1,2]",
+    "capture.decode.graph=eager",
+    "capture.decode.progress=false",
+    "capture.extend.buckets=[64]",
+    "capture.extend.progress=false",
+]
 
 
 @pytest.mark.parametrize("plan", [["capture=eager"], GRAPH_FIRST_DEBUG])
