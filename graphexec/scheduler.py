@@ -44,14 +44,7 @@ class Scheduler:
         self.waiting.append(req)
 
     def abort(self, rid: str) -> bool:
-        for queue in (self.waiting, self.running):
-            for req in queue:
-                if req.rid == rid:
-                    queue.remove(req)
-                    req.finish_reason = FinishReason.ABORT
-                    self._release(req)
-                    return True
-        return False
+        return self.finish(rid, FinishReason.ABORT)
 
     def step(self) -> list[Req]:
         """Run one forward: a prefill batch (chunked to the token budget; with mixed_chunk, the
@@ -145,8 +138,8 @@ class Scheduler:
         self._reservations.pop(req, None)
 
     def finish(self, rid: str, reason: FinishReason) -> bool:
-        """End a waiting or running request early for a reason decided outside the scheduler
-        (a stop string matched in the decoded text), releasing everything it holds."""
+        """End a waiting or running request early (an abort, or a stop string matched in the
+        decoded text), releasing everything it holds.  False if no such request is in flight."""
         for queue in (self.waiting, self.running):
             for req in queue:
                 if req.rid == rid:

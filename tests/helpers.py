@@ -83,3 +83,20 @@ class ServerThread:
         self.server.should_exit = True
         self._thread.join(10)
         self._socket.close()
+
+
+@contextlib.contextmanager
+def recorded_batches(engine):
+    """Yields a list that receives every ForwardBatch the runner runs while inside the block."""
+    batches = []
+    real = engine.runner.forward_and_sample
+
+    def record(fb):
+        batches.append(fb)
+        return real(fb)
+
+    engine.runner.forward_and_sample = record
+    try:
+        yield batches
+    finally:
+        del engine.runner.forward_and_sample

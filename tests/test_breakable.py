@@ -8,6 +8,7 @@ import torch
 from capture.break_points import break_point
 from graphexec import ConfigError, Engine, SamplingParams
 from graphexec.forward_mode import ForwardMode
+from tests.helpers import recorded_batches
 from tests.invariants import assert_no_leak
 
 TINY = ["model=tiny-llama", "cache.num_slots=1024"]
@@ -133,15 +134,9 @@ def test_chunked_and_mixed_batches_through_breakable(eager_tokens):
     go through the piecewise backend, and tokens stay equal to eager."""
     engine = Engine(overrides=_plan(buckets="[32]", prefill_tokens="null") + ["scheduler.mixed_chunk=true"])
     assert engine.config.scheduler.max_prefill_tokens == 32  # defaults to the largest bucket
-    modes = []
-    real = engine.runner.forward_and_sample
-
-    def spy(fb):
-        modes.append(fb.forward_mode)
-        return real(fb)
-
-    engine.runner.forward_and_sample = spy
-    outputs = engine.generate(_prompts(), PARAMS)
+    with recorded_batches(engine) as batches:
+        outputs = engine.generate(_prompts(), PARAMS)
+    modes = [fb.forward_mode for fb in batches]
     assert [o.token_ids for o in outputs] == eager_tokens
     assert ForwardMode.MIXED in modes
     backend = engine.runner.backends[ForwardMode.EXTEND]

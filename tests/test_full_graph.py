@@ -5,6 +5,7 @@ import torch
 
 from graphexec import ConfigError, Engine, SamplingParams
 from graphexec.forward_mode import ForwardMode
+from tests.helpers import recorded_batches
 from tests.invariants import assert_no_leak
 
 TINY = ["model=tiny-llama", "cache.num_slots=1024"]
@@ -35,26 +36,17 @@ def graph_engine():
     return Engine(overrides=GRAPH)
 
 
-def _batch_sizes(engine):
-    sizes = []
-    real = engine.runner.forward
-
-    def spy(fb):
-        if fb.forward_mode.is_decode():
-            sizes.append(fb.batch_size)
-        return real(fb)
-
-    engine.runner.forward = spy
-    return sizes
+def _decode_sizes(batches):
+    return [fb.batch_size for fb in batches if fb.forward_mode.is_decode()]
 
 
 def test_graph_first_equals_eager_across_buckets(graph_engine, eager_tokens):
     prompts, params = _workload()
     stats = graph_engine.runner.backends[ForwardMode.DECODE].stats
     before = stats.executions, stats.fallbacks, stats.padded_rows
-    sizes = _batch_sizes(graph_engine)
-    outputs = graph_engine.generate(prompts, params)
-    graph_engine.runner.__dict__.pop("forward")
+    with recorded_batches(graph_engine) as batches:
+        outputs = graph_engine.generate(prompts, params)
+    sizes = _decode_sizes(batches)
     assert [o.token_ids for o in outputs] == eager_tokens
     assert set(sizes) == {1, 2, 3, 4, 5}  # every bucket, a padded size (3) and an oversize batch (5)
     assert stats.fallbacks - before[1] == sizes.count(5)  # 5 > largest bucket: eager, counted
@@ -82,9 +74,9 @@ def test_padding_is_inert_and_alone_equals_padded(graph_engine):
     assert kv.num_free == kv.num_slots
     for buf in kv.k_buffers + kv.v_buffers:
         buf[1:] = float("nan")  # every real slot poisoned; the dummy slot 0 is not
-    sizes = _batch_sizes(graph_engine)
-    together = graph_engine.generate(prompts[:3], params)
-    graph_engine.runner.__dict__.pop("forward")
+    with recorded_batches(graph_engine) as batches:
+        together = graph_engine.generate(prompts[:3], params)
+    sizes = _decode_sizes(batches)
     assert 3 in sizes and together[1].token_ids == alone
     # Exactly the requests' own KV was written: each holds its prompt plus all but its last token.
     expected_written = sum(len(p) + new_tokens - 1 for p in prompts[:3])
@@ -157,8 +149,9 @@ def test_smollm2_graph_first_equals_eager(smollm2_engine):
     texts = ["Hi!", "Name a color.", "What is 2+2?", "Write one word about the sea.", "Count to five."]
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}])) for t in texts]
     params = [SamplingParams(max_new_tokens=6 + 4 * i, ignore_eos=True) for i in range(len(texts))]
-    sizes = _batch_sizes(graph)
-    got = [o.token_ids for o in graph.generate(prompts, params)]
+    with recorded_batches(graph) as batches:
+        got = [o.token_ids for o in graph.generate(prompts, params)]
+    sizes = _decode_sizes(batches)
     assert got == [o.token_ids for o in smollm2_engine.generate(prompts, params)]
     assert {1, 2, 3, 4, 5} <= set(sizes)
     stats = graph.runner.backends[ForwardMode.DECODE].stats

@@ -6,6 +6,7 @@ from graphexec import Engine, SamplingParams
 from graphexec.forward_mode import ForwardMode
 from graphexec.request import Req
 from tests.conftest import TINY_OVERRIDES
+from tests.helpers import recorded_batches
 from tests.invariants import assert_no_leak
 
 
@@ -20,16 +21,9 @@ def test_batched_equals_alone_and_budget_splits_prefill():
     params = [SamplingParams(max_new_tokens=6 + 5 * i, ignore_eos=True) for i in range(5)]
     alone = [engine.generate([p], sp)[0].token_ids for p, sp in zip(prompts, params)]
 
-    modes, sizes = [], []
-    original_step = engine.runner.forward_and_sample
-
-    def spy(fb):
-        modes.append(fb.forward_mode)
-        sizes.append(fb.batch_size)
-        return original_step(fb)
-
-    engine.runner.forward_and_sample = spy
-    together = [o.token_ids for o in engine.generate(prompts, params)]
+    with recorded_batches(engine) as batches:
+        together = [o.token_ids for o in engine.generate(prompts, params)]
+    modes, sizes = [fb.forward_mode for fb in batches], [fb.batch_size for fb in batches]
     assert together == alone
     assert max(sizes) <= 3  # max_running_requests
     # The 32-token budget forces several prefill batches, interleaved with decode steps.
@@ -123,16 +117,9 @@ def test_chunked_prefill_equals_whole_prefill():
     expected = [o.token_ids for o in whole.generate(prompts, params)]
 
     chunked = Engine(overrides=TINY_OVERRIDES + ["scheduler.max_prefill_tokens=16"])
-    extend_sizes = []
-    real = chunked.runner.forward_and_sample
-
-    def spy(fb):
-        if fb.forward_mode.is_extend():
-            extend_sizes.append(fb.num_tokens)
-        return real(fb)
-
-    chunked.runner.forward_and_sample = spy
-    assert [o.token_ids for o in chunked.generate(prompts, params)] == expected
+    with recorded_batches(chunked) as batches:
+        assert [o.token_ids for o in chunked.generate(prompts, params)] == expected
+    extend_sizes = [fb.num_tokens for fb in batches if fb.forward_mode.is_extend()]
     assert max(extend_sizes) <= 16 and sum(extend_sizes) == sum(map(len, prompts))
     assert len(extend_sizes) >= sum(-(-len(p) // 16) for p in prompts[:1]) + 3
     assert_no_leak(chunked)
@@ -143,15 +130,9 @@ def test_mixed_chunk_batches_decode_with_prefill():
     params = [SamplingParams(max_new_tokens=6 + 2 * i, ignore_eos=True) for i in range(5)]
     expected = [o.token_ids for o in Engine(overrides=TINY_OVERRIDES).generate(prompts, params)]
     engine = Engine(overrides=TINY_OVERRIDES + ["scheduler.max_prefill_tokens=24", "scheduler.mixed_chunk=true"])
-    modes = []
-    real = engine.runner.forward_and_sample
-
-    def spy(fb):
-        modes.append(fb.forward_mode)
-        return real(fb)
-
-    engine.runner.forward_and_sample = spy
-    assert [o.token_ids for o in engine.generate(prompts, params)] == expected
+    with recorded_batches(engine) as batches:
+        assert [o.token_ids for o in engine.generate(prompts, params)] == expected
+    modes = [fb.forward_mode for fb in batches]
     assert ForwardMode.MIXED in modes
     assert_no_leak(engine)
 
