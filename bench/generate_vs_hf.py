@@ -73,7 +73,7 @@ def main() -> None:
         "ratio_graphexec_over_hf": med["graphexec"] / med["hf_generate"],
         "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(), "torch": torch.__version__},
     }
-    print(f"| side | median tokens/s | runs |\n|---|---|---|")
+    print("| side | median tokens/s | runs |\n|---|---|---|")
     for k, v in rates.items():
         print(f"| {k} | {med[k]:.1f} | {', '.join(f'{x:.1f}' for x in v)} |")
     print(f"\ngraphexec / HF = {result['ratio_graphexec_over_hf']:.2f}x  ({args.requests} requests, "

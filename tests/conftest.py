@@ -39,3 +39,22 @@ def tiny_engine():
     from graphexec import Engine
 
     return Engine(overrides=TINY_OVERRIDES)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """A tiny eager engine with its loop thread, shut down after the module."""
+    from graphexec import Engine
+
+    with Engine(overrides=TINY_OVERRIDES) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tiny):
+    """graphexec-serve's app for `tiny`, on 127.0.0.1 at a free port."""
+    from graphexec.server.app import create_app
+    from tests.helpers import ServerThread, server_config
+
+    with ServerThread(create_app(tiny, server_config())) as server:
+        yield server

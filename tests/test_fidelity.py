@@ -4,7 +4,6 @@ import pytest
 import torch
 
 from graphexec import Engine, SamplingParams
-from graphexec.forward_batch import ForwardBatch
 from graphexec.schedule_batch import ScheduleBatch
 from tests.invariants import assert_no_leak
 from tests.reference import hf_greedy, hf_last_logits, hf_model_from

@@ -19,18 +19,6 @@ TINY = "tiny-llama"
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    with Engine(overrides=TINY_OVERRIDES) as engine:
-        yield engine
-
-
-@pytest.fixture(scope="module")
-def tiny_server(tiny):
-    with ServerThread(create_app(tiny, server_config())) as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
 def smol_server(smollm2_engine):
     with ServerThread(create_app(smollm2_engine, server_config())) as server:
         yield server

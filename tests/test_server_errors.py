@@ -3,27 +3,13 @@
 import httpx
 import pytest
 
-from graphexec import ConfigError, Engine
+from graphexec import ConfigError
 from graphexec.config import compose
-from graphexec.server.app import create_app
 from graphexec.server.config import ServerConfig
-from tests.conftest import TINY_OVERRIDES
-from tests.helpers import ServerThread, server_config, wait_until
+from tests.helpers import wait_until
 from tests.invariants import assert_no_leak
 
 TINY = "tiny-llama"
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    with Engine(overrides=TINY_OVERRIDES) as engine:
-        yield engine
-
-
-@pytest.fixture(scope="module")
-def tiny_server(tiny):
-    with ServerThread(create_app(tiny, server_config())) as server:
-        yield server
 
 
 LONG_PROMPT = [65] * 600  # tiny-llama's context is 512
