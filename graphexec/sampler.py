@@ -63,6 +63,8 @@ class SamplingBatchInfo:
     need_top_k: bool
     need_min_p: bool
     max_top_k: int  # largest enabled top_k, 0 when no row uses top-k; sizes a topk call
+    # Every sampled row has top-k on, so top-p only ever looks at the max_top_k best tokens.
+    top_k_bounds_all: bool
     max_logprobs: int | None  # widest logprobs request in the batch; None when nobody asked
 
     @classmethod
@@ -101,6 +103,7 @@ class SamplingBatchInfo:
             need_top_k=any(k < vocab_size for k in top_ks),
             need_min_p=any(p > 0.0 for p in min_ps),
             max_top_k=max((k for k in top_ks if k < vocab_size), default=0),
+            top_k_bounds_all=all(g or k < vocab_size for k, g in zip(top_ks, greedy)),
             max_logprobs=max(requested_logprobs, default=None),
         )
 
@@ -180,10 +183,16 @@ def _top_k_top_p_threshold(scaled: Tensor, info: SamplingBatchInfo) -> Tensor:
     # One ascending sort serves both filters.  This mirrors Hugging Face's TopPLogitsWarper:
     # drop the least likely tokens while their cumulative mass stays <= 1 - top_p, which
     # leaves the smallest set of most likely tokens whose mass reaches top_p.
-    ascending = scaled.sort(dim=-1).values
+    if info.need_top_k and info.top_k_bounds_all:
+        # Top-k bounds every sampled row, so only the max_top_k best logits can carry top-p
+        # mass: a topk of those replaces the full-vocabulary sort (~50x less work at k=50).
+        # Greedy rows (top_k == vocab) clamp to the smallest candidate; their draw is unused.
+        ascending = scaled.topk(info.max_top_k, dim=-1).values.flip(-1)
+    else:
+        ascending = scaled.sort(dim=-1).values
     vocab = ascending.shape[-1]
     # top_k == vocab (disabled) points at the smallest logit, so it drops nothing.
-    k_threshold = ascending.gather(-1, vocab - info.top_ks.unsqueeze(1))
+    k_threshold = ascending.gather(-1, vocab - info.top_ks.clamp(max=vocab).unsqueeze(1))
     # top-p applies to the distribution top-k left behind, renormalised.
     probs = ascending.masked_fill(ascending < k_threshold, -math.inf).softmax(dim=-1)
     tail_mass = probs.cumsum(dim=-1)

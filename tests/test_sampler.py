@@ -445,3 +445,19 @@ def test_sampled_id_is_always_in_the_allowed_set(rows, torch_seed):
         ids = sample(batch, params).next_token_ids.tolist()
         for row, token in enumerate(ids):
             assert token in allowed[row], (row, token, allowed[row], params[row])
+
+
+def test_top_k_bounded_top_p_matches_the_full_sort_path():
+    """When every sampled row has top-k on, top-p runs on the top-k candidates only; a seeded
+    row must draw the same token as when a batch-mate without top-k forces the full sort."""
+    vocab = 49152
+    logits = torch.randn(2, vocab, generator=torch.Generator().manual_seed(1)) * 3
+    bounded = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, seed=123)
+    unbounded = SamplingParams(temperature=0.8, top_p=0.9)
+    for step in range(20):
+        fast_info = SamplingBatchInfo.from_params([bounded, bounded], [make_generator(step, "cpu")] * 2, vocab, "cpu")
+        slow_info = SamplingBatchInfo.from_params([bounded, unbounded], [make_generator(step, "cpu"), None], vocab, "cpu")
+        assert fast_info.top_k_bounds_all and not slow_info.top_k_bounds_all
+        fast = Sampler()(logits, fast_info).next_token_ids[0]
+        slow = Sampler()(logits, slow_info).next_token_ids[0]
+        assert int(fast) == int(slow)
