@@ -19,7 +19,7 @@ def run(engine, cfg, overrides: list[str]) -> dict[str, Any]:
     buckets = list(getattr(graph, "buckets", [1, 8]))
     rows = []
     for bucket in buckets:
-        fb = _decode_batch(engine, bucket, cfg.bench.context_len)
+        fb, release = _decode_batch(engine, bucket, cfg.bench.context_len)
         sides = {
             "eager": lambda: runner.eager.execute(fb),
             graph.name: lambda: graph.execute(fb),
@@ -37,7 +37,7 @@ def run(engine, cfg, overrides: list[str]) -> dict[str, Any]:
                 "capture_mib": graph.stats.capture_bytes.get(bucket, 0) / 2**20,
             }
         )
-        _release(engine)
+        release()
     result: dict[str, Any] = {"backend": graph.name, "buckets": rows}
     if cfg.bench.cold_warm:
         result["start"] = _cold_then_warm(overrides)
@@ -70,14 +70,13 @@ def _decode_batch(engine, batch_size: int, context_len: int):
         req.num_cached_tokens = req.seq_len
         req.output_ids.append(5)
     decode = ScheduleBatch.prepare_for_decode(reqs, runner.req_to_token_pool, runner.kv_pool)
-    engine._bench_reqs = reqs
+
+    def release() -> None:
+        for req in reqs:
+            engine.scheduler._release(req)
+
     # Re-running this batch rewrites the same slots, so every timed step sees the same state.
-    return runner.init_forward_batch(decode)
-
-
-def _release(engine) -> None:
-    for req in engine._bench_reqs:
-        engine.scheduler._release(req)
+    return runner.init_forward_batch(decode), release
 
 
 def _cold_then_warm(overrides: list[str]) -> dict[str, Any]:
