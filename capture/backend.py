@@ -4,11 +4,16 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, ContextManager, Mapping
+import time
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterable, Mapping, TypeVar
 
 import torch
+from tqdm import tqdm
 
+from capture.memory import memory_in_use
 from capture.padding import PaddingPolicy
+
+T = TypeVar("T")
 
 if TYPE_CHECKING:
     from graphexec.forward_batch import ForwardBatch
@@ -68,6 +73,28 @@ class CaptureBackend(ABC):
 
     def capture(self) -> None:
         """Build graphs ahead of serving.  Backends with nothing to capture keep this no-op."""
+
+    def _capture_each(self, buckets: Iterable[int], label: str, capture_one: Callable[[int], object]) -> None:
+        """Capture every bucket, largest first (on CUDA the smaller graphs then reuse the shared
+        pool's blocks), behind a progress bar unless `progress: false`."""
+        bar = tqdm(
+            sorted(buckets, reverse=True),
+            desc=f"capture {label}",
+            unit="bucket",
+            disable=not self.options.get("progress", True),
+        )
+        for bucket in bar:
+            bar.set_postfix(bucket=bucket)
+            capture_one(bucket)
+        bar.close()
+
+    def _measured(self, bucket: int, capture: Callable[[], T]) -> T:
+        """Run one bucket's capture, recording its seconds and memory in the stats."""
+        before, t0 = memory_in_use(self.env.device), time.perf_counter()
+        result = capture()
+        self.stats.capture_seconds[bucket] = time.perf_counter() - t0
+        self.stats.capture_bytes[bucket] = max(0, memory_in_use(self.env.device) - before)
+        return result
 
     @abstractmethod
     def can_run(self, fb: "ForwardBatch") -> bool: ...

@@ -14,15 +14,12 @@ the `graph` option:
 from __future__ import annotations
 
 import os
-import time
 from typing import Any, Callable, Mapping
 
 import torch
-from tqdm import tqdm
 
 from capture.backend import CaptureBackend, CaptureEnv
 from capture.buckets import bucket_for, validate_buckets
-from capture.memory import memory_in_use
 from capture.padding import StaticInputs
 from graphexec.errors import ConfigError
 from graphexec.forward_batch import ForwardBatch
@@ -50,7 +47,6 @@ class FullGraphBackend(CaptureBackend):
         if unknown:
             raise ConfigError(f"{config_path}.compile.{unknown[0]} is unknown; known: {sorted(_COMPILE_OPTIONS)}")
         self.lazy = bool(self.options.get("lazy", False))
-        self.progress = bool(self.options.get("progress", True))
         self.buffers = StaticInputs(self.buckets[-1], env.device)
         self._runners: dict[int, BucketRunner] = {}
         self._compiled: Callable | None = None
@@ -61,25 +57,15 @@ class FullGraphBackend(CaptureBackend):
     def capture(self) -> None:
         if self.graph_kind == "cuda_graph":
             self.env.enable_static_metadata(self.buckets[-1])
-        if self.lazy:
-            return
-        # Largest first: on CUDA the later, smaller graphs reuse the shared pool's blocks.
-        order = sorted(self.buckets, reverse=True)
-        bar = tqdm(order, desc=f"capture {self.name} ({self.graph_kind})", unit="bucket", disable=not self.progress)
-        for bucket in bar:
-            bar.set_postfix(bucket=bucket)
-            self._capture_timed(bucket)
-        bar.close()
+        if not self.lazy:
+            self._capture_each(self.buckets, f"{self.name} ({self.graph_kind})", self._capture_timed)
 
     def _capture_timed(self, bucket: int) -> BucketRunner:
-        before, t0 = memory_in_use(self.env.device), time.perf_counter()
         # Each bucket is a legitimate compile of the same code (two with regional compilation: the
         # first specializes layer_id), so lift Dynamo's recompile limit while capturing.
         limit = 2 * len(self.buckets) + 8
         with torch._dynamo.config.patch(recompile_limit=limit, accumulated_recompile_limit=max(256, limit)):
-            runner = self._capture_bucket(bucket)
-        self.stats.capture_seconds[bucket] = time.perf_counter() - t0
-        self.stats.capture_bytes[bucket] = max(0, memory_in_use(self.env.device) - before)
+            runner = self._measured(bucket, lambda: self._capture_bucket(bucket))
         self._runners[bucket] = runner
         return runner
 

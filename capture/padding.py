@@ -49,15 +49,15 @@ class StaticInputs:
         n = fb.batch_size
         if not n <= bucket <= self.max_rows:
             raise ValueError(f"batch of {n} rows does not fit bucket {bucket} (buffers hold {self.max_rows})")
-        for buffer, live, fill in (
+        _copy_then_fill(
+            n,
+            bucket,
             (self.input_ids, fb.input_ids, policy.input_id),
             (self.positions, fb.positions, policy.position),
             (self.req_pool_indices, fb.req_pool_indices, policy.req_pool_index),
             (self.seq_lens, fb.seq_lens, policy.seq_len),
             (self.out_cache_loc, fb.out_cache_loc, policy.out_cache_loc),
-        ):
-            buffer[:n].copy_(live)
-            buffer[n:bucket].fill_(fill)
+        )
         pad = bucket - n
         seq_lens_cpu = fb.seq_lens_cpu + (policy.seq_len,) * pad
         return dataclasses.replace(
@@ -79,13 +79,13 @@ class StaticInputs:
         n = fb.num_tokens
         if not n <= bucket <= self.max_rows:
             raise ValueError(f"batch of {n} tokens does not fit bucket {bucket} (buffers hold {self.max_rows})")
-        for buffer, live, fill in (
+        _copy_then_fill(
+            n,
+            bucket,
             (self.input_ids, fb.input_ids, policy.input_id),
             (self.positions, fb.positions, policy.position),
             (self.out_cache_loc, fb.out_cache_loc, policy.out_cache_loc),
-        ):
-            buffer[:n].copy_(live)
-            buffer[n:bucket].fill_(fill)
+        )
         return dataclasses.replace(
             fb,
             input_ids=self.input_ids[:bucket],
@@ -100,3 +100,11 @@ class StaticInputs:
         if mode.is_extend():
             return self.load_tokens(empty, bucket, policy)
         return self.load(empty, bucket, policy)
+
+
+def _copy_then_fill(n: int, bucket: int, *fields: tuple[torch.Tensor, torch.Tensor, int]) -> None:
+    """For each (static buffer, live values, fill): rows [0, n) get the live values, rows
+    [n, bucket) the policy's fill."""
+    for buffer, live, fill in fields:
+        buffer[:n].copy_(live)
+        buffer[n:bucket].fill_(fill)

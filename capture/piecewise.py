@@ -9,16 +9,13 @@ Subclasses only say how the forward is cut into pieces (`_build_forward`).
 
 from __future__ import annotations
 
-import time
 from abc import abstractmethod
 from typing import Any, Callable, Mapping
 
 import torch
-from tqdm import tqdm
 
 from capture.backend import CaptureBackend, CaptureEnv
 from capture.buckets import bucket_for, validate_buckets
-from capture.memory import memory_in_use
 from capture.padding import StaticInputs
 from graphexec.errors import ConfigError
 from graphexec.forward_batch import ForwardBatch
@@ -38,7 +35,6 @@ class PiecewiseBackend(CaptureBackend):
         if unknown:
             raise ConfigError(f"{config_path}.{unknown[0]} is not a {self.name} option; known: {sorted(known)}")
         self.buckets = validate_buckets(self.options.get("buckets"), f"{config_path}.buckets")
-        self.progress = bool(self.options.get("progress", True))
         self.lazy = bool(self.options.get("lazy", False))
         self.buffers = StaticInputs(self.buckets[-1], env.device)
         self._captured: set[int] = set()
@@ -54,23 +50,19 @@ class PiecewiseBackend(CaptureBackend):
 
     def capture(self) -> None:
         self._forward = self._build_forward()
-        if self.lazy:
-            return
-        bar = tqdm(sorted(self.buckets, reverse=True), desc=f"capture {self.name}", unit="bucket", disable=not self.progress)
-        for bucket in bar:
-            bar.set_postfix(tokens=bucket)
-            self._capture_timed(bucket)
-        bar.close()
+        if not self.lazy:
+            self._capture_each(self.buckets, self.name, self._capture_timed)
 
     def _capture_timed(self, bucket: int) -> None:
-        before, t0 = memory_in_use(self.env.device), time.perf_counter()
         dummy = self.buffers.dummy_batch(bucket, self.env.padding, ForwardMode.EXTEND)
-        # Every segment of every layer is a legitimate compile of shared code: lift the limit.
-        with torch._dynamo.config.patch(recompile_limit=4096, accumulated_recompile_limit=65536):
+
+        def run_dummy() -> None:
             with self.env.forward_scope(dummy):
                 self._run(dummy)
-        self.stats.capture_seconds[bucket] = time.perf_counter() - t0
-        self.stats.capture_bytes[bucket] = max(0, memory_in_use(self.env.device) - before)
+
+        # Every segment of every layer is a legitimate compile of shared code: lift the limit.
+        with torch._dynamo.config.patch(recompile_limit=4096, accumulated_recompile_limit=65536):
+            self._measured(bucket, run_dummy)
         self._captured.add(bucket)
 
     def can_run(self, fb: ForwardBatch) -> bool:

@@ -16,16 +16,15 @@ def wait_until(condition, timeout: float = 15.0, what: str = "condition") -> Non
 
 
 @contextlib.contextmanager
-def slowed(engine, seconds: float = 0.005):
-    """Every step takes at least `seconds`, so a long request is still running when a test
-    acts on it, however fast or loaded the machine is."""
+def before_each_step(engine, hook):
+    """Call `hook(fb)` on the engine's thread before every forward while inside the block."""
     real = engine.runner.forward_and_sample
 
-    def slow(fb):
-        time.sleep(seconds)
+    def hooked(fb):
+        hook(fb)
         return real(fb)
 
-    engine.runner.forward_and_sample = slow
+    engine.runner.forward_and_sample = hooked
     try:
         yield
     finally:
@@ -33,21 +32,22 @@ def slowed(engine, seconds: float = 0.005):
 
 
 @contextlib.contextmanager
+def slowed(engine, seconds: float = 0.005):
+    """Every step takes at least `seconds`, so a long request is still running when a test
+    acts on it, however fast or loaded the machine is."""
+    with before_each_step(engine, lambda fb: time.sleep(seconds)):
+        yield
+
+
+@contextlib.contextmanager
 def paused(engine):
     """Steps wait until the block exits: requests pile up in a known state."""
     gate = threading.Event()
-    real = engine.runner.forward_and_sample
-
-    def gated(fb):
-        gate.wait()
-        return real(fb)
-
-    engine.runner.forward_and_sample = gated
     try:
-        yield
+        with before_each_step(engine, lambda fb: gate.wait()):
+            yield
     finally:
         gate.set()
-        del engine.runner.forward_and_sample
 
 
 def server_config(**changes):
@@ -89,14 +89,5 @@ class ServerThread:
 def recorded_batches(engine):
     """Yields a list that receives every ForwardBatch the runner runs while inside the block."""
     batches = []
-    real = engine.runner.forward_and_sample
-
-    def record(fb):
-        batches.append(fb)
-        return real(fb)
-
-    engine.runner.forward_and_sample = record
-    try:
+    with before_each_step(engine, batches.append):
         yield batches
-    finally:
-        del engine.runner.forward_and_sample
