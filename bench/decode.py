@@ -1,31 +1,37 @@
-"""Decode suite: per bucket, eager vs the plan's decode backend, and what capturing it costs."""
+"""Decode suite: per batch-size bucket, one decode step eager vs the plan's decode backend, paired
+in one process (A B A B ...); capture cost in this process alongside (the capture suite measures
+cold and warm starts in fresh processes)."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-import tempfile
+from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
+from bench.plots import grouped_bars
+from bench.timing import paired_ms
 from graphexec.forward_mode import ForwardMode
 
 
-def run(engine, cfg, overrides: list[str]) -> dict[str, Any]:
+def run(cfg, ctx) -> dict[str, Any]:
+    from bench.suites import build_engine
+
+    engine = build_engine(cfg)
     runner = engine.runner
     graph = runner.backends[ForwardMode.DECODE]
     buckets = list(getattr(graph, "buckets", [1, 8]))
     rows = []
-    for bucket in buckets:
+    for bucket in tqdm(buckets, desc="decode buckets", disable=not ctx.progress):
         fb, release = _decode_batch(engine, bucket, cfg.bench.context_len)
-        sides = {
-            "eager": lambda: runner.eager.execute(fb),
-            graph.name: lambda: graph.execute(fb),
-        }
+        sides = {"eager": lambda: runner.eager.execute(fb)}
+        if graph is not runner.eager:  # capture=eager: nothing to pair against
+            sides[graph.name] = lambda: graph.execute(fb)
         with torch.inference_mode():
-            timings = _paired(sides, cfg.bench.rounds, cfg.bench.steps)
+            timings = paired_ms(sides, cfg.bench.rounds, cfg.bench.steps)
+        release()
+        timings.setdefault(graph.name, timings["eager"])
         eager_ms, graph_ms = timings["eager"]["median_ms"], timings[graph.name]["median_ms"]
         rows.append(
             {
@@ -37,17 +43,7 @@ def run(engine, cfg, overrides: list[str]) -> dict[str, Any]:
                 "capture_mib": graph.stats.capture_bytes.get(bucket, 0) / 2**20,
             }
         )
-        release()
-    result: dict[str, Any] = {"backend": graph.name, "buckets": rows}
-    if cfg.bench.cold_warm:
-        result["start"] = _cold_then_warm(overrides)
-    return result
-
-
-def _paired(sides, rounds, steps):
-    from bench.timing import paired_ms
-
-    return paired_ms(sides, rounds, steps)
+    return {"backend": graph.name, "context_len": cfg.bench.context_len, "buckets": rows}
 
 
 def _decode_batch(engine, batch_size: int, context_len: int):
@@ -79,20 +75,6 @@ def _decode_batch(engine, batch_size: int, context_len: int):
     return runner.init_forward_batch(decode), release
 
 
-def _cold_then_warm(overrides: list[str]) -> dict[str, Any]:
-    """Two fresh processes sharing a new, empty compile cache: the first compiles, the second reuses."""
-    out = {}
-    with tempfile.TemporaryDirectory(prefix="graphexec-inductor-") as cache:
-        for phase in ("cold", "warm"):
-            cmd = [sys.executable, "-m", "bench.capture_probe", *overrides, f"capture.decode.compile.cache_dir={cache}"]
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            if proc.returncode != 0:
-                out[phase] = {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr else "failed"}
-                continue
-            out[phase] = json.loads(proc.stdout.strip().splitlines()[-1])
-    return out
-
-
 def markdown(result: dict[str, Any]) -> str:
     name = result["backend"]
     lines = [
@@ -107,12 +89,24 @@ def markdown(result: dict[str, Any]) -> str:
             f"| {g['median_ms']:.1f} ({g['min_ms']:.1f}–{g['max_ms']:.1f}) | {row['speedup']:.2f}× "
             f"| {'—' if cap is None else f'{cap:.1f}'} | {row['capture_mib']:.0f} |"
         )
-    if "start" in result:
-        lines += ["", "| start | engine start s | capture s per bucket |", "|---|---|---|"]
-        for phase, probe in result["start"].items():
-            if "error" in probe:
-                lines.append(f"| {phase} | failed: {probe['error']} | |")
-                continue
-            per = ", ".join(f"{b}: {s:.1f}" for b, s in sorted(probe["capture_seconds"].items(), key=lambda kv: int(kv[0])))
-            lines.append(f"| {phase} | {probe['start_seconds']:.1f} | {per} |")
     return "\n".join(lines) + "\n"
+
+
+def plots(result: dict[str, Any], out_dir: Path) -> list[str]:
+    name, rows = result["backend"], result["buckets"]
+    return [
+        grouped_bars(
+            out_dir / "decode_latency.png", f"decode step, KV {result['context_len']} tokens", "ms (median)",
+            [r["bucket"] for r in rows], {side: [r[side]["median_ms"] for r in rows] for side in ("eager", name)},
+            xlabel="batch-size bucket",
+        )
+    ]
+
+
+def summary(result: dict[str, Any]) -> dict[str, float]:
+    name = result["backend"]
+    out = {}
+    for row in result["buckets"]:
+        out[f"B={row['bucket']} {name} ms"] = row[name]["median_ms"]
+        out[f"B={row['bucket']} speedup"] = row["speedup"]
+    return out

@@ -8,12 +8,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
+from bench.plots import grouped_bars
 from bench.timing import paired_ms
 from capture import create_backend
 
 
-def run(engine, cfg) -> dict[str, Any]:
+def run(cfg, ctx) -> dict[str, Any]:
+    from bench.suites import build_engine
+
+    engine = build_engine(cfg)
     runner = engine.runner
     buckets = list(cfg.bench.buckets)
     variants = {}
@@ -23,7 +28,7 @@ def run(engine, cfg) -> dict[str, Any]:
             backend.capture()
         variants[name] = backend
     rows = []
-    for bucket in buckets:
+    for bucket in tqdm(buckets, desc="prefill buckets", disable=not ctx.progress):
         fb, release = _extend_batch(engine, bucket)
         sides = {"eager": lambda: runner.eager.execute(fb)}
         sides |= {name: (lambda b=b: b.execute(fb)) for name, b in variants.items()}
@@ -86,3 +91,25 @@ def markdown(result: dict[str, Any]) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "lines of code (variant + shared base): " + ", ".join(f"{n} {c}" for n, c in result["lines_of_code"].items())]
     return "\n".join(lines) + "\n"
+
+
+def plots(result: dict[str, Any], out_dir: Path) -> list[str]:
+    rows, names = result["buckets"], result["variants"]
+    groups = [r["bucket"] for r in rows]
+    latency = {"eager": [r["eager"]["median_ms"] for r in rows]} | {n: [r[n]["median_ms"] for r in rows] for n in names}
+    capture = {n: [r[n]["capture_seconds"] for r in rows] for n in names}
+    return [
+        grouped_bars(out_dir / "prefill_latency.png", "prefill forward", "ms (median)", groups, latency,
+                     xlabel="token bucket", log_y=True),
+        grouped_bars(out_dir / "prefill_capture.png", "capture cost (this process)", "seconds", groups, capture,
+                     xlabel="token bucket"),
+    ]
+
+
+def summary(result: dict[str, Any]) -> dict[str, float]:
+    out = {}
+    for row in result["buckets"]:
+        out[f"{row['bucket']} tok eager ms"] = row["eager"]["median_ms"]
+        for n in result["variants"]:
+            out[f"{row['bucket']} tok {n} ×"] = row[n]["speedup"]
+    return out

@@ -1,0 +1,47 @@
+"""The harness's suites, by name.  Each suite module provides
+
+    run(cfg, ctx: SuiteContext) -> dict     # the measurements (JSON-serialisable)
+    markdown(result) -> str                 # the report's tables
+    plots(result, out_dir) -> list[str]     # PNG files written, relative to out_dir
+    summary(result) -> dict[str, float]     # headline numbers, for the multirun comparison
+
+and is imported only when chosen, so `graphexec-bench bench=e2e` never imports the other suites.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+
+SUITES = {
+    "decode": "bench.decode",
+    "prefill": "bench.prefill",
+    "capture": "bench.capture",
+    "padding": "bench.padding",
+    "e2e": "bench.e2e",
+}
+
+
+@dataclass(frozen=True)
+class SuiteContext:
+    out_dir: Path
+    # The engine overrides given on the command line (bench.* excluded): fresh processes the
+    # suite starts (cold/warm capture probes) are configured with exactly these.
+    overrides: tuple[str, ...] = field(default_factory=tuple)
+    progress: bool = True
+
+
+def load_suite(name: str) -> ModuleType:
+    if name not in SUITES:
+        raise ValueError(f"bench.suite={name!r} is unknown; choose one of {sorted(SUITES)}")
+    return importlib.import_module(SUITES[name])
+
+
+def build_engine(cfg):
+    """The engine a suite measures, from the composed Hydra config (captures at start-up)."""
+    from graphexec.config import EngineConfig
+    from graphexec.engine import Engine
+
+    return Engine(config=EngineConfig.from_dictconfig(cfg))
