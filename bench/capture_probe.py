@@ -1,22 +1,79 @@
-"""Start an engine in this (fresh) process and print its capture cost as JSON.
+"""Start an engine in this (fresh) process and print, as one JSON line on stdout, what starting it
+cost: whole start seconds, peak RSS, and per distinct capture backend its seconds and bytes per
+bucket.  The capture suite (bench/capture.py) runs it once per phase, cold and warm.
 
-    python -m bench.capture_probe capture=graph_first capture.decode.compile.cache_dir=/tmp/c
+    python -m bench.capture_probe model=tiny-llama capture.decode.buckets=[1,4]
+
+On failure it exits non-zero with a one-line reason as the last line of stderr.
 """
 
 from __future__ import annotations
 
 import json
+import resource
 import sys
 import time
+import traceback
+from typing import Any
+
+_MODE_KEYS = ("extend", "decode", "mixed", "idle")
 
 
-def main() -> None:
+def _config_without_progress_bars(overrides: list[str]):
+    """The engine config for `overrides`, with capture progress bars off: they would bury the
+    error line on stderr.  Modes that alias another mode's spec (`mixed: ${.extend}`) are left
+    alone, so they keep resolving to the very same spec and still share its backend."""
+    from omegaconf import DictConfig, OmegaConf
+
+    from graphexec.config import EngineConfig, compose
+
+    cfg = compose(overrides)
+    quiet = [
+        f"capture.{key}.progress=false"
+        for key in _MODE_KEYS
+        if key in cfg.capture and not OmegaConf.is_interpolation(cfg.capture, key)
+        and isinstance(cfg.capture[key], DictConfig) and "progress" in cfg.capture[key]
+    ]
+    return EngineConfig.from_dictconfig(compose([*overrides, *quiet]))
+
+
+def _distinct_backends(runner) -> list[dict[str, Any]]:
+    """One entry per backend instance: modes sharing a spec share one instance (ModelRunner
+    builds one per distinct spec), so `backend_stats()`, keyed by mode, would count it twice."""
+    by_instance: dict[int, dict[str, Any]] = {}
+    for mode, backend in runner.backends.items():
+        entry = by_instance.setdefault(id(backend), {"modes": [], "backend": backend.name, "buckets": []})
+        entry["modes"].append(mode.config_key)
+        if entry["buckets"]:
+            continue
+        stats = backend.stats
+        entry["buckets"] = [
+            {"bucket": bucket, "seconds": stats.capture_seconds[bucket], "bytes": stats.capture_bytes.get(bucket, 0)}
+            for bucket in sorted(stats.capture_seconds)
+        ]
+    return list(by_instance.values())
+
+
+def probe(overrides: list[str]) -> dict[str, Any]:
     t0 = time.perf_counter()
     from graphexec import Engine
 
-    engine = Engine(overrides=sys.argv[1:] + ["capture.decode.progress=false"])
-    stats = engine.runner.backend_stats()["decode"]
-    print(json.dumps({"start_seconds": time.perf_counter() - t0, "capture_seconds": stats["capture_seconds"]}))
+    engine = Engine(config=_config_without_progress_bars(overrides))
+    start_seconds = time.perf_counter() - t0
+    # ru_maxrss is KiB on Linux.  Inductor's compile workers are separate processes, not counted.
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {"start_seconds": start_seconds, "peak_rss_bytes": peak_rss, "backends": _distinct_backends(engine.runner)}
+
+
+def main() -> None:
+    try:
+        result = probe(sys.argv[1:])
+    except Exception as exc:  # the suite records the last stderr line as this phase's error
+        traceback.print_exc()
+        reason = " ".join(f"{type(exc).__name__}: {exc}".split())
+        print(f"probe failed: {reason}", file=sys.stderr)
+        raise SystemExit(1)
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """`graphexec-bench`: the graph-capture benchmarking harness (a Hydra app).
 
     graphexec-bench bench=decode                      # one suite, the default (graph_first) plan
-    graphexec-bench bench=e2e --multirun capture=eager,graph_first
+    graphexec-bench --multirun bench=e2e capture=eager,graph_first
 
 Each run writes results.json (with the config, torch version and machine facts), report.md and
 PNG plots into its Hydra run directory and prints the report; a sweep also writes

@@ -87,4 +87,4 @@ def render(payload: dict[str, Any], body: str) -> str:
     if payload["status"] != "ok":
         head += [f"**FAILED**: {payload['error']}", "", "```", payload.get("traceback", "").strip(), "```", ""]
     plots = [f"![{p}]({p})" for p in payload.get("plots", [])]
-    return "\n".join(head) + body + ("\n" + "\n".join(plots) + "\n" if plots else "")
+    return "\n".join(head) + "\n" + body + ("\n" + "\n".join(plots) + "\n" if plots else "")

@@ -13,12 +13,15 @@ import torch
 
 from capture.padding import PaddingPolicy, StaticInputs
 from graphexec import SamplingParams
+from graphexec.config import SchedulerConfig
 from graphexec.forward_batch import ForwardBatch
 from graphexec.kv_pool import TokenToKVPool
+from graphexec.model_runner import StepOutput
 from graphexec.req_to_token_pool import ReqToTokenPool
 from graphexec.request import Req
-from graphexec.sampler import Sampler, SamplingBatchInfo
+from graphexec.sampler import Sampler, SamplerOutput, SamplingBatchInfo
 from graphexec.schedule_batch import ScheduleBatch
+from graphexec.scheduler import Scheduler
 
 VOCAB = 49152
 
@@ -63,3 +66,59 @@ def test_sampler(benchmark, batch_size, kind):
     info = SamplingBatchInfo.from_params([params] * batch_size, [None] * batch_size, VOCAB, "cpu")
     logits = torch.randn(batch_size, VOCAB, generator=torch.Generator().manual_seed(0))
     benchmark(Sampler(), logits, info)
+
+
+class HostOnlyRunner:
+    """What Scheduler uses of ModelRunner, with no model: pools (enough KV for 32 requests'
+    admission reservations of 64 + 1000 tokens), device, the real
+    `init_forward_batch` (host work every step pays) and a `forward_and_sample` that returns a
+    fixed non-stop token per row instead of running the model and the sampler."""
+
+    def __init__(self, max_requests: int = 64, max_context: int = 2048, num_slots: int = 40_000):
+        self.device = torch.device("cpu")
+        self.req_to_token_pool = ReqToTokenPool(max_requests=max_requests, max_context=max_context)
+        self.kv_pool = TokenToKVPool(num_slots, 1, 1, 8, torch.float32)
+        self.last_batch: ScheduleBatch | None = None
+        self._next_ids = torch.full((max_requests,), 7, dtype=torch.int64)
+        self._no_logits = torch.empty(0, VOCAB)
+
+    def init_forward_batch(self, batch: ScheduleBatch) -> ForwardBatch:
+        self.last_batch = batch
+        return ForwardBatch.init_new(batch, self.device, VOCAB)
+
+    def forward_and_sample(self, fb: ForwardBatch) -> StepOutput:
+        return StepOutput(sampler=SamplerOutput(next_token_ids=self._next_ids[: fb.batch_size]), logits=self._no_logits)
+
+
+def _undo_decode_step(runner: HostOnlyRunner, reqs: list[Req]) -> None:
+    """Put the requests and pools back where they were before the last decode step, so every
+    timed tick starts from the same state (same lengths, same number of free slots)."""
+    batch = runner.last_batch
+    assert batch is not None and batch.batch_size == len(reqs)
+    runner.kv_pool.free(batch.out_cache_loc)
+    for req in reqs:
+        req.output_ids.pop()
+        req.num_cached_tokens -= 1
+        req.num_allocated_tokens = req.num_cached_tokens
+
+
+@pytest.mark.parametrize("batch_size", [1, 8, 32])
+def test_scheduler_decode_tick(benchmark, batch_size):
+    """One `Scheduler.step` in steady decode: admission check, prepare_for_decode,
+    ForwardBatch.init_new, result processing; everything but the model and the sampler."""
+    runner = HostOnlyRunner()
+    scheduler = Scheduler(runner, SchedulerConfig(max_running_requests=64, max_prefill_tokens=4096, mixed_chunk=False))
+    for i in range(batch_size):
+        # Never finishes within the timing: no EOS, a large token allowance.
+        scheduler.add_request(Req(f"r{i}", list(range(1, 65)), SamplingParams(max_new_tokens=1000), (), 2048))
+    while scheduler.waiting:  # the prefill: every request is running from here on
+        scheduler.step()
+    reqs = list(scheduler.running)
+    assert len(reqs) == batch_size and not scheduler.waiting
+
+    def tick():
+        assert scheduler.step() == []  # nothing finishes; the batch stays steady
+
+    tick()
+    benchmark.pedantic(tick, setup=lambda: _undo_decode_step(runner, reqs), rounds=1000, warmup_rounds=20)
+    assert runner.last_batch.forward_mode.is_decode_or_idle() and len(scheduler.running) == batch_size

@@ -6,38 +6,7 @@ import inspect
 
 import torch
 
-from graphexec.models.config import ModelConfig
-
-
-def hf_model_from(config: ModelConfig, state_dict: dict[str, torch.Tensor]):
-    """A transformers model with exactly these (HF-named) weights, fp32, eval mode."""
-    import transformers
-
-    common = dict(
-        vocab_size=config.vocab_size,
-        hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size,
-        num_hidden_layers=config.num_layers,
-        num_attention_heads=config.num_heads,
-        num_key_value_heads=config.num_kv_heads,
-        head_dim=config.head_dim,
-        rms_norm_eps=config.rms_norm_eps,
-        rope_theta=config.rope_theta,
-        max_position_embeddings=config.max_context,
-        tie_word_embeddings=config.tie_word_embeddings,
-    )
-    if config.architecture == "qwen2":
-        hf_config = transformers.Qwen2Config(**common)
-        model = transformers.Qwen2ForCausalLM(hf_config)
-    else:
-        hf_config = transformers.LlamaConfig(attention_bias=config.attention_bias, **common)
-        model = transformers.LlamaForCausalLM(hf_config)
-    missing, unexpected = model.load_state_dict({k: v.float() for k, v in state_dict.items()}, strict=False)
-    # Tied heads are not stored separately; anything else missing is a test bug.
-    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
-    if config.tie_word_embeddings:
-        model.tie_weights()
-    return model.float().eval()
+from bench.hf_baseline import hf_model_from  # noqa: F401  (the tests import it from here)
 
 
 def hf_smollm2():

@@ -1,0 +1,155 @@
+"""Capture suite: what starting an engine costs, per capture backend and bucket, cold and warm.
+
+Every phase is a fresh `python -m bench.capture_probe` process (nothing compiled in memory) run
+with the run's engine overrides.  The phases share one inductor cache directory, new and empty
+for this run: the cold phase compiles everything into it, the warm phase reuses what it left.
+A probe that fails is recorded as that phase's error, not raised, so the other phase still counts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from bench.plots import grouped_bars
+
+_MODE_KEYS = ("extend", "decode", "mixed", "idle")
+_ALLOWED_PHASES = (["cold"], ["cold", "warm"])
+
+
+def run(cfg, ctx) -> dict[str, Any]:
+    phases = list(cfg.bench.phases)
+    if phases not in _ALLOWED_PHASES:
+        raise ValueError(f"bench.phases={phases} must be one of {list(_ALLOWED_PHASES)} (cold runs first, on an empty cache)")
+    explicit_cache_dirs = _explicit_cache_dirs(cfg)
+    results: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="graphexec-capture-cache-") as cache_dir:
+        for phase in phases:
+            if ctx.progress:
+                print(f"capture suite: {phase} phase (fresh process, inductor cache {cache_dir}) ...", file=sys.stderr, flush=True)
+            results[phase] = _run_probe(list(ctx.overrides), cache_dir, float(cfg.bench.probe_timeout_s))
+            if ctx.progress:
+                outcome = results[phase]["error"] or f"engine started in {results[phase]['start_seconds']:.1f} s"
+                print(f"capture suite: {phase} phase done: {outcome}", file=sys.stderr, flush=True)
+    return {
+        "phases": results,
+        "backends": _merge_backends(results),
+        # A cache_dir in the config wins over the environment (full_graph sets
+        # TORCHINDUCTOR_CACHE_DIR from it), so every phase reads that directory as it was.
+        "explicit_cache_dirs": explicit_cache_dirs,
+        "cold_is_cold": not explicit_cache_dirs,
+    }
+
+
+def _explicit_cache_dirs(cfg) -> list[str]:
+    found = {OmegaConf.select(cfg, f"capture.{key}.compile.cache_dir", default=None) for key in _MODE_KEYS}
+    return sorted(str(d) for d in found if d)
+
+
+def _run_probe(overrides: list[str], cache_dir: str, timeout_s: float) -> dict[str, Any]:
+    # Triton's cache would otherwise live outside the fresh directory if the caller set it.
+    env = os.environ | {"TORCHINDUCTOR_CACHE_DIR": cache_dir, "TRITON_CACHE_DIR": os.path.join(cache_dir, "triton")}
+    cmd = [sys.executable, "-m", "bench.capture_probe", *overrides]
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"error": f"probe timed out after {timeout_s:.0f} s", "process_seconds": time.perf_counter() - t0}
+    process_seconds = time.perf_counter() - t0
+    if proc.returncode != 0:
+        lines = proc.stderr.strip().splitlines()
+        error = lines[-1] if lines else f"probe exited with code {proc.returncode}"
+        return {"error": error, "exit_code": proc.returncode, "process_seconds": process_seconds}
+    try:
+        stats = json.loads(proc.stdout.strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):
+        return {"error": f"probe printed no JSON line: {proc.stdout[-200:]!r}", "process_seconds": process_seconds}
+    return stats | {"error": None, "process_seconds": process_seconds}
+
+
+def _merge_backends(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """One entry per distinct backend (named by the first mode using it), each bucket's seconds
+    and MiB side by side per phase; None where a phase failed or lacks that bucket."""
+    merged: dict[str, dict[str, Any]] = {}
+    for phase, result in results.items():
+        for backend in result.get("backends", []):
+            name = backend["modes"][0]
+            entry = merged.setdefault(name, {"name": name, "modes": backend["modes"], "backend": backend["backend"], "buckets": {}})
+            for row in backend["buckets"]:
+                cell = entry["buckets"].setdefault(row["bucket"], {"bucket": row["bucket"]})
+                cell[f"{phase}_seconds"] = row["seconds"]
+                cell[f"{phase}_mib"] = row["bytes"] / 2**20
+    for entry in merged.values():
+        entry["buckets"] = [entry["buckets"][b] for b in sorted(entry["buckets"])]
+    return list(merged.values())
+
+
+def _num(value: float | None, fmt: str = ".2f") -> str:
+    return "—" if value is None else format(value, fmt)
+
+
+def markdown(result: dict[str, Any]) -> str:
+    phases = list(result["phases"])
+    if result["cold_is_cold"]:
+        lines = ["Inductor cache: a new empty directory for this run; cold compiles into it, warm reuses it.", ""]
+    else:
+        dirs = ", ".join(result["explicit_cache_dirs"])
+        lines = [f"**Cold is not cold**: the config sets compile.cache_dir ({dirs}), which every phase reads as it was.", ""]
+    lines += ["| phase | engine start s | process s | peak RSS MiB | error |", "|---|---|---|---|---|"]
+    for phase, p in result["phases"].items():
+        rss = p.get("peak_rss_bytes")
+        error = (p["error"] or "").replace("|", "\\|")
+        lines.append(
+            f"| {phase} | {_num(p.get('start_seconds'))} | {_num(p['process_seconds'])} "
+            f"| {_num(None if rss is None else rss / 2**20, '.0f')} | {error} |"
+        )
+    for backend in result["backends"]:
+        shared = [m for m in backend["modes"] if m != backend["name"]]
+        lines += ["", f"### {backend['name']}: {backend['backend']}" + (f" (shared by {', '.join(shared)})" if shared else ""), ""]
+        if not backend["buckets"]:
+            lines.append("Nothing captured (no buckets).")
+            continue
+        lines.append("| bucket | " + " | ".join(f"{ph} s" for ph in phases) + " | " + " | ".join(f"{ph} MiB" for ph in phases) + " |")
+        lines.append("|---" * (1 + 2 * len(phases)) + "|")
+        for row in backend["buckets"]:
+            seconds = [_num(row.get(f"{ph}_seconds")) for ph in phases]
+            mib = [_num(row.get(f"{ph}_mib"), ".0f") for ph in phases]
+            lines.append(f"| {row['bucket']} | " + " | ".join(seconds + mib) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plots(result: dict[str, Any], out_dir: Path) -> list[str]:
+    phases = list(result["phases"])
+    return [
+        grouped_bars(
+            out_dir / f"capture_{backend['name']}.png", f"{backend['name']} capture ({backend['backend']})", "seconds",
+            [row["bucket"] for row in backend["buckets"]],
+            {ph: [row.get(f"{ph}_seconds") for row in backend["buckets"]] for ph in phases},
+            xlabel="bucket",
+        )
+        for backend in result["backends"]
+        if backend["buckets"]
+    ]
+
+
+def summary(result: dict[str, Any]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for phase, p in result["phases"].items():
+        if p["error"] is not None:
+            continue
+        out[f"{phase} engine start s"] = p["start_seconds"]
+        out[f"{phase} peak RSS MiB"] = p["peak_rss_bytes"] / 2**20
+    for backend in result["backends"]:
+        for phase in result["phases"]:
+            seconds = [row[f"{phase}_seconds"] for row in backend["buckets"] if f"{phase}_seconds" in row]
+            if seconds:
+                out[f"{backend['name']} {phase} s total"] = sum(seconds)
+    return out

@@ -1,0 +1,215 @@
+"""End-to-end suite: one seeded offline workload through the Engine (the configured plan) and
+through Hugging Face `generate` on the same weights, in the same process: throughput, time to
+first token, time per output token, and greedy-token agreement."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+from omegaconf import OmegaConf
+from tqdm import tqdm
+
+from bench.plots import grouped_bars
+from bench.workload import WorkItem, WorkloadSpec, make_workload, ordinary_token_range
+
+COMPARE_UNIT = "tok/s"  # which summary numbers a multirun comparison plots
+PERCENTILES = (50, 90, 99)
+
+
+def run(cfg, ctx) -> dict[str, Any]:
+    from bench.suites import build_engine
+    from graphexec import SamplingParams
+
+    workload_cfg = OmegaConf.to_container(cfg.bench.workload, resolve=True)
+    spec = WorkloadSpec(**{k: tuple(v) if isinstance(v, list) else v for k, v in workload_cfg.items()})
+    engine = build_engine(cfg)
+    try:
+        items = make_workload(spec, ordinary_token_range(engine.model_config.vocab_size))
+        # First calls pay one-off costs (allocator growth, lazy init) on both sides: not the workload's.
+        engine.generate([items[0].prompt_ids[:16]], SamplingParams(max_new_tokens=4, ignore_eos=True))
+        hf = _hf_side(cfg, engine) if cfg.bench.hf.enabled else None
+        sides: dict[str, list[dict[str, Any]]] = {"graphexec": []}
+        for _ in range(cfg.bench.rounds):  # paired: engine, HF, engine, HF ...
+            sides["graphexec"].append(_engine_round(engine, items, ctx.progress))
+            if hf is not None:
+                sides.setdefault("hf_grouped", []).append(hf.grouped(items, ctx.progress))
+        if hf is not None and cfg.bench.hf.single_requests > 0:
+            sides["hf_single"] = [hf.single(items[: cfg.bench.hf.single_requests], ctx.progress)]
+        backends = engine.runner.backend_stats()
+    finally:
+        engine.shutdown()
+    return _result(spec, items, sides, cfg, backends)
+
+
+def _engine_round(engine, items: Sequence[WorkItem], progress: bool) -> dict[str, Any]:
+    from graphexec import SamplingParams
+
+    t0 = time.perf_counter()
+    streams = [engine.stream(w.prompt_ids, SamplingParams(max_new_tokens=w.output_len, ignore_eos=True)) for w in items]
+    with tqdm(total=len(items), desc="graphexec requests", disable=not progress) as bar:
+        while (unfinished := engine.num_unfinished()) > 0:  # requests finish in any order
+            bar.update(len(items) - unfinished - bar.n)
+            time.sleep(0.05)
+        bar.update(len(items) - bar.n)
+    outputs = [s.result() for s in streams]
+    wall = time.perf_counter() - t0
+    return _side_round(wall, [o.token_ids for o in outputs], [o.ttft for o in outputs], [o.tpot for o in outputs], len(items))
+
+
+class _HFSide:
+    def __init__(self, model, pad_id: int, group_size: int):
+        self.model, self.pad_id, self.group_size = model, pad_id, group_size
+
+    def grouped(self, items: Sequence[WorkItem], progress: bool) -> dict[str, Any]:
+        from bench.hf_baseline import generate_grouped
+
+        with tqdm(total=len(items), desc=f"HF generate, groups of {self.group_size}", disable=not progress) as bar:
+            results, wall = generate_grouped(
+                self.model, [w.prompt_ids for w in items], [w.output_len for w in items], self.pad_id,
+                self.group_size, on_group=bar.update,
+            )
+        return _side_round(wall, [r.token_ids for r in results], [r.ttft for r in results], [r.tpot for r in results], len(items))
+
+    def single(self, items: Sequence[WorkItem], progress: bool) -> dict[str, Any]:
+        from bench.hf_baseline import generate_grouped
+
+        with tqdm(total=len(items), desc="HF generate, one at a time", disable=not progress) as bar:
+            results, wall = generate_grouped(
+                self.model, [w.prompt_ids for w in items], [w.output_len for w in items], self.pad_id, 1, on_group=bar.update
+            )
+        return _side_round(wall, [r.token_ids for r in results], [r.ttft for r in results], [r.tpot for r in results], len(items))
+
+
+def _hf_side(cfg, engine) -> _HFSide:
+    from bench.hf_baseline import generate_group, hf_model_for_engine
+
+    model = hf_model_for_engine(engine)
+    pad_id = engine.model_config.eos_token_ids[0]
+    generate_group(model, [[pad_id + 1] * 8], [4], pad_id, time.perf_counter())  # warm-up, as for the engine
+    return _HFSide(model, pad_id, cfg.bench.hf.group_size)
+
+
+def _side_round(wall: float, tokens: list[list[int]], ttft: list, tpot: list, num_requests: int) -> dict[str, Any]:
+    useful = sum(map(len, tokens))
+    return {
+        "requests": num_requests,
+        "wall_s": wall,
+        "output_tokens": useful,
+        "tokens_per_s": useful / wall,
+        "ttft_s": [t for t in ttft if t is not None],
+        "tpot_s": [t for t in tpot if t is not None],
+        "token_ids": tokens,
+    }
+
+
+def percentiles(values: Sequence[float]) -> dict[str, float | None]:
+    if not values:
+        return {f"p{p}": None for p in PERCENTILES}
+    return {f"p{p}": float(np.percentile(values, p)) for p in PERCENTILES}
+
+
+def agreement(ours: Sequence[list[int]], theirs: Sequence[list[int]]) -> dict[str, float]:
+    """Identical requests, and the mean share of each request's tokens before the first difference."""
+    prefix = []
+    for a, b in zip(ours, theirs):
+        same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        prefix.append(same / max(len(a), len(b), 1))
+    return {
+        "identical_requests": sum(a == b for a, b in zip(ours, theirs)),
+        "compared": len(prefix),
+        "mean_prefix_fraction": float(np.mean(prefix)) if prefix else 0.0,
+    }
+
+
+def _result(spec: WorkloadSpec, items: Sequence[WorkItem], sides: dict, cfg, backends) -> dict[str, Any]:
+    ours = sides["graphexec"][-1]["token_ids"]
+    out_sides = {}
+    for name, rounds in sides.items():
+        rates = [r["tokens_per_s"] for r in rounds]
+        out_sides[name] = {
+            "requests": rounds[0]["requests"],
+            "tokens_per_s": float(np.median(rates)),
+            "tokens_per_s_rounds": rates,
+            "wall_s": float(np.median([r["wall_s"] for r in rounds])),
+            "output_tokens": rounds[0]["output_tokens"],
+            "ttft_s": percentiles([t for r in rounds for t in r["ttft_s"]]),
+            "tpot_ms": {k: None if v is None else v * 1e3 for k, v in percentiles([t for r in rounds for t in r["tpot_s"]]).items()},
+        }
+        if name != "graphexec":
+            out_sides[name]["agreement"] = agreement(ours, rounds[-1]["token_ids"])
+    base = out_sides["graphexec"]["tokens_per_s"]
+    ratios = {f"graphexec / {n}": base / s["tokens_per_s"] for n, s in out_sides.items() if n != "graphexec"}
+    return {
+        "workload": {
+            "spec": {k: list(v) if isinstance(v, tuple) else v for k, v in vars(spec).items()},
+            "prompt_tokens": sum(len(w.prompt_ids) for w in items),
+            "useful_output_tokens": sum(w.output_len for w in items),
+            "shared_prefix_requests": sum(w.shared_prefix for w in items),
+        },
+        "hf_group_size": cfg.bench.hf.group_size,
+        "sides": out_sides,
+        "ratios": ratios,
+        "engine_backends": {mode: {k: v for k, v in s.items() if k in ("backend", "executions", "fallbacks", "padded_rows")}
+                            for mode, s in backends.items()},
+    }
+
+
+_LABELS = {"graphexec": "graphexec", "hf_grouped": "HF generate, groups", "hf_single": "HF generate, one at a time"}
+
+
+def markdown(result: dict[str, Any]) -> str:
+    w, spec = result["workload"], result["workload"]["spec"]
+    lines = [
+        f"Workload: {spec['num_requests']} requests (seed {spec['seed']}), prompts {spec['prompt_len'][0]}–"
+        f"{spec['prompt_len'][1]} tokens ({w['prompt_tokens']} in all; {w['shared_prefix_requests']} start with the "
+        f"same {spec['shared_prefix_len']}-token prefix), outputs {spec['output_len'][0]}–{spec['output_len'][1]} "
+        f"tokens ({w['useful_output_tokens']} in all), EOS ignored, greedy. HF groups of {result['hf_group_size']}, "
+        "left-padded, each to its longest output.",
+        "",
+        "| side | requests | useful tok/s | × | wall s | TTFT p50 / p90 / p99 s | TPOT p50 / p90 / p99 ms | same tokens as graphexec |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    base = result["sides"]["graphexec"]["tokens_per_s"]
+    for name, s in result["sides"].items():
+        agree = s.get("agreement")
+        lines.append(
+            f"| {_LABELS.get(name, name)} | {s['requests']} | {s['tokens_per_s']:.1f} | {base / s['tokens_per_s']:.2f}× "
+            f"| {s['wall_s']:.1f} | {_triple(s['ttft_s'], '.2f')} | {_triple(s['tpot_ms'], '.0f')} "
+            f"| {_agreement_cell(agree)} |"
+        )
+    lines += ["", "× is graphexec's useful tokens/s over that side's. Engine executions per mode: " + ", ".join(
+        f"{m} {s.get('backend')} {s.get('executions', 0)} (fallbacks {s.get('fallbacks', 0)})" for m, s in result["engine_backends"].items()
+    )]
+    return "\n".join(lines) + "\n"
+
+
+def _agreement_cell(agree: dict[str, float] | None) -> str:
+    if agree is None:
+        return "—"
+    return f"{agree['identical_requests']}/{agree['compared']} requests, {agree['mean_prefix_fraction']:.0%} of tokens"
+
+
+def _triple(p: dict[str, float | None], fmt: str) -> str:
+    return " / ".join("—" if v is None else format(v, fmt) for v in p.values())
+
+
+def plots(result: dict[str, Any], out_dir: Path) -> list[str]:
+    sides = result["sides"]
+    names = [_LABELS.get(n, n) for n in sides]
+    return [
+        grouped_bars(out_dir / "e2e_throughput.png", "useful output tokens per second", "tokens/s", names,
+                     {"tokens/s": [s["tokens_per_s"] for s in sides.values()]}),
+        grouped_bars(out_dir / "e2e_ttft.png", "time to first token", "seconds", [f"p{p}" for p in PERCENTILES],
+                     {_LABELS.get(n, n): list(s["ttft_s"].values()) for n, s in sides.items()}),
+    ]
+
+
+def summary(result: dict[str, Any]) -> dict[str, float]:
+    out = {f"{n} tok/s": s["tokens_per_s"] for n, s in result["sides"].items()}
+    out |= {f"{k} ×": v for k, v in result["ratios"].items()}
+    ours = result["sides"]["graphexec"]
+    out |= {"graphexec TTFT p50 s": ours["ttft_s"]["p50"], "graphexec TPOT p50 ms": ours["tpot_ms"]["p50"]}
+    return out
