@@ -70,8 +70,8 @@ class TokenToKVPool:
         self.allocator.free(slots)
 
     def write(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k_buffers[layer_id][slots] = k
-        self.v_buffers[layer_id][slots] = v
+        self.k_buffers[layer_id].index_copy_(0, slots, k)
+        self.v_buffers[layer_id].index_copy_(0, slots, v)
 
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.k_buffers + self.v_buffers)

@@ -101,8 +101,8 @@ class TorchNativeAttnBackend(AttentionBackend):
     def _decode(self, q, out, k_cache, v_cache, bs: int) -> None:
         meta: _DecodeMetadata = self._metadata
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
-        keys = k_cache[meta.kv_indices].transpose(1, 2)  # [bs, kvh, max_len, d]
-        values = v_cache[meta.kv_indices].transpose(1, 2)
+        keys = _gather(k_cache, meta.kv_indices).transpose(1, 2)  # [bs, kvh, max_len, d]
+        values = _gather(v_cache, meta.kv_indices).transpose(1, 2)
         queries = q[:bs].view(bs, h, 1, d)
         o = F.scaled_dot_product_attention(
             queries, keys, values, attn_mask=meta.attn_mask, scale=self.scale, enable_gqa=h != kvh
@@ -113,8 +113,8 @@ class TorchNativeAttnBackend(AttentionBackend):
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
         for run in self._metadata:
             queries = q[run.q_start : run.q_start + run.q_len].view(run.q_len, h, d).transpose(0, 1)
-            keys = k_cache[run.kv_indices].transpose(0, 1)  # [kvh, seq_len, d]
-            values = v_cache[run.kv_indices].transpose(0, 1)
+            keys = _gather(k_cache, run.kv_indices).transpose(0, 1)  # [kvh, seq_len, d]
+            values = _gather(v_cache, run.kv_indices).transpose(0, 1)
             o = F.scaled_dot_product_attention(
                 queries[None],
                 keys[None],
@@ -125,3 +125,10 @@ class TorchNativeAttnBackend(AttentionBackend):
                 enable_gqa=h != kvh,
             )
             out[run.q_start : run.q_start + run.q_len] = o[0].transpose(0, 1).reshape(run.q_len, h * d)
+
+
+def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """cache[slots] for any shape of slots.  index_select on the flattened slots, because advanced
+    indexing takes 4-6x longer on CPU (measured: 32 x 320 slots of [3, 64] fp32, 4.8 vs 1.2 ms),
+    and this gather is most of a decode step's attention."""
+    return cache.index_select(0, slots.reshape(-1)).view(*slots.shape, *cache.shape[1:])
