@@ -37,16 +37,19 @@ def _config_without_progress_bars(overrides: list[str]):
     return EngineConfig.from_dictconfig(compose([*overrides, *quiet]))
 
 
-def _distinct_backends(runner) -> list[dict[str, Any]]:
+def distinct_backends(runner) -> list[dict[str, Any]]:
     """One entry per backend instance: modes sharing a spec share one instance (ModelRunner
     builds one per distinct spec), so `backend_stats()`, keyed by mode, would count it twice."""
     by_instance: dict[int, dict[str, Any]] = {}
     for mode, backend in runner.backends.items():
-        entry = by_instance.setdefault(id(backend), {"modes": [], "backend": backend.name, "buckets": []})
+        stats = backend.stats
+        entry = by_instance.setdefault(id(backend), {
+            "modes": [], "backend": backend.name, "buckets": [],
+            "executions": stats.executions, "fallbacks": stats.fallbacks, "padded_rows": stats.padded_rows,
+        })
         entry["modes"].append(mode.config_key)
         if entry["buckets"]:
             continue
-        stats = backend.stats
         entry["buckets"] = [
             {"bucket": bucket, "seconds": stats.capture_seconds[bucket], "bytes": stats.capture_bytes.get(bucket, 0)}
             for bucket in sorted(stats.capture_seconds)
@@ -62,7 +65,7 @@ def probe(overrides: list[str]) -> dict[str, Any]:
     start_seconds = time.perf_counter() - t0
     # ru_maxrss is KiB on Linux.  Inductor's compile workers are separate processes, not counted.
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return {"start_seconds": start_seconds, "peak_rss_bytes": peak_rss, "backends": _distinct_backends(engine.runner)}
+    return {"start_seconds": start_seconds, "peak_rss_bytes": peak_rss, "backends": distinct_backends(engine.runner)}
 
 
 def main() -> None:

@@ -43,7 +43,26 @@ def run(cfg, ctx) -> dict[str, Any]:
                 "capture_mib": graph.stats.capture_bytes.get(bucket, 0) / 2**20,
             }
         )
-    return {"backend": graph.name, "context_len": cfg.bench.context_len, "buckets": rows}
+    result = {"backend": graph.name, "context_len": cfg.bench.context_len, "buckets": rows}
+    if cfg.bench.host_batch:
+        result["host"] = _host_overhead(engine, cfg.bench.host_batch, cfg.bench.context_len, cfg.bench.host_steps)
+    engine.shutdown()
+    return result
+
+
+def _host_overhead(engine, batch_size: int, context_len: int, new_tokens: int) -> dict[str, Any]:
+    """`batch_size` requests decoding together through the whole engine, each step timed by part."""
+    from bench.host_overhead import breakdown, step_timers
+    from graphexec import SamplingParams
+
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(100, engine.model_config.vocab_size, (context_len,), generator=gen).tolist()
+               for _ in range(batch_size)]
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    engine.generate(prompts, SamplingParams(max_new_tokens=2, ignore_eos=True))  # warm-up
+    with step_timers(engine) as records:
+        engine.generate(prompts, params)
+    return {"batch_size": batch_size} | breakdown(records, "decode")
 
 
 def _decode_batch(engine, batch_size: int, context_len: int):
@@ -89,6 +108,15 @@ def markdown(result: dict[str, Any]) -> str:
             f"| {g['median_ms']:.1f} ({g['min_ms']:.1f}–{g['max_ms']:.1f}) | {row['speedup']:.2f}× "
             f"| {'—' if cap is None else f'{cap:.1f}'} | {row['capture_mib']:.0f} |"
         )
+    host = result.get("host")
+    if host:
+        lines += [
+            "", f"Where a decode step of {host['batch_size']} requests goes, through the whole engine (mean of {host['steps']} steps):", "",
+            "| step ms | model forward | logits + sampling | scheduler + batch building | publishing | host overhead |",
+            "|---|---|---|---|---|---|",
+            f"| {host['step_ms']:.1f} | {host['forward_ms']:.1f} | {host['logits_sample_ms']:.2f} | {host['scheduler_ms']:.2f} "
+            f"| {host['publish_ms']:.2f} | {host['host_fraction']:.1%} |",
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -109,4 +137,6 @@ def summary(result: dict[str, Any]) -> dict[str, float]:
     for row in result["buckets"]:
         out[f"B={row['bucket']} {name} ms"] = row[name]["median_ms"]
         out[f"B={row['bucket']} speedup"] = row["speedup"]
+    if result.get("host"):
+        out[f"host overhead at B={result['host']['batch_size']}"] = result["host"]["host_fraction"]
     return out

@@ -20,6 +20,7 @@ PERCENTILES = (50, 90, 99)
 
 
 def run(cfg, ctx) -> dict[str, Any]:
+    from bench.capture_probe import distinct_backends
     from bench.suites import build_engine
     from graphexec import SamplingParams
 
@@ -38,7 +39,7 @@ def run(cfg, ctx) -> dict[str, Any]:
                 sides.setdefault("hf_grouped", []).append(hf.grouped(items, ctx.progress))
         if hf is not None and cfg.bench.hf.single_requests > 0:
             sides["hf_single"] = [hf.single(items[: cfg.bench.hf.single_requests], ctx.progress)]
-        backends = engine.runner.backend_stats()
+        backends = distinct_backends(engine.runner)
     finally:
         engine.shutdown()
     return _result(spec, items, sides, cfg, backends)
@@ -152,8 +153,7 @@ def _result(spec: WorkloadSpec, items: Sequence[WorkItem], sides: dict, cfg, bac
         "hf_group_size": cfg.bench.hf.group_size,
         "sides": out_sides,
         "ratios": ratios,
-        "engine_backends": {mode: {k: v for k, v in s.items() if k in ("backend", "executions", "fallbacks", "padded_rows")}
-                            for mode, s in backends.items()},
+        "engine_backends": [{k: v for k, v in b.items() if k != "buckets"} for b in backends],
     }
 
 
@@ -180,8 +180,9 @@ def markdown(result: dict[str, Any]) -> str:
             f"| {s['wall_s']:.1f} | {_triple(s['ttft_s'], '.2f')} | {_triple(s['tpot_ms'], '.0f')} "
             f"| {_agreement_cell(agree)} |"
         )
-    lines += ["", "× is graphexec's useful tokens/s over that side's. Engine executions per mode: " + ", ".join(
-        f"{m} {s.get('backend')} {s.get('executions', 0)} (fallbacks {s.get('fallbacks', 0)})" for m, s in result["engine_backends"].items()
+    lines += ["", "× is graphexec's useful tokens/s over that side's. Engine forwards per backend: " + "; ".join(
+        f"{'/'.join(b['modes'])} → {b['backend']}: {b['executions']} (eager fallbacks {b['fallbacks']}, padded rows {b['padded_rows']})"
+        for b in result["engine_backends"]
     )]
     return "\n".join(lines) + "\n"
 

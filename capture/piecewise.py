@@ -3,7 +3,8 @@
 EXTEND and MIXED batches are padded up to the smallest token bucket that holds them (padded
 tokens: input id 0, position 0, the dummy KV slot; the per-request layout stays the real one, so
 attention never reads them and zeroes their output rows), run through that bucket's pieces, and
-sliced back to the real tokens.  A batch above the largest bucket runs eager, counted.
+sliced back to the real tokens.  A batch above the largest bucket, or one that would be more
+than `max_padding` padding, runs eager, counted.
 Subclasses only say how the forward is cut into pieces (`_build_forward`).
 """
 
@@ -22,7 +23,7 @@ from graphexec.forward_batch import ForwardBatch
 from graphexec.forward_mode import ForwardMode
 
 PieceForward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-_COMMON_OPTIONS = {"buckets", "progress", "lazy"}
+_COMMON_OPTIONS = {"buckets", "progress", "lazy", "max_padding"}
 
 
 class PiecewiseBackend(CaptureBackend):
@@ -36,6 +37,7 @@ class PiecewiseBackend(CaptureBackend):
             raise ConfigError(f"{config_path}.{unknown[0]} is not a {self.name} option; known: {sorted(known)}")
         self.buckets = validate_buckets(self.options.get("buckets"), f"{config_path}.buckets")
         self.lazy = bool(self.options.get("lazy", False))
+        self.max_padding = _padding_limit(self.options.get("max_padding", 1.0), f"{config_path}.max_padding")
         self.buffers = StaticInputs(self.buckets[-1], env.device)
         self._captured: set[int] = set()
         self._forward: PieceForward | None = None
@@ -69,7 +71,9 @@ class PiecewiseBackend(CaptureBackend):
         if not fb.forward_mode.is_extend() or self._forward is None:
             return False
         bucket = bucket_for(fb.num_tokens, self.buckets)
-        return bucket is not None and (self.lazy or bucket in self._captured)
+        if bucket is None or (bucket - fb.num_tokens) > self.max_padding * bucket:
+            return False
+        return self.lazy or bucket in self._captured
 
     def execute(self, fb: ForwardBatch) -> torch.Tensor:
         bucket = bucket_for(fb.num_tokens, self.buckets)
@@ -81,3 +85,15 @@ class PiecewiseBackend(CaptureBackend):
         self.stats.executions += 1
         self.stats.padded_rows += bucket - fb.num_tokens
         return hidden[: fb.num_token_non_padded]
+
+
+def _padding_limit(value: Any, option: str) -> float:
+    """The largest share of a bucket that may be padding before a batch runs eager instead.
+
+    Prefill compute grows with the padded token count, so on a CPU, where a captured prefill is
+    only a few percent faster than eager, padding 300 tokens up to 1024 costs far more than the
+    graph saves; the ModelRunner counts such a batch as a fallback.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+        raise ConfigError(f"{option} must be a fraction in [0, 1], got {value!r}")
+    return float(value)

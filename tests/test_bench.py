@@ -136,7 +136,8 @@ def test_e2e_sweep_writes_runs_and_one_comparison_even_when_a_run_fails(tmp_path
     # Same weights, greedy: graphexec's tokens are HF's tokens.
     assert sides["hf_single"]["agreement"]["identical_requests"] == 3
     assert sides["hf_grouped"]["agreement"]["identical_requests"] == 10
-    assert good["result"]["engine_backends"]["decode"]["backend"] == "full_graph"
+    decode = next(b for b in good["result"]["engine_backends"] if "decode" in b["modes"])
+    assert decode["backend"] == "full_graph" and decode["modes"] == ["decode", "idle"] and decode["executions"] > 0
     assert good["result"]["ratios"]["graphexec / hf_grouped"] == pytest.approx(
         sides["graphexec"]["tokens_per_s"] / sides["hf_grouped"]["tokens_per_s"])
     for png in good["plots"]:
@@ -148,3 +149,33 @@ def test_e2e_sweep_writes_runs_and_one_comparison_even_when_a_run_fails(tmp_path
     assert "capture.decode.buckets=[1,4] (#0) |" in comparison
     assert "capture.decode.buckets=[] (#1) | FAILED: ConfigError" in comparison
     assert (tmp_path / "comparison_e2e.png").exists()
+
+
+def test_decode_suite_pairs_buckets_and_splits_a_step_into_model_and_host(tmp_path):
+    cmd = [sys.executable, "-m", "bench.cli", "bench=decode", "model=tiny-llama", "bench.progress=false",
+           "capture.decode.buckets=[1,2]", "capture.extend.backend=eager", "capture.decode.progress=false",
+           "bench.rounds=2", "bench.steps=1", "bench.host_batch=2", "bench.host_steps=6", f"hydra.run.dir={tmp_path}"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "results.json").read_text())["result"]
+    assert [row["bucket"] for row in result["buckets"]] == [1, 2]
+    for row in result["buckets"]:
+        assert row["speedup"] == pytest.approx(row["eager"]["median_ms"] / row["full_graph"]["median_ms"])
+    host = result["host"]
+    assert host["batch_size"] == 2 and host["steps"] == 5  # 6 tokens: the first comes from the prefill
+    parts = host["forward_ms"] + host["logits_sample_ms"] + host["scheduler_ms"] + host["publish_ms"]
+    assert host["step_ms"] == pytest.approx(parts) and 0 < host["host_fraction"] < 1
+    assert min(host["forward_ms"], host["logits_sample_ms"], host["scheduler_ms"], host["publish_ms"]) > 0
+    assert "host overhead" in (tmp_path / "report.md").read_text()
+
+
+def test_step_timers_leave_the_engine_as_they_found_it(tiny_engine):
+    from bench.host_overhead import breakdown, step_timers
+    from graphexec import SamplingParams
+
+    with step_timers(tiny_engine) as records:
+        tiny_engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=4, ignore_eos=True))
+    assert [r["mode"] for r in records] == ["extend", "decode", "decode", "decode"]
+    assert breakdown(records, "decode")["steps"] == 3 and breakdown(records, "mixed") == {}
+    for obj, name in [(tiny_engine.runner, "forward"), (tiny_engine.scheduler, "step"), (tiny_engine._loop, "_publish")]:
+        assert name not in vars(obj)

@@ -274,6 +274,7 @@ def test_a_forward_without_split_ops_is_refused():
         (",split_ops:[nope::op]", "capture.extend.split_ops: 'nope::op' is not a registered op"),
         (",split_ops:attention", "capture.extend.split_ops must be a non-empty list"),
         (",turbo:1", "capture.extend.turbo is not a tc_piecewise option"),
+        (",max_padding:1.5", "capture.extend.max_padding must be a fraction in [0, 1], got 1.5"),
     ],
 )
 def test_config_errors_name_the_option(extra, message):
@@ -282,6 +283,18 @@ def test_config_errors_name_the_option(extra, message):
     with pytest.raises(ConfigError) as err:
         Engine(overrides=_plan(extra))
     assert message in str(err.value)
+
+
+def test_a_batch_that_would_be_mostly_padding_runs_eager(eager_engine):
+    """max_padding=0.25: 17 or 23 tokens in bucket 32 are 47 % or 28 % padding (eager); 24 is 25 % (graph)."""
+    backend = TcPiecewiseBackend(eager_engine.runner.eager.env, {"buckets": [16, 32], "lazy": True, "max_padding": 0.25})
+    backend.capture()  # lazy: builds the pieced forward, compiles nothing yet
+
+    def batch(tokens):
+        return dataclasses.make_dataclass("Batch", ["forward_mode", "num_tokens"])(ForwardMode.EXTEND, tokens)
+
+    assert [backend.can_run(batch(n)) for n in (12, 16, 17, 23, 24, 32, 33)] == [True, True, False, False, True, True, False]
+    assert TcPiecewiseBackend(eager_engine.runner.eager.env, {"buckets": [16]}).max_padding == 1.0  # default: always pad
 
 
 def test_cuda_is_refused_until_piecewise_cuda_graphs_exist(eager_engine):

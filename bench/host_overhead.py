@@ -1,0 +1,87 @@
+"""Where a decode step's time goes outside the model: timers around the engine's own calls.
+
+    forward        ModelRunner.forward: the capture backend's forward (padding, attention
+                   metadata, the graph or eager model), the model's hidden rows
+    logits+sample  the rest of ModelRunner.forward_and_sample: LM head on the sampled rows, sampler
+    scheduler      the rest of Scheduler.step: admission, slot allocation, ForwardBatch building,
+                   appending tokens, finishing requests
+    publish        the engine loop's per-step publishing: detokenizing, stop strings, streams
+
+Host overhead is everything but `forward` and `logits+sample`, as a share of the whole step.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+
+@contextmanager
+def step_timers(engine) -> Iterator[list[dict[str, Any]]]:
+    """Time every engine-loop step while inside; yields the list the per-step records go into.
+    Wraps the calls on these instances only, and restores them on exit."""
+    records: list[dict[str, Any]] = []
+    runner, scheduler, loop = engine.runner, engine.scheduler, engine._loop
+    current: dict[str, Any] = {}
+
+    def timed(name, fn):
+        def wrapper(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                current[name] = current.get(name, 0.0) + time.perf_counter() - t0
+        return wrapper
+
+    forward = timed("forward", runner.forward)
+    forward_and_sample = timed("forward_and_sample", runner.forward_and_sample)
+
+    def mode_forward(fb):
+        current["mode"], current["batch_size"] = fb.forward_mode.name.lower(), fb.batch_size
+        return forward(fb)
+
+    step = timed("step", scheduler.step)
+    publish = timed("publish", loop._publish)
+
+    def step_then_record():
+        current.clear()
+        return step()
+
+    def publish_then_record():
+        out = publish()
+        if "step" in current:
+            records.append(dict(current))
+        return out
+
+    patches = {(runner, "forward"): mode_forward, (runner, "forward_and_sample"): forward_and_sample,
+               (scheduler, "step"): step_then_record, (loop, "_publish"): publish_then_record}
+    for (obj, name), fn in patches.items():
+        setattr(obj, name, fn)
+    try:
+        yield records
+    finally:
+        for obj, name in patches:
+            delattr(obj, name)  # the class's method shows through again
+
+
+def breakdown(records: list[dict[str, Any]], mode: str = "decode") -> dict[str, float]:
+    """Mean milliseconds per step of each part, over the steps of `mode`, and the host share."""
+    steps = [r for r in records if r.get("mode") == mode and "forward_and_sample" in r]
+    if not steps:
+        return {}
+    n = len(steps)
+
+    def mean(fn) -> float:
+        return 1e3 * sum(fn(r) for r in steps) / n
+
+    parts = {
+        "steps": n,
+        "forward_ms": mean(lambda r: r["forward"]),
+        "logits_sample_ms": mean(lambda r: r["forward_and_sample"] - r["forward"]),
+        "scheduler_ms": mean(lambda r: r["step"] - r["forward_and_sample"]),
+        "publish_ms": mean(lambda r: r.get("publish", 0.0)),
+    }
+    total = parts["forward_ms"] + parts["logits_sample_ms"] + parts["scheduler_ms"] + parts["publish_ms"]
+    parts |= {"step_ms": total, "host_fraction": (parts["scheduler_ms"] + parts["publish_ms"]) / total}
+    return parts
