@@ -18,6 +18,7 @@ from hydra.experimental.callback import Callback
 
 from bench.plots import grouped_bars
 from bench.report import RESULTS
+from bench.suites import load_suite
 
 COMPARISON = "comparison.md"
 
@@ -47,7 +48,7 @@ def write_comparison(sweep_dir: Path) -> Path | None:
         keys = _keys(group)
         names = _distinct_labels(group)
         common = " ".join(_common_overrides(group))
-        lines += [f"## {suite}", "", f"Every run: {common or 'defaults'}", "", "| run | " + " | ".join(keys) + " |", "|---" * (len(keys) + 1) + "|"]
+        lines += [f"## {suite}", "", f"Overrides every run shares: {common or 'none'}", "", "| run | " + " | ".join(keys) + " |", "|---" * (len(keys) + 1) + "|"]
         for run in group:
             if run["status"] != "ok":
                 lines.append(f"| {names[run['run_dir']]} | FAILED: {run['error']} |" + " |" * (len(keys) - 1))
@@ -58,8 +59,9 @@ def write_comparison(sweep_dir: Path) -> Path | None:
         plotted = _plot_keys(suite, keys)
         ok = [r for r in group if r["status"] == "ok"]
         if ok and plotted:
+            unit = getattr(load_suite(suite), "COMPARE_UNIT", "")
             name = grouped_bars(
-                sweep_dir / f"comparison_{suite}.png", f"{suite}: runs compared", plotted[0].split()[-1] if len(plotted) == 1 else "",
+                sweep_dir / f"comparison_{suite}.png", f"{suite}: runs compared", unit,
                 plotted, {names[r["run_dir"]]: [r["summary"].get(k) for k in plotted] for r in ok},
             )
             plot_files.append(name)
@@ -92,8 +94,6 @@ def _keys(group: list[dict[str, Any]]) -> list[str]:
 
 def _plot_keys(suite: str, keys: list[str]) -> list[str]:
     """The summary numbers in the suite's comparison unit (its COMPARE_UNIT), else the first few."""
-    from bench.suites import load_suite
-
     unit = getattr(load_suite(suite), "COMPARE_UNIT", None)
     chosen = [k for k in keys if unit and unit in k]
     return chosen or keys[:6]

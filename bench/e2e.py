@@ -199,7 +199,7 @@ def _triple(p: dict[str, float | None], fmt: str) -> str:
 
 def plots(result: dict[str, Any], out_dir: Path) -> list[str]:
     sides = result["sides"]
-    names = [_LABELS.get(n, n) for n in sides]
+    names = [_LABELS.get(n, n).replace(", ", ",\n") for n in sides]
     return [
         grouped_bars(out_dir / "e2e_throughput.png", "useful output tokens per second", "tokens/s", names,
                      {"tokens/s": [s["tokens_per_s"] for s in sides.values()]}),

@@ -14,8 +14,10 @@ GREEDY = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=T
 
 def _tiny_prompts(vocab: int) -> list[list[int]]:
     gen = torch.Generator().manual_seed(7)
-    # Different lengths, so requests are prefilled together but sit at different positions.
-    return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in (1, 5, 17, 40)]
+    # Different lengths, so requests are prefilled together but sit at different positions; more
+    # than 8 of them, so decode attention splits the batch into length-sorted groups.
+    lengths = (1, 5, 17, 40, 3, 28, 9, 33, 2, 12, 21, 7)
+    return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lengths]
 
 
 @pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen2"])
@@ -27,7 +29,7 @@ def test_tiny_greedy_matches_transformers(model):
     reference = hf_model_from(ckpt.config, ckpt.state_dict)
     prompts = _tiny_prompts(ckpt.config.vocab_size)
     # Staggered lengths make requests finish at different steps while others keep decoding.
-    params = [SamplingParams(max_new_tokens=NEW_TOKENS + 3 * i, ignore_eos=True) for i in range(len(prompts))]
+    params = [SamplingParams(max_new_tokens=NEW_TOKENS + 3 * (i % 5), ignore_eos=True) for i in range(len(prompts))]
     outputs = engine.generate(prompts, params)
     for prompt, sp, out in zip(prompts, params, outputs):
         expected, _ = hf_greedy(reference, prompt, sp.max_new_tokens)

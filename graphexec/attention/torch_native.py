@@ -17,8 +17,15 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class _DecodeMetadata:
-    kv_indices: torch.Tensor  # [batch, max_seq_len] KV slots; unused tail points at the dummy slot
-    attn_mask: torch.Tensor  # [batch, 1, 1, max_seq_len] bool, True where the key is live
+    kv_indices: torch.Tensor  # [rows, max_seq_len] KV slots; unused tail points at the dummy slot
+    attn_mask: torch.Tensor  # [rows, 1, 1, max_seq_len] bool, True where the key is live
+    rows: torch.Tensor | None = None  # which batch rows (None: all of them, in order)
+
+
+# Decode rows are attended in groups of this many, sorted by length, each gathering keys up to
+# its own longest row: fewer padded keys, and gathered blocks that stay in cache.  Measured on
+# 64 rows of 50-380 keys (SmolLM2 heads): 46 ms per layer as one block, 15-17 ms in groups of 8.
+_DECODE_GROUP_ROWS = 8
 
 
 @dataclass(frozen=True)
@@ -37,7 +44,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         if fb.forward_mode.is_extend():
             self._metadata = self._extend_metadata(fb, req_to_token)
         elif self._static is not None and fb.batch_size <= self._static.kv_indices.shape[0]:
-            self._metadata = self._static_decode_metadata(fb, req_to_token)
+            self._metadata = [self._static_decode_metadata(fb, req_to_token)]
             self._replayable = True
         else:
             self._metadata = self._decode_metadata(fb, req_to_token)
@@ -58,13 +65,24 @@ class TorchNativeAttnBackend(AttentionBackend):
         return _DecodeMetadata(kv_indices=kv_indices, attn_mask=mask)
 
     @staticmethod
-    def _decode_metadata(fb: "ForwardBatch", req_to_token: torch.Tensor) -> _DecodeMetadata:
+    def _decode_metadata(fb: "ForwardBatch", req_to_token: torch.Tensor) -> list[_DecodeMetadata]:
         bs = fb.batch_size
-        max_len = max(fb.seq_lens_cpu[:bs], default=1)
-        kv_indices = req_to_token[fb.req_pool_indices[:bs], :max_len]
-        key_pos = torch.arange(max_len, device=kv_indices.device)
-        live = key_pos[None, :] < fb.seq_lens[:bs, None]
-        return _DecodeMetadata(kv_indices=kv_indices, attn_mask=live[:, None, None, :])
+        lens = fb.seq_lens_cpu[:bs]
+        if bs <= _DECODE_GROUP_ROWS:
+            groups = [list(range(bs))]
+        else:
+            by_len = sorted(range(bs), key=lens.__getitem__)
+            groups = [by_len[i : i + _DECODE_GROUP_ROWS] for i in range(0, bs, _DECODE_GROUP_ROWS)]
+        device = fb.seq_lens.device
+        out = []
+        for group in groups:
+            rows = None if len(groups) == 1 else torch.tensor(group, device=device)
+            max_len = max((lens[i] for i in group), default=1)
+            pool_rows = fb.req_pool_indices[:bs] if rows is None else fb.req_pool_indices[rows]
+            seq_lens = fb.seq_lens[:bs] if rows is None else fb.seq_lens[rows]
+            live = torch.arange(max_len, device=device)[None, :] < seq_lens[:, None]
+            out.append(_DecodeMetadata(req_to_token[pool_rows, :max_len], live[:, None, None, :], rows))
+        return out
 
     @staticmethod
     def _extend_metadata(fb: "ForwardBatch", req_to_token: torch.Tensor) -> list[_ExtendRun]:
@@ -99,15 +117,19 @@ class TorchNativeAttnBackend(AttentionBackend):
             out[n:].zero_()
 
     def _decode(self, q, out, k_cache, v_cache, bs: int) -> None:
-        meta: _DecodeMetadata = self._metadata
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
-        keys = _gather(k_cache, meta.kv_indices).transpose(1, 2)  # [bs, kvh, max_len, d]
-        values = _gather(v_cache, meta.kv_indices).transpose(1, 2)
-        queries = q[:bs].view(bs, h, 1, d)
-        o = F.scaled_dot_product_attention(
-            queries, keys, values, attn_mask=meta.attn_mask, scale=self.scale, enable_gqa=h != kvh
-        )
-        out[:bs] = o.reshape(bs, h * d)
+        for meta in self._metadata:
+            n = meta.kv_indices.shape[0]
+            keys = _gather(k_cache, meta.kv_indices).transpose(1, 2)  # [n, kvh, max_len, d]
+            values = _gather(v_cache, meta.kv_indices).transpose(1, 2)
+            queries = (q[:bs] if meta.rows is None else q.index_select(0, meta.rows)).view(n, h, 1, d)
+            o = F.scaled_dot_product_attention(
+                queries, keys, values, attn_mask=meta.attn_mask, scale=self.scale, enable_gqa=h != kvh
+            ).reshape(n, h * d)
+            if meta.rows is None:
+                out[:bs] = o
+            else:
+                out.index_copy_(0, meta.rows, o)
 
     def _extend(self, q, out, k_cache, v_cache) -> None:
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
