@@ -14,6 +14,7 @@ from tqdm import tqdm
 
 from bench.plots import grouped_bars
 from bench.workload import WorkItem, WorkloadSpec, make_workload, ordinary_token_range
+from graphexec.threads import call_in_thread
 
 COMPARE_UNIT = "tok/s"  # which summary numbers a multirun comparison plots
 PERCENTILES = (50, 90, 99)
@@ -27,21 +28,27 @@ def run(cfg, ctx) -> dict[str, Any]:
     workload_cfg = OmegaConf.to_container(cfg.bench.workload, resolve=True)
     spec = WorkloadSpec(**{k: tuple(v) if isinstance(v, list) else v for k, v in workload_cfg.items()})
     engine = build_engine(cfg)
+    items = make_workload(spec, ordinary_token_range(engine.model_config.vocab_size))
+    sides: dict[str, list[dict[str, Any]]] = {"graphexec": []}
+    hf_cfg = cfg.bench.hf
+    single = items[: hf_cfg.single_requests] if hf_cfg.enabled else []
+    # Each side runs while its thread is the process's only OpenMP master (graphexec/threads.py):
+    # HF on threads that end, before the engine loop's thread exists and after it has stopped.
+    # So the sides take turns by block, HF groups first, rather than alternating round by round.
     try:
-        items = make_workload(spec, ordinary_token_range(engine.model_config.vocab_size))
-        # First calls pay one-off costs (allocator growth, lazy init) on both sides: not the workload's.
+        if hf_cfg.enabled:
+            hf = call_in_thread(lambda: _hf_side(cfg, engine), "hf-baseline")
+            sides["hf_grouped"] = [call_in_thread(lambda: hf.grouped(items, ctx.progress), "hf-baseline")
+                                   for _ in range(cfg.bench.rounds)]
+        # First calls pay one-off costs (allocator growth, lazy init): not the workload's.
         engine.generate([items[0].prompt_ids[:16]], SamplingParams(max_new_tokens=4, ignore_eos=True))
-        hf = _hf_side(cfg, engine) if cfg.bench.hf.enabled else None
-        sides: dict[str, list[dict[str, Any]]] = {"graphexec": []}
-        for _ in range(cfg.bench.rounds):  # paired: engine, HF, engine, HF ...
+        for _ in range(cfg.bench.rounds):
             sides["graphexec"].append(_engine_round(engine, items, ctx.progress))
-            if hf is not None:
-                sides.setdefault("hf_grouped", []).append(hf.grouped(items, ctx.progress))
-        if hf is not None and cfg.bench.hf.single_requests > 0:
-            sides["hf_single"] = [hf.single(items[: cfg.bench.hf.single_requests], ctx.progress)]
         backends = distinct_backends(engine.runner)
     finally:
         engine.shutdown()
+    if single:
+        sides["hf_single"] = [call_in_thread(lambda: hf.single(single, ctx.progress), "hf-baseline")]
     return _result(spec, items, sides, cfg, backends)
 
 

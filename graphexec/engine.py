@@ -19,7 +19,7 @@ from graphexec.engine_loop import EngineLoop
 from graphexec.engine_metrics import EngineMetrics
 from graphexec.errors import InvalidRequestError, RequestFailedError
 from graphexec.model_runner import ModelRunner
-from graphexec.models.checkpoint import load_checkpoint
+from graphexec.models.checkpoint import LoadedCheckpoint, load_checkpoint
 from graphexec.prompt_encoder import Prompt, PromptEncoder
 from graphexec.request import Req
 from graphexec.request_output import RequestDelta, RequestOutput
@@ -27,6 +27,7 @@ from graphexec.request_stream import AsyncRequestStream, RequestStream
 from graphexec.request_tracker import RequestTracker
 from graphexec.sampling_params import SamplingParams
 from graphexec.scheduler import Scheduler
+from graphexec.threads import call_in_thread
 
 __all__ = ["Engine", "Prompt", "RequestDelta", "RequestOutput"]
 
@@ -42,11 +43,11 @@ class Engine:
     def __init__(self, overrides: Sequence[str] = (), *, config: EngineConfig | None = None):
         self.config = config if config is not None else EngineConfig.from_overrides(overrides)
         torch.manual_seed(self.config.seed)
-        checkpoint = load_checkpoint(self.config.model, self.config.torch_dtype)
+        # Loading and capture run on a thread that then exits, so the engine loop's thread is the
+        # only one holding an OpenMP team (graphexec/threads.py: two teams cost ~40 % per step).
+        checkpoint, self.runner = call_in_thread(self._load_and_capture)
         self.model_config = checkpoint.config
         self.tokenizer = checkpoint.tokenizer
-        self.runner = ModelRunner(self.config, checkpoint)
-        self.runner.capture()
         self.scheduler = Scheduler(self.runner, self.config.scheduler)
         self.prompt_encoder = PromptEncoder(self.tokenizer, self.model_config.name, self.model_config.vocab_size, self.max_context)
         self._request_ids = itertools.count()
@@ -54,6 +55,12 @@ class Engine:
         # An engine dropped without shutdown() still stops its thread (the callback holds the
         # loop, not the engine, so it does not keep the engine alive).
         self._stop_loop = weakref.finalize(self, self._loop.shutdown)
+
+    def _load_and_capture(self) -> tuple[LoadedCheckpoint, ModelRunner]:
+        checkpoint = load_checkpoint(self.config.model, self.config.torch_dtype)
+        runner = ModelRunner(self.config, checkpoint)
+        runner.capture()
+        return checkpoint, runner
 
     @property
     def max_context(self) -> int:

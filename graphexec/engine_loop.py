@@ -9,13 +9,9 @@ A step that raises fails only the requests of that batch (their streams end with
 the loop keeps serving the rest.  The thread starts on the first submission, so code that drives
 `engine.scheduler.step()` itself on a fresh engine never races with it.
 
-TODO(perf): on a CPU, steps on this thread run ~40 % slower than the same forward on the main
-thread (SmolLM2 decode B=8: 102-116 vs 71-73 ms) whenever the main thread has also run parallel
-torch ops, which Engine.__init__ does (loading, capture).  Each thread that runs parallel ops gets
-its own libgomp team; once the teams' workers outnumber the cores, libgomp throttles spinning and
-every parallel region pays a futex wake-up (2000 small ops: 13 ms alone vs 200 ms with two teams).
-A thread that is the process's only OpenMP master runs at full speed, so the fix is to load and
-capture on this thread too (and keep other torch work off the main thread).
+On a CPU this thread must be the process's only OpenMP master, or every parallel region pays
+a futex wake-up (~40 % of a decode step on 2 cores): Engine loads and captures on a thread that
+ends (graphexec/threads.py), so keep other torch work off long-lived threads too.
 """
 
 from __future__ import annotations
