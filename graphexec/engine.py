@@ -57,6 +57,9 @@ class Engine:
         self._stop_loop = weakref.finalize(self, self._loop.shutdown)
 
     def _load_and_capture(self) -> tuple[LoadedCheckpoint, ModelRunner]:
+        device = torch.device(self.config.device)
+        if device.type == "cuda" and device.index is not None:
+            torch.cuda.set_device(device)  # the current CUDA device is per thread (as in EngineLoop)
         checkpoint = load_checkpoint(self.config.model, self.config.torch_dtype)
         runner = ModelRunner(self.config, checkpoint)
         runner.capture()
