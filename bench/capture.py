@@ -20,8 +20,8 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from bench.plots import grouped_bars
+from graphexec.forward_mode import ForwardMode
 
-_MODE_KEYS = ("extend", "decode", "mixed", "idle")
 _ALLOWED_PHASES = (["cold"], ["cold", "warm"])
 
 
@@ -50,7 +50,7 @@ def run(cfg, ctx) -> dict[str, Any]:
 
 
 def _explicit_cache_dirs(cfg) -> list[str]:
-    found = {OmegaConf.select(cfg, f"capture.{key}.compile.cache_dir", default=None) for key in _MODE_KEYS}
+    found = {OmegaConf.select(cfg, f"capture.{mode.config_key}.compile.cache_dir", default=None) for mode in ForwardMode}
     return sorted(str(d) for d in found if d)
 
 

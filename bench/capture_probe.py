@@ -16,7 +16,6 @@ import time
 import traceback
 from typing import Any
 
-_MODE_KEYS = ("extend", "decode", "mixed", "idle")
 
 
 def _config_without_progress_bars(overrides: list[str]):
@@ -26,11 +25,12 @@ def _config_without_progress_bars(overrides: list[str]):
     from omegaconf import DictConfig, OmegaConf
 
     from graphexec.config import EngineConfig, compose
+    from graphexec.forward_mode import ForwardMode
 
     cfg = compose(overrides)
     quiet = [
         f"capture.{key}.progress=false"
-        for key in _MODE_KEYS
+        for key in (mode.config_key for mode in ForwardMode)
         if key in cfg.capture and not OmegaConf.is_interpolation(cfg.capture, key)
         and isinstance(cfg.capture[key], DictConfig) and "progress" in cfg.capture[key]
     ]

@@ -37,7 +37,7 @@ def _paired_buckets(engine, graph, buckets: list[int], cfg, progress: bool) -> l
     runner = engine.runner
     rows = []
     for bucket in tqdm(buckets, desc="decode buckets", disable=not progress):
-        fb, release = _decode_batch(engine, bucket, cfg.bench.context_len)
+        fb, release = decode_batch(engine, bucket, cfg.bench.context_len)
         sides = {"eager": lambda: runner.eager.execute(fb)}
         if graph is not runner.eager:  # capture=eager: nothing to pair against
             sides[graph.name] = lambda: graph.execute(fb)
@@ -74,7 +74,7 @@ def _host_overhead(engine, batch_size: int, context_len: int, new_tokens: int) -
     return {"batch_size": batch_size} | breakdown(records, "decode")
 
 
-def _decode_batch(engine, batch_size: int, context_len: int):
+def decode_batch(engine, batch_size: int, context_len: int):
     """`batch_size` requests whose KV holds `context_len` tokens, ready for one decode step."""
     from graphexec import SamplingParams
     from graphexec.request import Req

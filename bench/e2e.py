@@ -64,7 +64,7 @@ def _engine_round(engine, items: Sequence[WorkItem], progress: bool) -> dict[str
         bar.update(len(items) - bar.n)
     outputs = [s.result() for s in streams]
     wall = time.perf_counter() - t0
-    return _side_round(wall, [o.token_ids for o in outputs], [o.ttft for o in outputs], [o.tpot for o in outputs], len(items))
+    return _side_round(wall, outputs)
 
 
 class _HFSide:
@@ -72,23 +72,20 @@ class _HFSide:
         self.model, self.pad_id, self.group_size = model, pad_id, group_size
 
     def grouped(self, items: Sequence[WorkItem], progress: bool) -> dict[str, Any]:
-        from bench.hf_baseline import generate_grouped
-
-        with tqdm(total=len(items), desc=f"HF generate, groups of {self.group_size}", disable=not progress) as bar:
-            results, wall = generate_grouped(
-                self.model, [w.prompt_ids for w in items], [w.output_len for w in items], self.pad_id,
-                self.group_size, on_group=bar.update,
-            )
-        return _side_round(wall, [r.token_ids for r in results], [r.ttft for r in results], [r.tpot for r in results], len(items))
+        return self._generate(items, self.group_size, f"HF generate, groups of {self.group_size}", progress)
 
     def single(self, items: Sequence[WorkItem], progress: bool) -> dict[str, Any]:
+        return self._generate(items, 1, "HF generate, one at a time", progress)
+
+    def _generate(self, items: Sequence[WorkItem], group_size: int, desc: str, progress: bool) -> dict[str, Any]:
         from bench.hf_baseline import generate_grouped
 
-        with tqdm(total=len(items), desc="HF generate, one at a time", disable=not progress) as bar:
+        with tqdm(total=len(items), desc=desc, disable=not progress) as bar:
             results, wall = generate_grouped(
-                self.model, [w.prompt_ids for w in items], [w.output_len for w in items], self.pad_id, 1, on_group=bar.update
+                self.model, [w.prompt_ids for w in items], [w.output_len for w in items], self.pad_id,
+                group_size, on_group=bar.update,
             )
-        return _side_round(wall, [r.token_ids for r in results], [r.ttft for r in results], [r.tpot for r in results], len(items))
+        return _side_round(wall, results)
 
 
 def _hf_side(cfg, engine) -> _HFSide:
@@ -100,16 +97,18 @@ def _hf_side(cfg, engine) -> _HFSide:
     return _HFSide(model, pad_id, cfg.bench.hf.group_size)
 
 
-def _side_round(wall: float, tokens: list[list[int]], ttft: list, tpot: list, num_requests: int) -> dict[str, Any]:
-    useful = sum(map(len, tokens))
+def _side_round(wall: float, results: Sequence) -> dict[str, Any]:
+    """One side's round from its per-request results (RequestOutput or HFRequestResult: both have
+    token_ids, ttft and tpot)."""
+    useful = sum(len(r.token_ids) for r in results)
     return {
-        "requests": num_requests,
+        "requests": len(results),
         "wall_s": wall,
         "output_tokens": useful,
         "tokens_per_s": useful / wall,
-        "ttft_s": [t for t in ttft if t is not None],
-        "tpot_s": [t for t in tpot if t is not None],
-        "token_ids": tokens,
+        "ttft_s": [r.ttft for r in results if r.ttft is not None],
+        "tpot_s": [r.tpot for r in results if r.tpot is not None],
+        "token_ids": [r.token_ids for r in results],
     }
 
 

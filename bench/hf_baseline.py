@@ -12,8 +12,8 @@ import torch
 from graphexec.models.config import ModelConfig
 
 
-def hf_model_from(config: ModelConfig, state_dict: dict[str, torch.Tensor]):
-    """A transformers model with exactly these (HF-named) weights, fp32, eval mode."""
+def hf_config_from(config: ModelConfig):
+    """The transformers config of the same architecture and sizes."""
     import transformers
 
     common = dict(
@@ -30,9 +30,15 @@ def hf_model_from(config: ModelConfig, state_dict: dict[str, torch.Tensor]):
         tie_word_embeddings=config.tie_word_embeddings,
     )
     if config.architecture == "qwen2":
-        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
-    else:
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(attention_bias=config.attention_bias, **common))
+        return transformers.Qwen2Config(**common)
+    return transformers.LlamaConfig(attention_bias=config.attention_bias, **common)
+
+
+def hf_model_from(config: ModelConfig, state_dict: dict[str, torch.Tensor]):
+    """A transformers model with exactly these (HF-named) weights, fp32, eval mode."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_config(hf_config_from(config))
     missing, unexpected = model.load_state_dict({k: v.float() for k, v in state_dict.items()}, strict=False)
     # Tied heads are not stored separately; anything else missing means the names do not match.
     if unexpected or not set(missing) <= {"lm_head.weight"}:

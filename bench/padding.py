@@ -44,7 +44,7 @@ def set_label(buckets: Sequence[int]) -> str:
 
 
 def run(cfg, ctx) -> dict[str, Any]:
-    from bench.decode import _decode_batch
+    from bench.decode import decode_batch
     from bench.suites import build_engine
     from capture import create_backend
 
@@ -67,7 +67,7 @@ def run(cfg, ctx) -> dict[str, Any]:
     measured = []
     for size in tqdm(batch_sizes, desc="live batch sizes", disable=not ctx.progress):
         buckets = sorted({row["bucket"] for plan in plans for row in plan if row["batch_size"] == size} - {None})
-        fb, release = _decode_batch(engine, size, bench.context_len)
+        fb, release = decode_batch(engine, size, bench.context_len)
         sides = {"eager": lambda: runner.eager.execute(fb)}
         sides |= {f"bucket {b}": (lambda p=_pinned(backend, b): p.execute(fb)) for b in buckets}
         with torch.inference_mode():

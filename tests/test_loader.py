@@ -47,18 +47,10 @@ def transformers_smollm2_tensors(smollm2):
     transformers = pytest.importorskip("transformers")
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    c = smollm2.config
-    hf_config = transformers.LlamaConfig(
-        vocab_size=c.vocab_size,
-        hidden_size=c.hidden_size,
-        intermediate_size=c.intermediate_size,
-        num_hidden_layers=c.num_layers,
-        num_attention_heads=c.num_heads,
-        num_key_value_heads=c.num_kv_heads,
-        tie_word_embeddings=True,
-    )
+    from bench.hf_baseline import hf_config_from
+
     with torch.device("meta"):
-        model = ParameterNamesOnly(transformers.LlamaForCausalLM(hf_config))
+        model = ParameterNamesOnly(transformers.LlamaForCausalLM(hf_config_from(smollm2.config)))
     loaded = load_gguf_checkpoint(str(default_smollm2_gguf()), return_tensors=True, model_to_load=model)
     return loaded["tensors"]
 
