@@ -4,13 +4,19 @@
 Outside `breaking(...)` a marked function is an ordinary call (a whole-forward graph traces
 straight through it).  Inside `breaking({"attention"})` it is excluded from compilation, so the
 compiler cuts the forward there: one segment before it, one after, the function eager between.
+
+A segment recorder (capture/segments.py) goes one step further: inside `intercepting(handler)`
+an active break point is handed to `handler.on_break` instead of being called, so the recorder
+can close the graph it is recording, run the break eagerly and open the next graph.  Code that
+cuts its forward itself (tc_piecewise) hands each piece to `run_piece`, which goes to
+`handler.on_piece`: the recorder records that piece as one graph.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Callable, Iterable, Iterator, TypeVar
+from typing import Any, Callable, Iterable, Iterator, Protocol, TypeVar
 
 import torch
 
@@ -22,14 +28,22 @@ ATTENTION = "attention"
 DEBUG = "debug"
 
 
-class _BreakSwitch:
-    """Which break points are active.  Changed only by `breaking()`, which restores it on exit;
-    compiled code guards on it, so segments compiled under one set never run under another."""
+class BreakHandler(Protocol):
+    def on_break(self, name: str, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any: ...
 
-    __slots__ = ("active",)
+    def on_piece(self, fn: Callable[..., Any], args: tuple) -> Any: ...
+
+
+class _BreakSwitch:
+    """Which break points are active, and who runs them.  Changed only by `breaking()` and
+    `intercepting()`, which restore it on exit; compiled code guards on `active`, so segments
+    compiled under one set never run under another."""
+
+    __slots__ = ("active", "handler")
 
     def __init__(self) -> None:
         self.active: frozenset[str] = frozenset()
+        self.handler: BreakHandler | None = None
 
 
 _SWITCH = _BreakSwitch()
@@ -41,14 +55,42 @@ def break_point(name: str) -> Callable[[F], F]:
 
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
-            if name in _SWITCH.active:
-                return eager(*args, **kwargs)
-            return fn(*args, **kwargs)
+            if name not in _SWITCH.active:
+                return fn(*args, **kwargs)
+            return run_break(name, eager, args, kwargs)
 
         wrapper.break_point_name = name  # type: ignore[attr-defined]
         return wrapper  # type: ignore[return-value]
 
     return mark
+
+
+def run_break(name: str, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """Run an active break: through the intercepting handler if one is set, else eagerly.  Breaks
+    nested inside a break (attention inside the debug break) run eagerly, unintercepted."""
+    handler = _SWITCH.handler
+    if handler is None:
+        return fn(*args, **kwargs)
+    with _suspended(handler):
+        return handler.on_break(name, fn, args, kwargs)
+
+
+def run_piece(fn: Callable[..., Any], args: tuple) -> Any:
+    """Run one piece of a forward cut by its caller: plainly, or as a graph being recorded."""
+    handler = _SWITCH.handler
+    if handler is None:
+        return fn(*args)
+    with _suspended(handler):
+        return handler.on_piece(fn, args)
+
+
+@contextlib.contextmanager
+def _suspended(handler: BreakHandler) -> Iterator[None]:
+    _SWITCH.handler = None
+    try:
+        yield
+    finally:
+        _SWITCH.handler = handler
 
 
 @contextlib.contextmanager
@@ -59,3 +101,14 @@ def breaking(names: Iterable[str]) -> Iterator[None]:
         yield
     finally:
         _SWITCH.active = previous
+
+
+@contextlib.contextmanager
+def intercepting(handler: BreakHandler) -> Iterator[None]:
+    if _SWITCH.handler is not None:
+        raise RuntimeError("segment recordings do not nest: a break handler is already set")
+    _SWITCH.handler = handler
+    try:
+        yield
+    finally:
+        _SWITCH.handler = None

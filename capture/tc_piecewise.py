@@ -5,16 +5,20 @@ attention custom op is opaque in that trace.  Our Dynamo backend receives the FX
 at every call of a split op (capture/graph_split.py) into [piece0, attn, piece1, ..., pieceN],
 compiles each piece with the configured compiler (on Dynamo's fake example inputs, while the
 bucket is traced; structurally identical pieces, i.e. every middle layer's, compile once), and
-leaves the split ops to run eagerly between the pieces.  On CUDA the pieces should also become
-CUDA graphs; that is not written yet (TODO(gpu)), so CUDA is refused.
+leaves the split ops to run eagerly between the pieces.  With `graph: cuda_graph` (the CUDA
+default) each bucket's run of the split module is then recorded as piecewise CUDA graphs: the
+split-op calls act as break points (capture/segments.py), so every run of compiled pieces
+between two attention calls becomes one graph, all in one shared pool.
 
 The attention op writes its result into `out`, an `empty_like` made in the piece before it and
 read by the piece after it.  The split module hands that very tensor object from the first piece
 to the op and then to the next piece, and runs them in the original order, so the write is seen.
 
 Options (under capture.extend / capture.mixed), besides buckets/progress/lazy:
+  graph      auto | compile | cuda_graph | tape (capture/piecewise.py); tape records aten calls,
+             so it needs compiler=eager (inductor's kernels do not go through the dispatcher)
   compiler   inductor (default) | eager (the same pieces, uncompiled: debugging) | tensorrt
-             (needs CUDA and torch_tensorrt, so refused until the CUDA path exists)
+             (needs CUDA and torch_tensorrt; each piece goes to its Dynamo backend)
   split_ops  qualified names of the ops the graph is cut at; default [graphexec::attention]
 """
 
@@ -28,12 +32,15 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import graphexec.attention.op  # noqa: F401  (registers graphexec::attention, the default split op)
 from capture.backend import CaptureEnv
+from capture.break_points import run_break, run_piece
 from capture.graph_split import SplitGraph, split_at_ops, structure_key
 from capture.piecewise import PieceForward, PiecewiseBackend
 from graphexec.errors import ConfigError
 from graphexec.forward_batch import ForwardBatch
 
 ATTENTION_OP = "graphexec::attention"
+# The break-point name the split-op pieces answer to while a bucket is recorded.
+SPLIT = "tc_piecewise_split"
 COMPILERS = ("inductor", "eager", "tensorrt")
 
 CompilePiece = Callable[[torch.fx.GraphModule, Sequence[torch.Tensor]], Callable[..., Any]]
@@ -104,27 +111,57 @@ def compile_with_inductor(piece: torch.fx.GraphModule, example_inputs: Sequence[
     return compile_fx(piece, example_inputs)
 
 
+def compile_with_tensorrt(piece: torch.fx.GraphModule, example_inputs: Sequence[torch.Tensor]) -> Callable[..., Any]:
+    # TODO(gpu): never run (no device with torch_tensorrt has been lent).  Importing the package
+    # registers its Dynamo backend, which takes a piece like any Dynamo backend does.
+    import torch_tensorrt  # noqa: F401
+
+    return torch._dynamo.lookup_backend("torch_tensorrt")(piece, list(example_inputs))
+
+
+PIECE_COMPILERS: Mapping[str, CompilePiece] = {"inductor": compile_with_inductor, "tensorrt": compile_with_tensorrt}
+
+
+class _SplitOpBreak:
+    """A split-op piece of the split module, as a break point: called plainly, except while a
+    bucket is recorded, when it runs eagerly between the recorded pieces."""
+
+    def __init__(self, piece: Callable[..., Any]):
+        self.piece = piece
+
+    def __call__(self, *args: Any) -> Any:
+        return run_break(SPLIT, self.piece, args, {})
+
+
+class _GraphedPiece:
+    """A compiled piece: called plainly, except while a bucket is recorded, when it is recorded
+    as a graph of its own (on CUDA: one CUDA graph per piece per bucket, in the shared pool)."""
+
+    def __init__(self, piece: Callable[..., Any]):
+        self.piece = piece
+
+    def __call__(self, *args: Any) -> Any:
+        return run_piece(self.piece, args)
+
+
 class TcPiecewiseBackend(PiecewiseBackend):
     name = "tc_piecewise"
+    implicit_segments = False  # the split module hands over its pieces: each recorded alone
     extra_options = frozenset({"compiler", "split_ops"})
 
     def __init__(self, env: CaptureEnv, options: Mapping[str, Any], config_path: str = "capture.extend"):
         self.compiler = _resolve_compiler(options.get("compiler", "inductor"), env.device, config_path)
-        if env.device.type == "cuda":
-            # TODO(gpu): capture every compiled piece as a CUDA graph per bucket (vLLM-style
-            # piecewise CUDA graphs: pieces captured in order into one pool, the split ops run
-            # eagerly on the static boundary tensors between replays).  Not written: no GPU has
-            # been available to run it, and untested graph capture is worse than none.
-            raise ConfigError(
-                f"{config_path}.backend=tc_piecewise has no piecewise CUDA-graph capture yet (TODO(gpu)); "
-                "use eager for extend/mixed on CUDA"
-            )
         super().__init__(env, options, config_path)
+        if self.graph_kind == "tape" and self.compiler != "eager":
+            raise ConfigError(
+                f"{config_path}.graph=tape records aten calls, which {self.compiler}'s compiled pieces do not make; "
+                f"set {config_path}.compiler=eager"
+            )
         self.split_ops = _resolve_split_ops(self.options.get("split_ops", [ATTENTION_OP]), config_path)
         self.pieces_per_bucket: dict[int, int] = {}  # compiled (non-split) pieces in each bucket's graph
         self.splits_per_bucket: dict[int, int] = {}  # split-op calls in each bucket's graph
-        self.piece_cache = PieceCache(compile_with_inductor)
-        # The bucket being traced: Dynamo calls our backend from inside `_run`, which sets it.
+        self.piece_cache = PieceCache(PIECE_COMPILERS.get(self.compiler, compile_with_inductor))
+        # The bucket being traced: Dynamo calls our backend from inside `_run_pieces`, which sets it.
         self._tracing_bucket: int | None = None
 
     def _build_forward(self) -> PieceForward:
@@ -140,7 +177,7 @@ class TcPiecewiseBackend(PiecewiseBackend):
 
         return torch.compile(whole_forward, backend=self._split_and_compile, fullgraph=True, dynamic=False)
 
-    def _run(self, fb: ForwardBatch) -> torch.Tensor:
+    def _run_pieces(self, fb: ForwardBatch) -> torch.Tensor:
         bucket = self._tracing_bucket = int(fb.input_ids.shape[0])
         try:
             hidden = self._forward(fb.input_ids, fb.positions)
@@ -157,8 +194,13 @@ class TcPiecewiseBackend(PiecewiseBackend):
     def _split_and_compile(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         """The Dynamo backend: one call per bucket (static shapes), with the whole forward."""
         split = split_at_ops(gm, self.split_ops)
-        if self.compiler == "inductor":
+        if self.compiler != "eager":
             compile_pieces(split, example_inputs, self.piece_cache)
+        for piece in split.pieces:
+            callable_piece = getattr(split.module, piece.name)
+            delattr(split.module, piece.name)  # a submodule slot takes only modules
+            wrapper = _SplitOpBreak if piece.is_split_op else _GraphedPiece
+            setattr(split.module, piece.name, wrapper(callable_piece))
         if self._tracing_bucket is not None:
             self.pieces_per_bucket[self._tracing_bucket] = split.num_pieces
             self.splits_per_bucket[self._tracing_bucket] = split.num_splits

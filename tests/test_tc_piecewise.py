@@ -297,12 +297,6 @@ def test_a_batch_that_would_be_mostly_padding_runs_eager(eager_engine):
     assert TcPiecewiseBackend(eager_engine.runner.eager.env, {"buckets": [16]}).max_padding == 1.0  # default: always pad
 
 
-def test_cuda_is_refused_until_piecewise_cuda_graphs_exist(eager_engine):
-    cuda_env = dataclasses.replace(eager_engine.runner.eager.env, device=torch.device("cuda"))
-    with pytest.raises(ConfigError, match=r"capture.extend.backend=tc_piecewise has no piecewise CUDA-graph"):
-        TcPiecewiseBackend(cuda_env, {"buckets": [16]}, "capture.extend")
-
-
 # -- the real model ------------------------------------------------------------------------------
 
 

@@ -1,0 +1,193 @@
+"""Segmented capture (the Breakable CUDA Graph mechanism) on CPU, through the op tape.
+
+Everything the CUDA path does except the CUDA graph itself: graphs recorded between break
+points, breaks replayed eagerly on their capture-time argument tensors, fresh break outputs
+copied into the boundary buffers the next graph reads, static inputs, padding.  The tape keeps
+CUDA-graph semantics (fixed addresses, Python between ops not re-run), so a wiring mistake here
+is a wrong token, as it would be on the GPU.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+
+from capture.break_points import break_point, breaking
+from capture.op_tape import TapeRecorder
+from capture.registry import create_backend
+from capture.segments import record_segments
+from graphexec import ConfigError, Engine, SamplingParams
+from graphexec.forward_mode import ForwardMode
+from tests.helpers import recorded_batches
+from tests.invariants import assert_no_leak
+
+TINY = ["model=tiny-llama", "cache.num_slots=1024"]
+PARAMS = SamplingParams(max_new_tokens=6, ignore_eos=True)
+VARIANTS = {
+    "breakable": "backend:breakable,graph:tape",
+    "tc_piecewise": "backend:tc_piecewise,graph:tape,compiler:eager",
+}
+
+
+def _plan(variant, buckets="[16,32,64]", prefill_tokens=128, extra=""):
+    return TINY + [
+        f"scheduler.max_prefill_tokens={prefill_tokens}",
+        "capture=eager",
+        f"+capture.extend={{{VARIANTS[variant]},buckets:{buckets},progress:false{extra}}}",
+        "capture.mixed=${capture.extend}",
+    ]
+
+
+def _prompts():
+    """15, 16, 17 and 64 tokens (below, on, above a bucket; the largest) and 70 (eager fallback)."""
+    gen = torch.Generator().manual_seed(11)
+    return [torch.randint(3, 320, (n,), generator=gen).tolist() for n in (15, 16, 17, 64, 70)]
+
+
+@pytest.fixture(scope="module")
+def eager_tokens():
+    engine = Engine(overrides=TINY + ["capture=eager"])
+    return [engine.generate([p], PARAMS)[0].token_ids for p in _prompts()]
+
+
+# -- the mechanism, on small functions ---------------------------------------------------------
+
+
+@break_point("double")
+def _double(x):
+    return x * 2
+
+
+def test_replay_reads_the_inputs_of_now_and_rewrites_the_outputs_of_capture():
+    x, w = torch.randn(4, 8), torch.randn(8, 8)
+
+    def forward():
+        h = torch.nn.functional.linear(x, w).relu()
+        h = _double(h.reshape(8, 4).t().contiguous())  # a copying reshape and contiguous
+        return (h + 1).sum(dim=0)
+
+    with breaking({"double"}):
+        graph = record_segments(TapeRecorder(), forward)
+        out = graph.output
+        assert graph.num_segments == 2 and [b.name for b in graph.breaks] == ["double"]
+        for _ in range(3):
+            x.copy_(torch.randn(4, 8))
+            assert graph.replay() is out
+            torch.testing.assert_close(out, forward())
+
+
+def test_a_break_whose_output_is_not_copied_back_leaves_the_next_segment_stale():
+    """The boundary buffer is what the next segment reads: without the copy, replay is wrong."""
+    x = torch.randn(4)
+    with breaking({"double"}):
+        graph = record_segments(TapeRecorder(), lambda: _double(x + 1) - 1)
+        x.copy_(torch.randn(4))
+        brk = graph.breaks[0]
+        brk.fn(*brk.args)  # the break alone, its result dropped
+        graph.steps[-1].replay()
+        assert not torch.equal(graph.output, x * 2 + 1)
+        torch.testing.assert_close(graph.replay(), x * 2 + 1)
+
+
+def test_breaks_nested_in_a_break_run_eagerly_inside_it():
+    x = torch.randn(4)
+
+    @break_point("outer")
+    def outer(t):
+        return _double(t) + 1
+
+    with breaking({"outer", "double"}):
+        graph = record_segments(TapeRecorder(), lambda: outer(x) * 3)
+        assert [b.name for b in graph.breaks] == ["outer"] and graph.num_segments == 2
+        x.copy_(torch.randn(4))
+        torch.testing.assert_close(graph.replay(), (x * 2 + 1) * 3)
+
+
+def test_a_host_read_inside_a_segment_is_refused_as_cuda_capture_would():
+    x = torch.randn(4)
+    with pytest.raises(RuntimeError, match="reads a device value on the host inside a recorded segment"):
+        record_segments(TapeRecorder(), lambda: x * float(x.sum()))
+
+
+# -- both piecewise variants on the tiny model --------------------------------------------------
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_tokens_equal_eager_around_bucket_edges(variant, eager_tokens):
+    engine = Engine(overrides=_plan(variant))
+    backend = engine.runner.backends[ForwardMode.EXTEND]
+    assert backend.name == variant and backend.graph_kind == "tape"
+    assert [engine.generate([p], PARAMS)[0].token_ids for p in _prompts()] == eager_tokens
+    assert (backend.stats.executions, backend.stats.fallbacks) == (4, 1)
+    assert backend.stats.padded_rows == (16 - 15) + (32 - 17)
+    layers = engine.model_config.num_layers
+    for bucket in (16, 32, 64):
+        recorded = backend.segments_of(bucket)
+        assert recorded.num_segments == layers + 1
+        assert [b.name for b in recorded.breaks] == ["attention" if variant == "breakable" else "tc_piecewise_split"] * layers
+    assert_no_leak(engine)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_chunked_and_mixed_batches_replay_recorded_graphs(variant, eager_tokens):
+    engine = Engine(overrides=_plan(variant, buckets="[32]", prefill_tokens="null") + ["scheduler.mixed_chunk=true"])
+    with recorded_batches(engine) as batches:
+        outputs = engine.generate(_prompts(), PARAMS)
+    assert [o.token_ids for o in outputs] == eager_tokens
+    assert ForwardMode.MIXED in [fb.forward_mode for fb in batches]
+    backend = engine.runner.backends[ForwardMode.EXTEND]
+    assert backend.stats.fallbacks == 0 and backend.stats.executions == sum(fb.forward_mode.is_extend() for fb in batches)
+    assert_no_leak(engine)
+
+
+def test_padded_tokens_write_only_the_dummy_slot():
+    engine = Engine(overrides=_plan("breakable"))
+    kv = engine.runner.kv_pool
+    for buf in kv.k_buffers + kv.v_buffers:
+        buf[1:] = float("nan")
+    prompt = _prompts()[2]  # 17 tokens in bucket 32
+    engine.generate([prompt], SamplingParams(max_new_tokens=1))
+    for buf in kv.k_buffers + kv.v_buffers:
+        assert int((~torch.isnan(buf[1:]).flatten(1).all(dim=1)).sum()) == len(prompt)
+    assert_no_leak(engine)
+
+
+def test_debug_and_user_marked_breaks_through_the_recorded_path(eager_tokens):
+    debug = Engine(overrides=_plan("breakable", buckets="[32,64]", extra=",breaks:[debug]"))
+    assert [debug.generate([p], PARAMS)[0].token_ids for p in _prompts()] == eager_tokens
+    assert [b.name for b in debug.runner.backends[ForwardMode.EXTEND].segments_of(32).breaks] == ["debug"]
+
+    engine = Engine(overrides=_plan("breakable", buckets="[32,64]", extra=",breaks:[attention,mlp]"))
+    for layer in engine.runner.model.layers:
+        layer.mlp.forward = break_point("mlp")(layer.mlp.forward)
+    backend = engine.runner.backends[ForwardMode.EXTEND]
+    backend.capture()  # record again with the new break marked
+    assert [engine.generate([p], PARAMS)[0].token_ids for p in _prompts()] == eager_tokens
+    layers = engine.model_config.num_layers
+    assert backend.segments_of(32).num_segments == 2 * layers + 1
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        ("backend:breakable,graph:cuda_graph", "capture.extend.graph=cuda_graph needs device=cuda; this engine runs on cpu"),
+        ("backend:breakable,graph:film", "capture.extend.graph='film' is unknown"),
+        ("backend:tc_piecewise,graph:tape", "capture.extend.graph=tape records aten calls"),
+    ],
+)
+def test_config_errors_name_the_option(extra, message):
+    with pytest.raises(ConfigError) as err:
+        Engine(overrides=TINY + ["capture=eager", f"+capture.extend={{{extra},buckets:[16]}}"])
+    assert message in str(err.value)
+
+
+def test_auto_variant_is_breakable_on_cuda_and_tc_piecewise_on_cpu(tiny_engine, monkeypatch):
+    import capture.registry as registry
+
+    made = []
+    monkeypatch.setattr(registry, "backend_class", lambda name: lambda env, options, path: made.append((name, options)))
+    cpu_env = tiny_engine.runner.eager.env
+    cuda_env = dataclasses.replace(cpu_env, device=torch.device("cuda"))
+    create_backend("piecewise", cpu_env, {"buckets": [16]}, "capture.extend")
+    create_backend("piecewise", cuda_env, {"buckets": [16], "variant": "auto"}, "capture.extend")
+    assert made == [("tc_piecewise", {"buckets": [16]}), ("breakable", {"buckets": [16]})]
