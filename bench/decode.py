@@ -11,7 +11,7 @@ import torch
 from tqdm import tqdm
 
 from bench.plots import grouped_bars
-from bench.timing import paired_ms
+from bench.timing import device_sync, paired_ms
 from graphexec.forward_mode import ForwardMode
 from graphexec.threads import call_in_thread
 
@@ -42,7 +42,7 @@ def _paired_buckets(engine, graph, buckets: list[int], cfg, progress: bool) -> l
         if graph is not runner.eager:  # capture=eager: nothing to pair against
             sides[graph.name] = lambda: graph.execute(fb)
         with torch.inference_mode():
-            timings = paired_ms(sides, cfg.bench.rounds, cfg.bench.steps)
+            timings = paired_ms(sides, cfg.bench.rounds, cfg.bench.steps, device_sync(runner.device))
         release()
         timings.setdefault(graph.name, timings["eager"])
         eager_ms, graph_ms = timings["eager"]["median_ms"], timings[graph.name]["median_ms"]

@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from bench.plots import grouped_bars
-from bench.timing import paired_ms
+from bench.timing import device_sync, paired_ms
 from capture.buckets import bucket_for, validate_buckets
 from capture.full_graph import FullGraphBackend
 from graphexec.forward_mode import ForwardMode
@@ -71,7 +71,7 @@ def run(cfg, ctx) -> dict[str, Any]:
         sides = {"eager": lambda: runner.eager.execute(fb)}
         sides |= {f"bucket {b}": (lambda p=_pinned(backend, b): p.execute(fb)) for b in buckets}
         with torch.inference_mode():
-            timings = paired_ms(sides, bench.rounds, bench.steps)
+            timings = paired_ms(sides, bench.rounds, bench.steps, device_sync(runner.device))
             pad = {b: paired_ms({"load": lambda b=b: backend.buffers.load(fb, b, policy)}, bench.rounds, PAD_CALLS)
                    for b in buckets}
         release()

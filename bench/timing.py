@@ -6,17 +6,31 @@ import statistics
 import time
 from typing import Callable, Mapping
 
+import torch
 
-def paired_ms(sides: Mapping[str, Callable[[], object]], rounds: int, steps: int) -> dict[str, dict[str, float]]:
-    """Median / min / max milliseconds per call of each side, over `rounds` alternating rounds."""
+
+def device_sync(device: torch.device) -> Callable[[], None]:
+    """What makes a timer honest on `device`: CUDA work is asynchronous, so wait for it."""
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
+
+
+def paired_ms(
+    sides: Mapping[str, Callable[[], object]], rounds: int, steps: int, sync: Callable[[], None] = lambda: None
+) -> dict[str, dict[str, float]]:
+    """Median / min / max milliseconds per call of each side, over `rounds` alternating rounds.
+    `sync` (see `device_sync`) runs before each timer starts and before it stops."""
     per_side: dict[str, list[float]] = {name: [] for name in sides}
     for fn in sides.values():  # warm-up outside the timed rounds
         fn()
     for _ in range(rounds):
         for name, fn in sides.items():
+            sync()
             t0 = time.perf_counter()
             for _ in range(steps):
                 fn()
+            sync()
             per_side[name].append((time.perf_counter() - t0) * 1e3 / steps)
     return {
         name: {"median_ms": statistics.median(v), "min_ms": min(v), "max_ms": max(v)} for name, v in per_side.items()

@@ -6,9 +6,9 @@ at every call of a split op (capture/graph_split.py) into [piece0, attn, piece1,
 compiles each piece with the configured compiler (on Dynamo's fake example inputs, while the
 bucket is traced; structurally identical pieces, i.e. every middle layer's, compile once), and
 leaves the split ops to run eagerly between the pieces.  With `graph: cuda_graph` (the CUDA
-default) each bucket's run of the split module is then recorded as piecewise CUDA graphs: the
-split-op calls act as break points (capture/segments.py), so every run of compiled pieces
-between two attention calls becomes one graph, all in one shared pool.
+default) each bucket's run of the split module is then recorded (capture/segments.py): every
+compiled piece becomes one CUDA graph, all in one shared pool, and the split ops act as break
+points, run eagerly between the graphs on replay.
 
 The attention op writes its result into `out`, an `empty_like` made in the piece before it and
 read by the piece after it.  The split module hands that very tensor object from the first piece
@@ -113,7 +113,8 @@ def compile_with_inductor(piece: torch.fx.GraphModule, example_inputs: Sequence[
 
 def compile_with_tensorrt(piece: torch.fx.GraphModule, example_inputs: Sequence[torch.Tensor]) -> Callable[..., Any]:
     # TODO(gpu): never run (no device with torch_tensorrt has been lent).  Importing the package
-    # registers its Dynamo backend, which takes a piece like any Dynamo backend does.
+    # registers its Dynamo backend, which takes a piece like any Dynamo backend does; whether it
+    # accepts the fake example inputs that compile_pieces hands every compiler is unverified.
     import torch_tensorrt  # noqa: F401
 
     return torch._dynamo.lookup_backend("torch_tensorrt")(piece, list(example_inputs))

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from capture.break_points import break_point, breaking
+from capture.buckets import bucket_for
 from capture.op_tape import TapeRecorder
 from capture.registry import create_backend
 from capture.segments import record_segments
@@ -27,13 +28,20 @@ VARIANTS = {
     "breakable": "backend:breakable,graph:tape",
     "tc_piecewise": "backend:tc_piecewise,graph:tape,compiler:eager",
 }
+# The same plans with real CUDA graphs (tc_piecewise pieces compiled by inductor, as served).
+CUDA_VARIANTS = {
+    "breakable": "backend:breakable,graph:cuda_graph",
+    "tc_piecewise": "backend:tc_piecewise,graph:cuda_graph",
+}
 
 
-def _plan(variant, buckets="[16,32,64]", prefill_tokens=128, extra=""):
+def _plan(variant, buckets="[16,32,64]", prefill_tokens=128, extra="", device="cpu"):
+    spec = (CUDA_VARIANTS if device == "cuda" else VARIANTS)[variant]
     return TINY + [
+        f"device={device}",
         f"scheduler.max_prefill_tokens={prefill_tokens}",
         "capture=eager",
-        f"+capture.extend={{{VARIANTS[variant]},buckets:{buckets},progress:false{extra}}}",
+        f"+capture.extend={{{spec},buckets:{buckets},progress:false{extra}}}",
         "capture.mixed=${capture.extend}",
     ]
 
@@ -48,6 +56,30 @@ def _prompts():
 def eager_tokens():
     engine = Engine(overrides=TINY + ["capture=eager"])
     return [engine.generate([p], PARAMS)[0].token_ids for p in _prompts()]
+
+
+def _logits_against_eager(engine) -> dict[int, float]:
+    """Generate the prompts; every batch the piecewise backend runs is run again by the eager
+    runner, and the largest logit difference is kept per token bucket."""
+    runner = engine.runner
+    backend = runner.backends[ForwardMode.EXTEND]
+    worst: dict[int, float] = {}
+
+    def checked(fb):
+        hidden = type(backend).execute(backend, fb)
+        graphed = runner.model.compute_logits(hidden[: fb.num_token_non_padded])
+        eager = runner.model.compute_logits(runner.eager.execute(fb)[: fb.num_token_non_padded])
+        bucket = bucket_for(fb.num_tokens, backend.buckets)
+        worst[bucket] = max(worst.get(bucket, 0.0), float((graphed - eager).abs().max()))
+        return hidden
+
+    backend.execute = checked
+    try:
+        for prompt in _prompts():
+            engine.generate([prompt], PARAMS)
+    finally:
+        del backend.execute
+    return worst
 
 
 # -- the mechanism, on small functions ---------------------------------------------------------
@@ -191,3 +223,27 @@ def test_auto_variant_is_breakable_on_cuda_and_tc_piecewise_on_cpu(tiny_engine, 
     create_backend("piecewise", cpu_env, {"buckets": [16]}, "capture.extend")
     create_backend("piecewise", cuda_env, {"buckets": [16], "variant": "auto"}, "capture.extend")
     assert made == [("tc_piecewise", {"buckets": [16]}), ("breakable", {"buckets": [16]})]
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_logits_equal_eager_per_bucket(variant):
+    worst = _logits_against_eager(Engine(overrides=_plan(variant)))
+    assert sorted(worst) == [16, 32, 64] and max(worst.values()) < 1e-4, worst
+
+
+# -- the same checks with real CUDA graphs (the lent device; scripts/gpu_check.sh) --------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", sorted(CUDA_VARIANTS))
+def test_cuda_graph_segments_equal_eager(variant):
+    eager = Engine(overrides=TINY + ["device=cuda", "capture=eager"])
+    expected = [eager.generate([p], PARAMS)[0].token_ids for p in _prompts()]
+    engine = Engine(overrides=_plan(variant, device="cuda"))
+    backend = engine.runner.backends[ForwardMode.EXTEND]
+    assert backend.graph_kind == "cuda_graph"
+    assert [engine.generate([p], PARAMS)[0].token_ids for p in _prompts()] == expected
+    assert backend.segments_of(16).num_segments == engine.model_config.num_layers + 1
+    worst = _logits_against_eager(engine)
+    assert sorted(worst) == [16, 32, 64] and max(worst.values()) < 1e-3, worst
+    assert_no_leak(engine)
