@@ -97,7 +97,7 @@ def decode_batch(engine, batch_size: int, context_len: int):
 
     def release() -> None:
         for req in reqs:
-            engine.scheduler._release(req)
+            engine.scheduler._release(req, cache=False)
 
     # Re-running this batch rewrites the same slots, so every timed step sees the same state.
     return runner.init_forward_batch(decode), release

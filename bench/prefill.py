@@ -66,7 +66,7 @@ def _extend_batch(engine, tokens: int):
 
     def release() -> None:
         for req in reqs:
-            engine.scheduler._release(req)
+            engine.scheduler._release(req, cache=False)
 
     return runner.init_forward_batch(batch), release
 

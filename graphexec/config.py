@@ -99,6 +99,7 @@ class SchedulerConfig:
 class CacheConfig:
     num_slots: int
     max_context: int | None  # None: the model's own context length
+    prefix_cache: bool = True  # reuse the KV of cached prompt prefixes (graphexec/prefix_cache.py)
 
 
 @dataclass(frozen=True)
@@ -175,6 +176,8 @@ def _cache(values: Mapping[str, Any]) -> CacheConfig:
     _check_positive_int(values["num_slots"], "cache.num_slots")
     if values["max_context"] is not None and (not isinstance(values["max_context"], int) or values["max_context"] < 2):
         raise ConfigError(f"cache.max_context must be null or an integer >= 2, got {values['max_context']!r}")
+    if not isinstance(values.get("prefix_cache", True), bool):
+        raise ConfigError(f"cache.prefix_cache must be true or false, got {values['prefix_cache']!r}")
     return CacheConfig(**values)
 
 

@@ -48,7 +48,7 @@ class Engine:
         checkpoint, self.runner = call_in_thread(self._load_and_capture)
         self.model_config = checkpoint.config
         self.tokenizer = checkpoint.tokenizer
-        self.scheduler = Scheduler(self.runner, self.config.scheduler)
+        self.scheduler = Scheduler(self.runner, self.config.scheduler, prefix_cache=self.config.cache.prefix_cache)
         self.prompt_encoder = PromptEncoder(self.tokenizer, self.model_config.name, self.model_config.vocab_size, self.max_context)
         self._request_ids = itertools.count()
         self._loop = EngineLoop(self.scheduler, self.runner.device)
@@ -155,6 +155,11 @@ class Engine:
 
     def kv_slots_free(self) -> int:
         return self.runner.kv_pool.num_free
+
+    def flush_cache(self) -> int:
+        """Drop every cached prompt prefix, returning its KV slots to the pool; refused
+        (RuntimeError) while requests are in flight.  Returns the slots freed."""
+        return self._loop.flush_cache()
 
     def _params_per_prompt(self, n: int, sampling_params) -> list[SamplingParams]:
         if sampling_params is None:

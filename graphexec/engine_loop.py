@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +46,11 @@ class _Abort:
     rid: str
 
 
+@dataclass(frozen=True)
+class _FlushCache:
+    done: Future
+
+
 class EngineLoop:
     def __init__(self, scheduler: Scheduler, device: torch.device, name: str = "graphexec-engine-loop"):
         self._scheduler = scheduler
@@ -53,7 +59,7 @@ class EngineLoop:
         self.stats = ServingStats()
         self._wakeup = threading.Condition()
         # Guarded by _wakeup: the inbox, the ids of unfinished requests, the stop flag, the thread.
-        self._inbox: list[_Submit | _Abort] = []
+        self._inbox: list[_Submit | _Abort | _FlushCache] = []
         self._unfinished: set[str] = set()
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -82,6 +88,19 @@ class EngineLoop:
             self._inbox.append(_Abort(rid))
             self._wakeup.notify()
             return True
+
+    def flush_cache(self) -> int:
+        """Evict the whole prefix cache on the loop thread; raises RuntimeError while requests
+        are in flight.  Returns the slots freed."""
+        with self._wakeup:
+            if self._stopping:
+                raise EngineClosedError("the engine was shut down; create a new Engine")
+            if self._thread is None:  # nothing has run on a loop thread: the scheduler is ours
+                return self._scheduler.flush_cache()
+            done: Future = Future()
+            self._inbox.append(_FlushCache(done))
+            self._wakeup.notify()
+        return done.result(timeout=_JOIN_TIMEOUT_S)
 
     def num_unfinished(self) -> int:
         with self._wakeup:
@@ -133,8 +152,13 @@ class EngineLoop:
                 _log.exception("engine loop iteration failed")
                 self._fail(list(self._trackers.values()), error)
 
-    def _apply(self, command: _Submit | _Abort) -> None:
-        if isinstance(command, _Submit):
+    def _apply(self, command: _Submit | _Abort | _FlushCache) -> None:
+        if isinstance(command, _FlushCache):
+            try:
+                command.done.set_result(self._scheduler.flush_cache())
+            except RuntimeError as error:
+                command.done.set_exception(error)
+        elif isinstance(command, _Submit):
             for tracker in command.trackers:
                 self._trackers[tracker.rid] = tracker
                 self._scheduler.add_request(tracker.req)
@@ -192,9 +216,11 @@ class EngineLoop:
             self._unfinished.discard(tracker.rid)
         self.stats.record_finish(reason)
 
-    def _abort_everything(self, commands: list[_Submit | _Abort]) -> None:
+    def _abort_everything(self, commands: list[_Submit | _Abort | _FlushCache]) -> None:
         for command in commands:
-            if isinstance(command, _Submit):
+            if isinstance(command, _FlushCache):
+                command.done.set_exception(EngineClosedError("the engine was shut down"))
+            elif isinstance(command, _Submit):
                 for tracker in command.trackers:
                     tracker.req.finish_reason = FinishReason.ABORT  # never reached the scheduler
                     self._trackers[tracker.rid] = tracker

@@ -24,6 +24,7 @@ class EngineMetrics:
     kv_slots_used: int
     kv_slots_free: int
     kv_slots_reserved: int  # worst case promised to admitted requests (admission control)
+    kv_slots_cached: int  # owned by the prefix cache (part of kv_slots_used; evictable unless in use)
     tokens_per_s: float  # generated tokens per second over the last few seconds
     generated_tokens_total: int
     finished: Mapping[str, int]  # ended requests by finish reason, plus "error"
@@ -41,6 +42,7 @@ class EngineMetrics:
             kv_slots_used=kv.num_slots - free,
             kv_slots_free=free,
             kv_slots_reserved=_read_while_changing(lambda: scheduler.reserved_slots),
+            kv_slots_cached=scheduler.cached_slots,
             tokens_per_s=loop.stats.tokens_per_s(time.perf_counter()),
             generated_tokens_total=loop.stats.tokens_total(),
             finished=loop.stats.finished(),

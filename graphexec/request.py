@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -30,6 +31,12 @@ class Req:
     req_pool_idx: int | None = None
     # Tokens whose KV is already in the pool (prefix-cache hit or earlier prefill chunks).
     num_cached_tokens: int = 0
+    # Leading tokens whose KV slots belong to the prefix cache (matched at admission), and the
+    # cache node that ends them, locked while this request holds them.
+    num_prefix_tokens: int = 0
+    prefix_node: Any = None
+    # Prompt tokens reused from the prefix cache at admission (kept after release, for usage).
+    num_reused_tokens: int = 0
     # Tokens with a KV slot mapped in req_to_token; ahead of num_cached_tokens while a forward
     # that will fill them is in flight.  Release frees exactly these.
     num_allocated_tokens: int = 0

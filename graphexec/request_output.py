@@ -19,7 +19,7 @@ class RequestOutput:
     tpot: float | None = None
     # Seconds from submission to the end.
     latency: float | None = None
-    # Prompt tokens whose KV was reused rather than computed (0 until a prefix cache exists).
+    # Prompt tokens whose KV was reused from the prefix cache rather than computed.
     cached_tokens: int = 0
 
     @property

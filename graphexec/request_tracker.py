@@ -96,5 +96,5 @@ class RequestTracker:
             ttft=None if first is None else first - self.arrival_time,
             tpot=(last - first) / (n - 1) if first is not None and last is not None and n > 1 else None,
             latency=now - self.arrival_time,
-            cached_tokens=0,
+            cached_tokens=req.num_reused_tokens,
         )

@@ -2,27 +2,34 @@
 
 Admission reserves each request's worst-case KV (prompt + max_new_tokens, capped by the context),
 so a running request can always take its next decode slot and nothing ever needs preempting.
+With the prefix cache, a request first maps the longest cached prefix of its prompt (all but
+the last token, which must be computed to sample from), locks it, and reserves only the rest;
+unlocked cached KV is evicted, least recently used first, whenever a forward needs the slots.
 """
 
 from __future__ import annotations
 
 from collections import deque
 
+import torch
+
 from graphexec.config import SchedulerConfig
 from graphexec.model_runner import ModelRunner, StepOutput
+from graphexec.prefix_cache import RadixCache
 from graphexec.request import FinishReason, Req
 from graphexec.sampler import make_generator
 from graphexec.schedule_batch import ScheduleBatch
 
 
 class Scheduler:
-    def __init__(self, runner: ModelRunner, config: SchedulerConfig):
+    def __init__(self, runner: ModelRunner, config: SchedulerConfig, prefix_cache: bool = False):
         self.runner = runner
         self.config = config
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
-        # Worst-case KV slots promised to each admitted request.
+        # Worst-case new KV slots promised to each admitted request (beyond its cached prefix).
         self._reservations: dict[Req, int] = {}
+        self.prefix_cache = RadixCache(runner.kv_pool.free) if prefix_cache else None
 
     @property
     def kv_capacity(self) -> int:
@@ -31,6 +38,20 @@ class Scheduler:
     @property
     def reserved_slots(self) -> int:
         return sum(self._reservations.values())
+
+    @property
+    def cached_slots(self) -> int:
+        """Slots the prefix cache owns (in use by running requests or evictable)."""
+        return self.prefix_cache.cached_tokens if self.prefix_cache else 0
+
+    def flush_cache(self) -> int:
+        """Evict the whole prefix cache; refused while requests are in flight.  Returns slots freed."""
+        if self.has_unfinished():
+            raise RuntimeError("flush_cache: requests are in flight; flush when the engine is idle")
+        freed = self.cached_slots
+        if self.prefix_cache:
+            self.prefix_cache.reset()
+        return freed
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -63,6 +84,7 @@ class Scheduler:
         if not reqs:
             return []
         try:
+            self._make_room(len(reqs) if lens is None else sum(lens))
             if lens is None:
                 batch = ScheduleBatch.prepare_for_decode(reqs, runner.req_to_token_pool, runner.kv_pool)
             else:
@@ -74,7 +96,7 @@ class Scheduler:
             # Leave the pools as if these requests had never run; other requests are untouched.
             for req in reqs:
                 req.finish_reason = FinishReason.ABORT
-                self._release(req)
+                self._release(req, cache=False)  # its KV may be half written
             self.running = [r for r in self.running if not r.finished]
             self.waiting = deque(r for r in self.waiting if not r.finished)
             raise
@@ -90,10 +112,8 @@ class Scheduler:
         chunks: list[int] = []
         while budget > 0 and self.waiting and len(self.running) + len(admitted) < self.config.max_running_requests:
             req = self.waiting[0]
-            if req not in self._reservations:
-                if self.reserved_slots + req.max_total_tokens() > self.kv_capacity:
-                    break
-                self._reservations[req] = req.max_total_tokens()
+            if req not in self._reservations and not self._reserve(req):
+                break
             remaining = req.seq_len - req.num_cached_tokens
             chunk = min(remaining, budget)
             admitted.append(req)
@@ -103,6 +123,36 @@ class Scheduler:
                 break
             self.waiting.popleft()
         return admitted, chunks
+
+    def _reserve(self, req: Req) -> bool:
+        """Map the request's cached prefix and promise it the slots for the rest, if they fit:
+        reservations plus locked cached KV never exceed the pool, so evicting what is unlocked
+        always makes room for any promised slot."""
+        match = None
+        if self.prefix_cache is not None:
+            match = self.prefix_cache.match(req.prompt_ids[: len(req.prompt_ids) - 1])
+            self.prefix_cache.lock(match.node)
+        need = req.max_total_tokens() - (len(match) if match else 0)
+        locked = self.prefix_cache.locked_tokens if self.prefix_cache else 0
+        if self.reserved_slots + need + locked > self.kv_capacity:
+            if match is not None:
+                self.prefix_cache.unlock(match.node)
+            return False
+        self._reservations[req] = need
+        if match is not None:
+            req.prefix_node = match.node
+            if len(match):
+                pool = self.runner.req_to_token_pool
+                req.req_pool_idx = pool.alloc()
+                pool.write(req.req_pool_idx, 0, match.slots.to(pool.req_to_token.device))
+                req.num_prefix_tokens = req.num_cached_tokens = req.num_allocated_tokens = len(match)
+                req.num_reused_tokens = len(match)
+        return True
+
+    def _make_room(self, num_slots: int) -> None:
+        short = num_slots - self.runner.kv_pool.num_free
+        if short > 0 and self.prefix_cache is not None:
+            self.prefix_cache.evict(short)
 
     def _process_result(self, batch: ScheduleBatch, result: StepOutput) -> list[Req]:
         out = result.sampler
@@ -126,15 +176,25 @@ class Scheduler:
             self.running = [r for r in self.running if not r.finished]
         return finished
 
-    def _release(self, req: Req) -> None:
-        """Return a request's KV slots, table row and reservation (idempotent)."""
+    def _release(self, req: Req, cache: bool = True) -> None:
+        """Return what a request holds (idempotent): its table row, its reservation, its lock on
+        the prefix cache, and its KV slots, which go into the prefix cache when `cache` (those
+        whose KV was computed) or back to the pool."""
         if req.req_pool_idx is not None:
             pool = self.runner.req_to_token_pool
-            slots = pool.req_to_token[req.req_pool_idx, : req.num_allocated_tokens].clone()
-            self.runner.kv_pool.free(slots.cpu())
+            slots = pool.req_to_token[req.req_pool_idx, : req.num_allocated_tokens].cpu()
+            owned = slots[req.num_prefix_tokens :]  # the prefix's slots belong to the cache
+            if cache and self.prefix_cache is not None:
+                computed = req.num_cached_tokens
+                already = self.prefix_cache.insert(req.all_ids[:computed], slots[:computed])
+                owned = torch.cat([slots[req.num_prefix_tokens : already], slots[computed:]])
+            self.runner.kv_pool.free(owned)
             pool.free(req.req_pool_idx)
             req.req_pool_idx = None
-            req.num_cached_tokens = req.num_allocated_tokens = 0
+            req.num_cached_tokens = req.num_allocated_tokens = req.num_prefix_tokens = 0
+        if req.prefix_node is not None:
+            self.prefix_cache.unlock(req.prefix_node)
+            req.prefix_node = None
         self._reservations.pop(req, None)
 
     def finish(self, rid: str, reason: FinishReason) -> bool:

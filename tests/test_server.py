@@ -165,7 +165,20 @@ def test_health_and_metrics(tiny_server, tiny):
         assert post.status_code == 200
         metrics = http.get(f"{tiny_server.url}/metrics").json()
     assert metrics["model"] == TINY and metrics["running"] == 0 and metrics["waiting"] == 0
-    assert metrics["kv_slots_free"] == metrics["kv_slots_total"] == 2048 and metrics["kv_slots_used"] == 0
+    # Nothing runs: every slot is free or holds cached prefix KV.
+    assert metrics["kv_slots_free"] + metrics["kv_slots_cached"] == metrics["kv_slots_total"] == 2048
+    assert metrics["kv_slots_used"] == metrics["kv_slots_cached"] > 0
     assert metrics["tokens_per_s"] > 0 and metrics["generated_tokens_total"] >= 8
     decode = metrics["backends"]["decode"]
     assert decode["backend"] == "eager" and decode["executions"] > 0 and decode["fallbacks"] == 0
+
+
+def test_flush_cache_route_and_cached_tokens_in_usage(tiny_server):
+    body = {"model": TINY, "prompt": "a prompt only this test sends", "max_tokens": 2, "ignore_eos": True}
+    with httpx.Client(trust_env=False) as http:
+        usages = [http.post(f"{tiny_server.url}/v1/completions", json=body).json()["usage"] for _ in range(2)]
+        flushed = http.post(f"{tiny_server.url}/flush_cache")
+        after = http.post(f"{tiny_server.url}/v1/completions", json=body).json()["usage"]
+    cached = [u["prompt_tokens_details"]["cached_tokens"] for u in usages + [after]]
+    assert cached == [0, usages[0]["prompt_tokens"] - 1, 0]
+    assert flushed.status_code == 200 and flushed.json()["flushed_slots"] > 0

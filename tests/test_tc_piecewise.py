@@ -179,7 +179,11 @@ def test_pieces_are_splits_plus_one_and_attention_runs_between_them(tc_engine):
     assert_no_leak(tc_engine)
 
 
-def _poison_real_slots(kv):
+def _poison_real_slots(engine):
+    """NaN in every real KV slot (the dummy slot 0 is left), after emptying the prefix cache so
+    no cached KV is poisoned and every prompt computes all of its tokens."""
+    kv = engine.runner.kv_pool
+    engine.flush_cache()
     assert kv.num_free == kv.num_slots
     for buf in kv.k_buffers + kv.v_buffers:
         buf[1:] = float("nan")  # every real slot; the dummy slot 0 is not
@@ -204,11 +208,11 @@ def test_alone_equals_padded_and_padding_writes_no_real_slot(tc_engine):
     kv = tc_engine.runner.kv_pool
     calls = _spy(tc_engine)
     try:
-        _poison_real_slots(kv)
+        _poison_real_slots(tc_engine)
         alone = tc_engine.generate(prompts[:1], params)[0].token_ids
         # Exactly the requests' own KV was written: its prompt plus all but its last token.
         assert _slots_written(kv) == {len(prompts[0]) + new_tokens - 1}
-        _poison_real_slots(kv)
+        _poison_real_slots(tc_engine)
         together = tc_engine.generate(prompts, params)
         assert _slots_written(kv) == {sum(len(p) + new_tokens - 1 for p in prompts)}
     finally:

@@ -2,14 +2,16 @@
 
     POST /v1/completions, /v1/chat/completions   (stream=true answers server-sent events)
     GET  /v1/models, /health, /metrics
+    POST /flush_cache   (drop the prefix cache; 409 while requests are in flight)
 
 /metrics is JSON (not Prometheus text): the engine's EngineMetrics (running and waiting requests,
-KV slots used/free/reserved, tokens/s over the last seconds, finished requests by reason, and
+KV slots used/free/reserved/cached, tokens/s over the last seconds, finished requests by reason, and
 per-ForwardMode capture backend counters: executions = graph replays, fallbacks to eager).
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from fastapi import FastAPI, Request
@@ -17,7 +19,7 @@ from fastapi.responses import JSONResponse, Response
 
 from graphexec.engine import Engine
 from graphexec.server.config import ServerConfig
-from graphexec.server.errors import install_error_handlers
+from graphexec.server.errors import APIError, install_error_handlers
 from graphexec.server.serving import OpenAIServing
 
 
@@ -50,6 +52,14 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
     async def health() -> JSONResponse:
         serving_now = engine.is_serving
         return JSONResponse({"status": "ok" if serving_now else "stopped"}, status_code=200 if serving_now else 503)
+
+    @app.post("/flush_cache")
+    async def flush_cache() -> JSONResponse:
+        try:
+            freed = await asyncio.to_thread(engine.flush_cache)
+        except RuntimeError as error:
+            return APIError(409, str(error), type="conflict_error").response()
+        return JSONResponse({"flushed_slots": freed})
 
     @app.get("/metrics")
     async def metrics() -> dict:
