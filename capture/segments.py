@@ -16,6 +16,7 @@ which is what lets them stay outside the graph.
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Sequence
@@ -40,8 +41,6 @@ class GraphRecorder(ABC):
 
     def session(self) -> ContextManager[None]:
         """Entered around a whole recording (CUDA: the capture stream)."""
-        import contextlib
-
         return contextlib.nullcontext()
 
     @abstractmethod

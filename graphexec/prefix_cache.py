@@ -3,8 +3,8 @@
 Page size 1, so a node's edge is any run of tokens and its slots one per token.  A request that
 starts with a cached prefix maps those slots into its table row instead of computing them; the
 nodes it uses are locked (lock counts up to the root) until it ends, and only unlocked leaves are
-evicted, least recently used first, when the KV pool runs short.  When a request ends, the
-tokens whose KV it computed are inserted, and the tree takes over their slots.
+evicted, least recently used first, when the KV pool runs short.  The scheduler inserts a
+request's prompt once it is prefilled and the rest when it ends; the tree takes over the slots.
 
 Every KV slot is, at any time, free, owned by exactly one running request, or owned by exactly
 one node of this tree.

@@ -3,8 +3,9 @@
 Admission reserves each request's worst-case KV (prompt + max_new_tokens, capped by the context),
 so a running request can always take its next decode slot and nothing ever needs preempting.
 With the prefix cache, a request first maps the longest cached prefix of its prompt (all but
-the last token, which must be computed to sample from), locks it, and reserves only the rest;
-unlocked cached KV is evicted, least recently used first, whenever a forward needs the slots.
+the last token, which must be computed to sample from), locks it, and reserves only the rest.
+What it prefills is cached as soon as it is computed, the rest when it ends; unlocked cached KV
+is evicted, least recently used first, whenever a forward needs the slots.
 """
 
 from __future__ import annotations
@@ -100,7 +101,12 @@ class Scheduler:
             self.running = [r for r in self.running if not r.finished]
             self.waiting = deque(r for r in self.waiting if not r.finished)
             raise
-        return self._process_result(batch, result)
+        finished = self._process_result(batch, result)
+        if self.prefix_cache is not None:
+            for req in admitted:
+                if not req.finished:
+                    self._cache_prefill(req)
+        return finished
 
     def _admit(self, budget: int) -> tuple[list[Req], list[int]]:
         """Waiting requests for the next prefill and how many new tokens each computes now.
@@ -149,6 +155,27 @@ class Scheduler:
                 req.num_reused_tokens = len(match)
         return True
 
+    def _cache_prefill(self, req: Req) -> None:
+        """Hand the KV a running request has just prefilled to the prefix cache, so requests
+        admitted from now on (not only after it ends) reuse it.  The request keeps those slots
+        as its locked prefix; its reservation shrinks by as many, so reservations plus locked
+        cached KV still never exceed the pool."""
+        cache, pool = self.prefix_cache, self.runner.req_to_token_pool
+        computed, old_prefix = req.num_cached_tokens, req.num_prefix_tokens
+        if computed <= old_prefix:
+            return
+        slots = pool.req_to_token[req.req_pool_idx, :computed].clone().cpu()
+        already = cache.insert(req.all_ids[:computed], slots)
+        match = cache.match(req.all_ids[:computed])
+        if already > old_prefix:  # another request cached these first: use its slots, free ours
+            self.runner.kv_pool.free(slots[old_prefix:already])
+            pool.write(req.req_pool_idx, old_prefix, match.slots[old_prefix:already].to(pool.req_to_token.device))
+        cache.lock(match.node)
+        if req.prefix_node is not None:
+            cache.unlock(req.prefix_node)
+        req.prefix_node, req.num_prefix_tokens = match.node, computed
+        self._reservations[req] -= computed - old_prefix
+
     def _make_room(self, num_slots: int) -> None:
         short = num_slots - self.runner.kv_pool.num_free
         if short > 0 and self.prefix_cache is not None:
@@ -182,7 +209,7 @@ class Scheduler:
         whose KV was computed) or back to the pool."""
         if req.req_pool_idx is not None:
             pool = self.runner.req_to_token_pool
-            slots = pool.req_to_token[req.req_pool_idx, : req.num_allocated_tokens].cpu()
+            slots = pool.req_to_token[req.req_pool_idx, : req.num_allocated_tokens].clone().cpu()
             owned = slots[req.num_prefix_tokens :]  # the prefix's slots belong to the cache
             if cache and self.prefix_cache is not None:
                 computed = req.num_cached_tokens

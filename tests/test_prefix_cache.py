@@ -1,7 +1,11 @@
 """The prefix cache: the radix tree itself, then the engine reusing cached prompt prefixes."""
 
+import itertools
+
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from graphexec import Engine, SamplingParams
 from graphexec.prefix_cache import RadixCache
@@ -72,6 +76,50 @@ def test_locked_paths_survive_eviction_until_unlocked(tree):
         tree.unlock(held.node)
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    keys=st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=8), min_size=1, max_size=12),
+    probes=st.lists(st.lists(st.integers(0, 3), max_size=9), max_size=8),
+    evict=st.integers(0, 40),
+)
+def test_tree_agrees_with_a_table_of_every_cached_prefix(keys, probes, evict):
+    """Reference: a dict from every inserted prefix to the slot its last token got from the
+    first insert that reached it.  The tree must match it, own each slot once, and after an
+    eviction still hold a prefix-closed subset of it."""
+    freed: list[int] = []
+    tree = RadixCache(lambda slots: freed.extend(slots.tolist()))
+    table: dict[tuple[int, ...], int] = {}
+    fresh = itertools.count(1)
+    for key in keys:
+        slots = [next(fresh) for _ in key]
+        already = tree.insert(key, torch.tensor(slots))
+        assert already == max((i for i in range(len(key) + 1) if tuple(key[:i]) in table or i == 0))
+        freed.extend(slots[:already])  # the caller frees the duplicates
+        for i in range(len(key)):
+            table.setdefault(tuple(key[: i + 1]), slots[i])
+    assert tree.cached_tokens == len(table)
+
+    def expected(probe):
+        n = max(i for i in range(len(probe) + 1) if i == 0 or tuple(probe[:i]) in table)
+        return [table[tuple(probe[: i + 1])] for i in range(n)]
+
+    for probe in probes + keys:
+        assert tree.match(probe).slots.tolist() == expected(probe)
+
+    locked = tree.match(keys[0])
+    tree.lock(locked.node)
+    tree.evict(evict)
+    kept = {prefix: slot for prefix, slot in table.items() if slot not in freed}
+    assert tree.cached_tokens == len(kept) and all(prefix[:-1] in kept or len(prefix) == 1 for prefix in kept)
+    assert all(tuple(keys[0][: i + 1]) in kept for i in range(len(keys[0])))  # locked path stays
+    table = kept
+    for probe in probes + keys:
+        assert tree.match(probe).slots.tolist() == expected(probe)
+    tree.unlock(locked.node)
+    tree.reset()
+    assert tree.cached_tokens == 0 and sorted(freed) == list(range(1, next(fresh)))
+
+
 # -- the engine -----------------------------------------------------------------------------------
 
 
@@ -102,6 +150,18 @@ def test_requests_sharing_a_prefix_compute_only_their_own_tokens(uncached_tokens
     assert engine.scheduler.cached_slots == 24 + (7 + 4) + (12 + 4) + (3 + 4)
 
 
+def test_a_prompt_is_cached_once_prefilled_not_only_when_its_request_ends(uncached_tokens):
+    """A budget of one 31-token prompt per step: the second request is admitted while the first
+    still decodes, and reuses the shared 24 tokens the first has just prefilled."""
+    engine = Engine(overrides=TINY + ["scheduler.max_prefill_tokens=31"])
+    with recorded_batches(engine) as batches:
+        outputs = engine.generate(_prompts()[:2], PARAMS)
+    assert [o.token_ids for o in outputs] == uncached_tokens[:2]
+    prefills = [fb.extend_prefix_lens.tolist() for fb in batches if fb.forward_mode.is_extend()]
+    assert prefills[:2] == [[0], [24]] and outputs[1].cached_tokens == 24
+    assert_no_leak(engine)
+
+
 def test_a_repeated_prompt_still_computes_its_last_token(uncached_tokens):
     engine = Engine(overrides=TINY)
     prompt = _prompts()[0]
@@ -122,11 +182,31 @@ def test_a_full_pool_evicts_cached_kv_and_keeps_serving(uncached_tokens):
     assert engine.scheduler.cached_slots <= 48
 
 
+def test_concurrent_requests_under_pressure_queue_evict_and_match_uncached(uncached_tokens):
+    """96 slots for six requests of up to 41: admission waits on reservations, later requests hit
+    prefixes that earlier ones cached, eviction makes room, and nothing changes a token."""
+    engine = Engine(overrides=["model=tiny-llama", "capture=eager", "cache.num_slots=96"])
+    outputs = engine.generate(_prompts() * 2, PARAMS)
+    assert [o.token_ids for o in outputs] == uncached_tokens * 2
+    assert sum(o.cached_tokens for o in outputs) > 0
+    assert_no_leak(engine)
+
+
 def test_batched_requests_with_a_cached_prefix_match_uncached(uncached_tokens):
     engine = Engine(overrides=TINY)
     engine.generate([_prompts()[0]], PARAMS)
     outputs = engine.generate(_prompts(), PARAMS)
     assert [o.token_ids for o in outputs] == uncached_tokens
+    assert_no_leak(engine)
+
+
+def test_requests_prefilled_together_keep_one_copy_of_their_shared_prefix(uncached_tokens):
+    """All three compute the shared 24 tokens in one batch; the first to be cached keeps its
+    slots, the others switch to them and free their own, mid-request."""
+    engine = Engine(overrides=TINY)
+    outputs = engine.generate(_prompts(), PARAMS)
+    assert [o.token_ids for o in outputs] == uncached_tokens
+    assert engine.scheduler.cached_slots == 24 + (7 + 4) + (12 + 4) + (3 + 4)
     assert_no_leak(engine)
 
 

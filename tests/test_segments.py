@@ -114,9 +114,10 @@ def test_a_break_whose_output_is_not_copied_back_leaves_the_next_segment_stale()
     with breaking({"double"}):
         graph = record_segments(TapeRecorder(), lambda: _double(x + 1) - 1)
         x.copy_(torch.randn(4))
-        brk = graph.breaks[0]
-        brk.fn(*brk.args)  # the break alone, its result dropped
-        graph.steps[-1].replay()
+        first, brk, last = graph.steps
+        first.replay()
+        brk.fn(*brk.args)  # the break run, its fresh result dropped instead of copied back
+        last.replay()
         assert not torch.equal(graph.output, x * 2 + 1)
         torch.testing.assert_close(graph.replay(), x * 2 + 1)
 
