@@ -18,8 +18,8 @@ need = ["torch", "hydra", "omegaconf", "tqdm", "matplotlib", "pytest", "numpy"]
 print(" ".join(m for m in need if importlib.util.find_spec(m) is None))
 EOF
 )
-"$python" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())" \
-  | tee "$out/device.txt"
+"$python" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda,
+  torch.cuda.get_device_name() if torch.cuda.is_available() else 'NO CUDA DEVICE')" 2>&1 | tee "$out/device.txt"
 echo "missing modules: ${missing:-none}" | tee -a "$out/device.txt"
 
 # 1. Correctness on tiny models: CUDA-graph segments (breakable) and piecewise CUDA graphs
