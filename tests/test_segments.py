@@ -249,3 +249,25 @@ def test_cuda_graph_segments_equal_eager(variant):
     worst = _logits_against_eager(engine)
     assert sorted(worst) == [16, 32, 64] and max(worst.values()) < 1e-3, worst
     assert_no_leak(engine)
+
+
+def test_smollm2_breakable_recorded_path_equals_eager(smollm2_engine):
+    """The real model (30 layers, GQA 9/3 heads, tied embeddings) through the recorded path the
+    CUDA backend takes: 31 segments around 30 eager attention breaks."""
+    engine = Engine(
+        overrides=[
+            "model=smollm2-135m",
+            "cache.num_slots=4096",
+            "capture=eager",
+            "+capture.extend={backend:breakable,graph:tape,buckets:[64],progress:false}",
+            "capture.mixed=${capture.extend}",
+        ]
+    )
+    tok = engine.tokenizer
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}])) for q in ("Hi!", "What is 2+2?")]
+    params = SamplingParams(max_new_tokens=6)
+    got = [engine.generate([p], params)[0].token_ids for p in prompts]
+    smollm2_engine.flush_cache()
+    assert got == [smollm2_engine.generate([p], params)[0].token_ids for p in prompts]
+    backend = engine.runner.backends[ForwardMode.EXTEND]
+    assert backend.stats.executions == 2 and backend.segments_of(64).num_segments == 31
