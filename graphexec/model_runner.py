@@ -103,8 +103,15 @@ class ModelRunner:
         return StepOutput(sampler=self.sampler(logits, fb.sampling_info), logits=logits)
 
     def backend_stats(self) -> dict[str, dict]:
-        """Per-mode counters: capture cost, executions, fallbacks, padded rows."""
-        return {mode.config_key: backend.stats.as_dict() | {"backend": backend.name} for mode, backend in self.backends.items()}
+        """Per-mode counters: capture cost, executions, fallbacks, padded rows.  Modes that share
+        a backend show the same counters; `modes` lists them, so a sum can count each once."""
+        sharing: dict[int, list[str]] = {}
+        for mode, backend in self.backends.items():
+            sharing.setdefault(id(backend), []).append(mode.config_key)
+        return {
+            mode.config_key: backend.stats.as_dict() | {"backend": backend.name, "modes": sharing[id(backend)]}
+            for mode, backend in self.backends.items()
+        }
 
     def init_forward_batch(self, schedule_batch) -> ForwardBatch:
         return ForwardBatch.init_new(schedule_batch, self.device, self.model_config.vocab_size)
