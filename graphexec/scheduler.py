@@ -12,8 +12,6 @@ from __future__ import annotations
 
 from collections import deque
 
-import torch
-
 from graphexec.config import SchedulerConfig
 from graphexec.model_runner import ModelRunner, StepOutput
 from graphexec.prefix_cache import RadixCache
@@ -105,7 +103,7 @@ class Scheduler:
         if self.prefix_cache is not None:
             for req in admitted:
                 if not req.finished:
-                    self._cache_prefill(req)
+                    self._cache_computed(req)
         return finished
 
     def _admit(self, budget: int) -> tuple[list[Req], list[int]]:
@@ -155,11 +153,11 @@ class Scheduler:
                 req.num_reused_tokens = len(match)
         return True
 
-    def _cache_prefill(self, req: Req) -> None:
-        """Hand the KV a running request has just prefilled to the prefix cache, so requests
-        admitted from now on (not only after it ends) reuse it.  The request keeps those slots
-        as its locked prefix; its reservation shrinks by as many, so reservations plus locked
-        cached KV still never exceed the pool."""
+    def _cache_computed(self, req: Req) -> None:
+        """Hand the KV a request has computed so far to the prefix cache: after each prefill, so
+        requests admitted from now on (not only after it ends) reuse it, and when it ends.  The
+        request keeps those slots as its locked prefix; its reservation shrinks by as many, so
+        reservations plus locked cached KV still never exceed the pool."""
         cache, pool = self.prefix_cache, self.runner.req_to_token_pool
         computed, old_prefix = req.num_cached_tokens, req.num_prefix_tokens
         if computed <= old_prefix:
@@ -174,7 +172,8 @@ class Scheduler:
         if req.prefix_node is not None:
             cache.unlock(req.prefix_node)
         req.prefix_node, req.num_prefix_tokens = match.node, computed
-        self._reservations[req] -= computed - old_prefix
+        if req in self._reservations:  # batches built by hand (tests, benchmarks) reserve nothing
+            self._reservations[req] -= computed - old_prefix
 
     def _make_room(self, num_slots: int) -> None:
         short = num_slots - self.runner.kv_pool.num_free
@@ -208,14 +207,13 @@ class Scheduler:
         the prefix cache, and its KV slots, which go into the prefix cache when `cache` (those
         whose KV was computed) or back to the pool."""
         if req.req_pool_idx is not None:
-            pool = self.runner.req_to_token_pool
-            slots = pool.req_to_token[req.req_pool_idx, : req.num_allocated_tokens].clone().cpu()
-            owned = slots[req.num_prefix_tokens :]  # the prefix's slots belong to the cache
             if cache and self.prefix_cache is not None:
-                computed = req.num_cached_tokens
-                already = self.prefix_cache.insert(req.all_ids[:computed], slots[:computed])
-                owned = torch.cat([slots[req.num_prefix_tokens : already], slots[computed:]])
-            self.runner.kv_pool.free(owned)
+                self._cache_computed(req)
+            pool = self.runner.req_to_token_pool
+            # The prefix's slots belong to the cache; the rest (KV not computed, or everything
+            # past the prefix when not caching) are the request's own.
+            owned = pool.req_to_token[req.req_pool_idx, req.num_prefix_tokens : req.num_allocated_tokens]
+            self.runner.kv_pool.free(owned.clone().cpu())
             pool.free(req.req_pool_idx)
             req.req_pool_idx = None
             req.num_cached_tokens = req.num_allocated_tokens = req.num_prefix_tokens = 0
