@@ -20,6 +20,8 @@ from graphexec.forward_mode import ForwardMode
 from graphexec.sampling_params import SamplingParams
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+_WEIGHT_MODES = ("native", "dequantize")
 _MODEL_SOURCES = ("gguf", "hf", "random")
 _DEFAULT_PREFILL_TOKENS = 2048
 
@@ -64,6 +66,16 @@ class ModelSourceConfig:
     path: str | None = None  # gguf/hf: file or directory; None for gguf means the packaged SmolLM2
     seed: int = 0  # random only
     architecture: Mapping[str, Any] = field(default_factory=dict)  # random only: ModelConfig fields
+    # Weights, activations and (unless cache.dtype says otherwise) the KV cache: float32 | bfloat16
+    # | float16 (fp32 | bf16 | fp16 accepted).  Packed quantized weights keep their own encoding.
+    dtype: str = "float32"
+    # gguf only.  native: Q4_0/Q4_1/Q8_0 tensors stay block-quantized and run through
+    # graphexec::qlinear; dequantize: every tensor becomes a dense `dtype` tensor (the reference).
+    weights: str = "native"
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
 
 
 @dataclass(frozen=True)
@@ -100,6 +112,11 @@ class CacheConfig:
     num_slots: int
     max_context: int | None  # None: the model's own context length
     prefix_cache: bool = True  # reuse the KV of cached prompt prefixes (graphexec/prefix_cache.py)
+    dtype: str | None = None  # KV element type; None follows model.dtype
+
+    @property
+    def torch_dtype(self) -> torch.dtype | None:
+        return None if self.dtype is None else _DTYPES[self.dtype]
 
 
 @dataclass(frozen=True)
@@ -110,13 +127,12 @@ class EngineConfig:
     cache: CacheConfig
     sampling: SamplingParams
     device: str
-    dtype: str
     attention_backend: str
     seed: int
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
+        return self.model.torch_dtype
 
     @classmethod
     def from_overrides(cls, overrides: Sequence[str] = ()) -> "EngineConfig":
@@ -131,8 +147,6 @@ class EngineConfig:
             raise ConfigError(f"device={device!r} needs a GPU and none is available; use device=cpu")
         if not (device == "cpu" or device.startswith("cuda")):
             raise ConfigError(f"device must be 'cpu' or 'cuda[:N]', got {device!r}")
-        if raw["dtype"] not in _DTYPES:
-            raise ConfigError(f"dtype must be one of {sorted(_DTYPES)}, got {raw['dtype']!r}")
         return cls(
             model=_model_source(raw["model"]),
             capture=_capture_plan(raw["capture"]),
@@ -140,7 +154,6 @@ class EngineConfig:
             cache=_cache(raw["cache"]),
             sampling=SamplingParams(**_known(SamplingParams, raw["sampling"], "sampling")),
             device=device,
-            dtype=raw["dtype"],
             attention_backend=str(raw["attention_backend"]),
             seed=int(raw["seed"]),
         )
@@ -178,7 +191,12 @@ def _cache(values: Mapping[str, Any]) -> CacheConfig:
         raise ConfigError(f"cache.max_context must be null or an integer >= 2, got {values['max_context']!r}")
     if not isinstance(values.get("prefix_cache", True), bool):
         raise ConfigError(f"cache.prefix_cache must be true or false, got {values['prefix_cache']!r}")
-    return CacheConfig(**values)
+    dtype = values.get("dtype")
+    if dtype is not None:
+        dtype = _DTYPE_ALIASES.get(dtype, dtype)
+        if dtype not in _DTYPES:
+            raise ConfigError(f"cache.dtype must be null or one of {sorted(_DTYPES)}, got {values['dtype']!r}")
+    return CacheConfig(**(values | {"dtype": dtype}))
 
 
 def _model_source(values: Mapping[str, Any]) -> ModelSourceConfig:
@@ -187,8 +205,13 @@ def _model_source(values: Mapping[str, Any]) -> ModelSourceConfig:
         raise ConfigError(f"model.source must be one of {list(_MODEL_SOURCES)}, got {values.get('source')!r}")
     if values["source"] == "hf" and not values.get("path"):
         raise ConfigError("model.path is required when model.source=hf (a Hugging Face model directory)")
+    dtype = _DTYPE_ALIASES.get(values.get("dtype"), values.get("dtype"))
+    if dtype not in _DTYPES:
+        raise ConfigError(f"model.dtype must be one of {sorted(_DTYPES) + sorted(_DTYPE_ALIASES)}, got {dtype!r}")
+    if values.get("weights") not in _WEIGHT_MODES:
+        raise ConfigError(f"model.weights must be one of {list(_WEIGHT_MODES)}, got {values.get('weights')!r}")
     architecture = MappingProxyType(dict(values.pop("architecture", None) or {}))
-    return ModelSourceConfig(architecture=architecture, **values)
+    return ModelSourceConfig(architecture=architecture, **(values | {"dtype": dtype}))
 
 
 def _capture_plan(values: Mapping[str, Any]) -> CapturePlan:

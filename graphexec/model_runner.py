@@ -22,6 +22,7 @@ from graphexec.loader import LoadedCheckpoint
 from graphexec.logits_processor import LogitsProcessor
 from graphexec.models.config import ModelConfig
 from graphexec.models.llama import LlamaForCausalLM
+from graphexec.quant import QuantEmbedding, QuantLinear, ensure_kernels
 from graphexec.req_to_token_pool import ReqToTokenPool
 from graphexec.sampler import Sampler, SamplerOutput
 
@@ -40,16 +41,20 @@ class ModelRunner:
         self.dtype = config.torch_dtype
         self.max_context = min(config.cache.max_context or self.model_config.max_context, self.model_config.max_context)
 
-        model = LlamaForCausalLM(self.model_config)
-        model.load_weights(checkpoint.state_dict)
-        self.model = model.to(device=self.device, dtype=self.dtype).eval()
+        # Built on the meta device and given the checkpoint's tensors: no second copy of the weights.
         # RoPE tables stay fp32 like the reference; the model casts per use.
-        self.model.rotary.to(dtype=torch.float32)
+        with torch.device("meta"):
+            model = LlamaForCausalLM(self.model_config)
+        model.load_weights(checkpoint.state_dict, self.dtype)
+        if self.device.type == "cpu" and any(isinstance(m, (QuantLinear, QuantEmbedding)) for m in model.modules()):
+            ensure_kernels()
+        self.model = model.to(device=self.device).eval()
 
         mc = self.model_config
         self.req_to_token_pool = ReqToTokenPool(config.scheduler.max_running_requests, self.max_context, self.device)
         self.kv_pool = TokenToKVPool(
-            config.cache.num_slots, mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype, self.device
+            config.cache.num_slots, mc.num_layers, mc.num_kv_heads, mc.head_dim,
+            config.cache.torch_dtype or self.dtype, self.device,
         )
         self.attn_backend = create_attention_backend(config.attention_backend, mc.num_heads, mc.num_kv_heads, mc.head_dim)
         self.logits_processor = LogitsProcessor(self.model.compute_logits)

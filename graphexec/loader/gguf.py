@@ -1,4 +1,8 @@
-"""Load a llama.cpp GGUF file (Llama or Qwen2) into Hugging Face-named float tensors."""
+"""Load a llama.cpp GGUF file (Llama or Qwen2) into Hugging Face-named tensors.
+
+`weights="native"` keeps Q4_0 / Q4_1 / Q8_0 tensors block-quantized (graphexec.quant); every other
+tensor type is dequantized to float only under `weights="dequantize"` (the fp32 reference path).
+"""
 
 from __future__ import annotations
 
@@ -12,9 +16,12 @@ import torch
 from graphexec.errors import CheckpointError
 from graphexec.loader.checkpoint import LoadedCheckpoint, check_state_dict
 from graphexec.models.config import ModelConfig
+from graphexec.quant import SUPPORTED_GGUF_TYPES, QuantizedWeight, from_gguf_blocks
 from graphexec.tokenizer import Tokenizer
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+WEIGHT_MODES = ("native", "dequantize")
+_DENSE_TYPES = ("F32", "F16", "BF16", "F64")
 
 _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -123,30 +130,49 @@ def _config_from_metadata(metadata: dict[str, Any], tensor_names: set[str], name
     )
 
 
-def _state_dict(reader, config: ModelConfig, gguf_arch: str, dtype: torch.dtype, path: Path):
-    from gguf.quants import dequantize
-
-    state_dict: dict[str, torch.Tensor] = {}
+def _state_dict(reader, config: ModelConfig, gguf_arch: str, dtype: torch.dtype, weights: str, path: Path):
+    state_dict: dict[str, torch.Tensor | QuantizedWeight] = {}
     for tensor in reader.tensors:
         hf_name = hf_tensor_name(tensor.name)
         if hf_name is None:
             raise CheckpointError(f"{path}: tensor {tensor.name!r} has no place in a {gguf_arch} causal LM")
-        try:
-            # A plain-ndarray view: numpy's memmap subclass adds per-slice overhead that dominates dequantizing.
-            values = dequantize(np.asarray(tensor.data), tensor.tensor_type)
-        except NotImplementedError as error:
-            raise CheckpointError(f"{path}: cannot dequantize {tensor.name}: {error}") from error
         # GGUF lists dimensions innermost first; torch wants [out_features, in_features].
         shape = tuple(int(d) for d in reversed(tensor.shape))
-        # Copies only what is still a read-only view of the file (F32 tensors); dequantized ones are fresh.
-        weight = torch.from_numpy(np.require(values, np.float32, ["C", "W"]).reshape(shape))
+        qtype = tensor.tensor_type.name
+        if weights == "native" and qtype in SUPPORTED_GGUF_TYPES:
+            weight: torch.Tensor | QuantizedWeight = from_gguf_blocks(np.asarray(tensor.data), qtype, shape)
+        elif weights == "native" and qtype not in _DENSE_TYPES:
+            raise CheckpointError(
+                f"{path}: tensor {tensor.name} is {qtype}, which model.weights=native cannot keep quantized "
+                f"(supported: {', '.join(SUPPORTED_GGUF_TYPES)}); load it with model.weights=dequantize"
+            )
+        else:
+            weight = _dequantized(tensor, shape, path).to(dtype)
         # Only llama-arch files were permuted by the converter; Qwen2 files keep HF's layout.
-        if gguf_arch == "llama" and ".self_attn.q_proj." in hf_name:
-            weight = unpermute_rotary_rows(weight, config.num_heads)
-        elif gguf_arch == "llama" and ".self_attn.k_proj." in hf_name:
-            weight = unpermute_rotary_rows(weight, config.num_kv_heads)
-        state_dict[hf_name] = weight.to(dtype)
+        heads = {"q_proj": config.num_heads, "k_proj": config.num_kv_heads}.get(hf_name.split(".")[-2])
+        if gguf_arch == "llama" and heads is not None and ".self_attn." in hf_name:
+            weight = _unpermute(weight, heads)
+        state_dict[hf_name] = weight
     return state_dict
+
+
+def _dequantized(tensor, shape: tuple[int, ...], path: Path) -> torch.Tensor:
+    from gguf.quants import dequantize
+
+    try:
+        # A plain-ndarray view: numpy's memmap subclass adds per-slice overhead that dominates dequantizing.
+        values = dequantize(np.asarray(tensor.data), tensor.tensor_type)
+    except NotImplementedError as error:
+        raise CheckpointError(f"{path}: cannot dequantize {tensor.name}: {error}") from error
+    # Copies only what is still a read-only view of the file (F32 tensors); dequantized ones are fresh.
+    return torch.from_numpy(np.require(values, np.float32, ["C", "W"]).reshape(shape))
+
+
+def _unpermute(weight: torch.Tensor | QuantizedWeight, num_heads: int) -> torch.Tensor | QuantizedWeight:
+    # Blocks run along the input dimension, so a quantized weight's rows permute like a dense one's.
+    if isinstance(weight, QuantizedWeight):
+        return weight.map_rows(lambda rows: unpermute_rotary_rows(rows, num_heads))
+    return unpermute_rotary_rows(weight, num_heads)
 
 
 def load_gguf_tokenizer(path: str | Path) -> Tokenizer:
@@ -154,14 +180,18 @@ def load_gguf_tokenizer(path: str | Path) -> Tokenizer:
     return Tokenizer.from_gguf(_metadata(_open(Path(path))))
 
 
-def load_gguf(path: str | Path, name: str, dtype: torch.dtype = torch.float32) -> LoadedCheckpoint:
-    """Read, dequantize and rename a GGUF checkpoint."""
+def load_gguf(
+    path: str | Path, name: str, dtype: torch.dtype = torch.float32, weights: str = "dequantize"
+) -> LoadedCheckpoint:
+    """Read and rename a GGUF checkpoint: quantized tensors kept packed (`native`) or as `dtype`."""
+    if weights not in WEIGHT_MODES:
+        raise CheckpointError(f"model.weights must be one of {list(WEIGHT_MODES)}, got {weights!r}")
     path = Path(path)
     reader = _open(path)
     metadata = _metadata(reader)
     tensor_names = {tensor.name for tensor in reader.tensors}
     config = _config_from_metadata(metadata, tensor_names, name, path)
-    state_dict = _state_dict(reader, config, metadata["general.architecture"], dtype, path)
+    state_dict = _state_dict(reader, config, metadata["general.architecture"], dtype, weights, path)
     check_state_dict(config, state_dict, path)
     tokenizer = Tokenizer.from_gguf(metadata) if "tokenizer.ggml.tokens" in metadata else None
     return LoadedCheckpoint(config=config, state_dict=state_dict, tokenizer=tokenizer)

@@ -15,7 +15,7 @@ from graphexec.tokenizer import ByteTokenizer
 def load_checkpoint(source: ModelSourceConfig, dtype: torch.dtype) -> LoadedCheckpoint:
     if source.source == "gguf":
         path = source.path if source.path is not None else default_smollm2_gguf()
-        return load_gguf(path, name=source.name, dtype=dtype)
+        return load_gguf(path, name=source.name, dtype=dtype, weights=source.weights)
     if source.source == "hf":
         return load_hf_dir(source.path, name=source.name, dtype=dtype)
     return _random_checkpoint(source, dtype)

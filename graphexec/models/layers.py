@@ -24,8 +24,11 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, max_positions: int, theta: float):
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        # Built on the CPU even when the model is constructed on the meta device (before its weights
+        # arrive): the tables are derived, not loaded.
+        cpu = torch.device("cpu")
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=cpu).float() / head_dim))
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32, device=cpu), inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)
         # Not parameters: derived from the config, never loaded or saved.
         self.register_buffer("cos_table", emb.cos(), persistent=False)

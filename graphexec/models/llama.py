@@ -13,8 +13,12 @@ import torch
 from torch import nn
 
 from graphexec.attention.op import unified_attention
+from graphexec.errors import CheckpointError
 from graphexec.models.config import ModelConfig
 from graphexec.models.layers import RMSNorm, RotaryEmbedding, SwiGLU
+from graphexec.quant import QuantEmbedding, QuantizedWeight, QuantLinear, concat_rows
+
+Weight = torch.Tensor | QuantizedWeight
 
 
 class LlamaAttention(nn.Module):
@@ -71,12 +75,20 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight).float()
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()
+        if isinstance(self.embed_tokens, QuantEmbedding):
+            return self.embed_tokens.project(hidden).float()  # the tied head reads the packed rows
+        return torch.nn.functional.linear(hidden, self.embed_tokens.weight).float()
 
     @torch.no_grad()
-    def load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
-        """Load Hugging Face-named tensors, fusing q/k/v and gate/up; every parameter must be set."""
+    def load_weights(self, state_dict: Mapping[str, Weight], dtype: torch.dtype) -> None:
+        """Take Hugging Face-named weights, fusing q/k/v and gate/up; every parameter must be set.
+
+        Weights are assigned, not copied, so the model may be built on the meta device and never
+        holds a second copy.  Dense tensors become `dtype` parameters; a QuantizedWeight replaces
+        its linear (or the embedding) with the quantized module that reads it.
+        """
         fused = _fuse_hf_names(state_dict, self.config.num_layers)
         if self.lm_head is None:
             # Tied checkpoints sometimes store the shared matrix twice.
@@ -86,20 +98,41 @@ class LlamaForCausalLM(nn.Module):
         unexpected = sorted(set(fused) - set(params))
         if missing or unexpected:
             raise ValueError(f"checkpoint does not match the model: missing {missing[:4]}, unexpected {unexpected[:4]}")
-        for name, tensor in fused.items():
-            if params[name].shape != tensor.shape:
-                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(params[name].shape)}")
-            params[name].copy_(tensor)
+        for name, weight in fused.items():
+            if params[name].shape != tuple(weight.shape):
+                raise ValueError(f"{name}: checkpoint shape {tuple(weight.shape)} != model {tuple(params[name].shape)}")
+        for name, weight in fused.items():
+            module_name, _, attr = name.rpartition(".")
+            if isinstance(weight, QuantizedWeight):
+                bias = fused.get(f"{module_name}.bias")
+                self.set_submodule(module_name, self._quantized(module_name, weight, bias, dtype))
+            elif not isinstance(self.get_submodule(module_name), (QuantLinear, QuantEmbedding)):
+                setattr(self.get_submodule(module_name), attr, nn.Parameter(weight.to(dtype), requires_grad=False))
+
+    def _quantized(self, name: str, weight: QuantizedWeight, bias: torch.Tensor | None, dtype: torch.dtype) -> nn.Module:
+        if name == "embed_tokens":
+            return QuantEmbedding(weight, dtype)
+        return QuantLinear(weight, None if bias is None else bias.to(dtype))
 
 
-def _fuse_hf_names(state_dict: Mapping[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
+def _fuse_hf_names(state_dict: Mapping[str, Weight], num_layers: int) -> dict[str, Weight]:
     sd = {name.removeprefix("model."): t for name, t in state_dict.items()}
-    fused: dict[str, torch.Tensor] = {}
+    fused: dict[str, Weight] = {}
     for i in range(num_layers):
         attn, mlp = f"layers.{i}.self_attn", f"layers.{i}.mlp"
-        fused[f"{attn}.qkv_proj.weight"] = torch.cat([sd.pop(f"{attn}.{p}_proj.weight") for p in "qkv"])
+        fused[f"{attn}.qkv_proj.weight"] = _cat([sd.pop(f"{attn}.{p}_proj.weight") for p in "qkv"], f"{attn}.qkv_proj")
         if f"{attn}.q_proj.bias" in sd:
             fused[f"{attn}.qkv_proj.bias"] = torch.cat([sd.pop(f"{attn}.{p}_proj.bias") for p in "qkv"])
-        fused[f"{mlp}.gate_up_proj.weight"] = torch.cat([sd.pop(f"{mlp}.gate_proj.weight"), sd.pop(f"{mlp}.up_proj.weight")])
+        gate_up = [sd.pop(f"{mlp}.gate_proj.weight"), sd.pop(f"{mlp}.up_proj.weight")]
+        fused[f"{mlp}.gate_up_proj.weight"] = _cat(gate_up, f"{mlp}.gate_up_proj")
     fused.update(sd)
     return fused
+
+
+def _cat(parts: list[Weight], name: str) -> Weight:
+    quantized = [isinstance(p, QuantizedWeight) for p in parts]
+    if all(quantized):
+        return concat_rows(parts, name)
+    if any(quantized):
+        raise CheckpointError(f"{name}: some fused parts are quantized and some dense; load with model.weights=dequantize")
+    return torch.cat(parts)

@@ -1,0 +1,50 @@
+"""graphexec's C++ CPU kernels (`csrc/*.cpp`), built once with torch's own tooling and cached.
+
+The sources register implementations for ops whose schemas graphexec defines in Python (so the op
+exists, with its fake implementation, even where nothing was built).  `load()` compiles them with
+`-march=native` on first use (about a minute on 2 cores; ninja rebuilds only changed sources) into
+`GRAPHEXEC_KERNEL_DIR`, default `~/.cache/graphexec/kernels/<torch version>`, and loads the library
+into this process.  `scripts/setup.sh` builds them at install time, so a first start does not.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+
+import torch
+
+from graphexec.errors import CheckpointError
+
+_SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
+
+
+def build_dir() -> Path:
+    default = Path.home() / ".cache" / "graphexec" / "kernels" / torch.__version__.replace("+", "_")
+    return Path(os.environ.get("GRAPHEXEC_KERNEL_DIR", default))
+
+
+@functools.cache  # a shared library loads into the process once; cache() also serializes callers
+def load() -> Path:
+    """Build (if stale) and load the kernel library; raises CheckpointError naming the way out."""
+    from torch.utils.cpp_extension import load as load_extension
+
+    directory = build_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        load_extension(
+            name="graphexec_kernels",
+            sources=[str(s) for s in _SOURCES],
+            extra_cflags=["-O3", "-march=native", "-fopenmp", "-DNDEBUG"],
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(directory),
+            is_python_module=False,
+            verbose=False,
+        )
+    except (RuntimeError, OSError, ImportError) as error:
+        raise CheckpointError(
+            f"graphexec's CPU kernels failed to build in {directory} ({error}); quantized weights need them. "
+            "Install a C++ compiler and ninja, or load dense weights with model.weights=dequantize"
+        ) from error
+    return directory

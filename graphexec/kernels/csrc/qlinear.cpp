@@ -1,0 +1,214 @@
+// Block-quantized linear (GGUF Q4_0 / Q4_1 / Q8_0 layouts) on CPU, for graphexec::qlinear and
+// graphexec::qdequantize (schemas are defined in Python: graphexec/quant/ops.py).
+//
+// Weight layout (graphexec/quant/formats.py packs it at load):
+//   4-bit: codes uint8 [N, K/2]; per 32-element block, byte j holds element j (low nibble) and
+//          element j+16 (high nibble), as GGUF stores it.  value = d * q + m.
+//   8-bit: codes int8 [N, K]; value = d * q.
+//   scales (d) and mins (m): float16 [N, K/32]; Q4_0 is packed as m = -8 d (exact in fp16).
+//
+// Each block is dequantized in registers with one fma per lane (d*q is exact in fp32, so the weight
+// equals gguf's fp32 dequantization bit for bit); only the dot product's summation order differs
+// from a dense fp32 matmul.  Small M (decode rows) streams the blocks once per tile of M rows;
+// large M (prefill) dequantizes a tile of weight rows and hands it to at::mm.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstring>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kBlock = 32;
+
+struct QView {
+  const uint8_t* codes;
+  const c10::Half* scales;
+  const c10::Half* mins;  // null: no offset (8-bit)
+  int64_t n, k, blocks, row_bytes;
+  bool four_bit;
+};
+
+QView view_of(const at::Tensor& codes, const at::Tensor& scales, const c10::optional<at::Tensor>& mins) {
+  TORCH_CHECK(codes.dim() == 2 && codes.is_contiguous(), "qlinear: codes must be a contiguous 2-D tensor");
+  TORCH_CHECK(codes.scalar_type() == at::kByte || codes.scalar_type() == at::kChar,
+              "qlinear: codes must be uint8 (4-bit packed) or int8 (8-bit), got ", codes.scalar_type());
+  const bool four_bit = codes.scalar_type() == at::kByte;
+  const int64_t n = codes.size(0);
+  const int64_t k = four_bit ? codes.size(1) * 2 : codes.size(1);
+  TORCH_CHECK(k % kBlock == 0, "qlinear: in_features ", k, " is not a multiple of the block size 32");
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.dim() == 2 &&
+                  scales.size(0) == n && scales.size(1) == k / kBlock,
+              "qlinear: scales must be contiguous float16 [", n, ", ", k / kBlock, "], got ", scales.sizes(),
+              " ", scales.scalar_type());
+  const bool has_mins = mins.has_value() && mins->defined();
+  TORCH_CHECK(four_bit == has_mins, "qlinear: 4-bit codes need mins and 8-bit codes take none");
+  if (has_mins) {
+    TORCH_CHECK(mins->scalar_type() == at::kHalf && mins->is_contiguous() && mins->sizes() == scales.sizes(),
+                "qlinear: mins must be contiguous float16 shaped like scales");
+  }
+  return QView{static_cast<const uint8_t*>(codes.data_ptr()), scales.data_ptr<c10::Half>(),
+               has_mins ? mins->data_ptr<c10::Half>() : nullptr, n, k, k / kBlock, codes.size(1), four_bit};
+}
+
+// Dequantize weight rows [row0, row1) into dst (fp32, row-major, leading dimension k).
+void dequantize_rows(const QView& w, int64_t row0, int64_t row1, float* dst) {
+  for (int64_t r = row0; r < row1; ++r) {
+    const uint8_t* q = w.codes + r * w.row_bytes;
+    float* out = dst + (r - row0) * w.k;
+    for (int64_t b = 0; b < w.blocks; ++b) {
+      const float d = static_cast<float>(w.scales[r * w.blocks + b]);
+      const float m = w.mins ? static_cast<float>(w.mins[r * w.blocks + b]) : 0.0f;
+      float* o = out + b * kBlock;
+      if (w.four_bit) {
+        const uint8_t* qb = q + b * (kBlock / 2);
+        for (int j = 0; j < 16; ++j) {
+          o[j] = std::fma(d, static_cast<float>(qb[j] & 0x0F), m);
+          o[j + 16] = std::fma(d, static_cast<float>(qb[j] >> 4), m);
+        }
+      } else {
+        const int8_t* qb = reinterpret_cast<const int8_t*>(q) + b * kBlock;
+        for (int j = 0; j < kBlock; ++j) o[j] = d * static_cast<float>(qb[j]);
+      }
+    }
+  }
+}
+
+#if defined(__AVX512F__)
+// One block of weight row r, dequantized into two registers (elements 0-15, 16-31).
+inline void load_block(const QView& w, const uint8_t* q, int64_t r, int64_t b, __m512& lo, __m512& hi) {
+  const __m512 d = _mm512_set1_ps(static_cast<float>(w.scales[r * w.blocks + b]));
+  if (w.four_bit) {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * (kBlock / 2)));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    const __m512 m = _mm512_set1_ps(static_cast<float>(w.mins[r * w.blocks + b]));
+    lo = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(raw, mask))), m);
+    hi = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), mask))), m);
+  } else {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + b * kBlock));
+    lo = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(raw))));
+    hi = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(raw, 1))));
+  }
+}
+
+// out[i, r] for rows i < MT of x, weight rows r and r+1 together (x loads shared).
+template <int MT>
+inline void dot_tile(const QView& w, int64_t r, bool two, const float* x, int64_t ldx, float* out, int64_t ldo) {
+  __m512 acc0[MT], acc1[MT];
+  for (int i = 0; i < MT; ++i) acc0[i] = acc1[i] = _mm512_setzero_ps();
+  const uint8_t* q0 = w.codes + r * w.row_bytes;
+  const uint8_t* q1 = two ? q0 + w.row_bytes : q0;
+  for (int64_t b = 0; b < w.blocks; ++b) {
+    __m512 lo0, hi0, lo1, hi1;
+    load_block(w, q0, r, b, lo0, hi0);
+    if (two) load_block(w, q1, r + 1, b, lo1, hi1);
+    for (int i = 0; i < MT; ++i) {
+      const float* xi = x + i * ldx + b * kBlock;
+      const __m512 xl = _mm512_loadu_ps(xi), xh = _mm512_loadu_ps(xi + 16);
+      acc0[i] = _mm512_fmadd_ps(xh, hi0, _mm512_fmadd_ps(xl, lo0, acc0[i]));
+      if (two) acc1[i] = _mm512_fmadd_ps(xh, hi1, _mm512_fmadd_ps(xl, lo1, acc1[i]));
+    }
+  }
+  for (int i = 0; i < MT; ++i) {
+    out[i * ldo + r] = _mm512_reduce_add_ps(acc0[i]);
+    if (two) out[i * ldo + r + 1] = _mm512_reduce_add_ps(acc1[i]);
+  }
+}
+
+template <int MT>
+void rows_tile(const QView& w, int64_t r0, int64_t r1, const float* x, int64_t ldx, float* out, int64_t ldo) {
+  for (int64_t r = r0; r < r1; r += 2) dot_tile<MT>(w, r, r + 1 < r1, x, ldx, out, ldo);
+}
+#else
+// Portable path: dequantize a few rows at a time and dot them (the compiler vectorizes the loops).
+template <int MT>
+void rows_tile(const QView& w, int64_t r0, int64_t r1, const float* x, int64_t ldx, float* out, int64_t ldo) {
+  std::vector<float> row(w.k);
+  for (int64_t r = r0; r < r1; ++r) {
+    dequantize_rows(w, r, r + 1, row.data());
+    for (int i = 0; i < MT; ++i) {
+      float acc = 0.0f;
+      for (int64_t j = 0; j < w.k; ++j) acc += x[i * ldx + j] * row[j];
+      out[i * ldo + r] = acc;
+    }
+  }
+}
+#endif
+
+constexpr int64_t kRowChunk = 16;  // weight rows per task: a few KB of codes, reused across M tiles
+
+void small_m(const QView& w, const float* x, int64_t m, float* out) {
+  at::parallel_for(0, (w.n + kRowChunk - 1) / kRowChunk, 1, [&](int64_t c0, int64_t c1) {
+    const int64_t r0 = c0 * kRowChunk, r1 = std::min(w.n, c1 * kRowChunk);
+    for (int64_t rs = r0; rs < r1; rs += kRowChunk) {
+      const int64_t re = std::min(r1, rs + kRowChunk);
+      int64_t i = 0;
+      for (; i + 4 <= m; i += 4) rows_tile<4>(w, rs, re, x + i * w.k, w.k, out + i * w.n, w.n);
+      for (; i + 2 <= m; i += 2) rows_tile<2>(w, rs, re, x + i * w.k, w.k, out + i * w.n, w.n);
+      for (; i < m; ++i) rows_tile<1>(w, rs, re, x + i * w.k, w.k, out + i * w.n, w.n);
+    }
+  });
+}
+
+// Dequantized tiles of this many weight rows feed at::mm: a tile stays in L2 (256 x 1536 fp32 = 1.5 MB
+// at most for SmolLM2) instead of materializing a whole fp32 weight.
+constexpr int64_t kMmTile = 256;
+
+at::Tensor dequantize_tile(const QView& w, int64_t r0, int64_t r1, at::ScalarType dtype) {
+  at::Tensor tile = at::empty({r1 - r0, w.k}, at::TensorOptions().dtype(at::kFloat));
+  float* dst = tile.data_ptr<float>();
+  at::parallel_for(r0, r1, 8, [&](int64_t a, int64_t b) { dequantize_rows(w, a, b, dst + (a - r0) * w.k); });
+  return dtype == at::kFloat ? tile : tile.to(dtype);
+}
+
+at::Tensor large_m(const QView& w, const at::Tensor& x2d) {
+  at::Tensor out = at::empty({x2d.size(0), w.n}, x2d.options());
+  for (int64_t r0 = 0; r0 < w.n; r0 += kMmTile) {
+    const int64_t r1 = std::min(w.n, r0 + kMmTile);
+    at::Tensor part = at::mm(x2d, dequantize_tile(w, r0, r1, x2d.scalar_type()).t());
+    out.narrow(1, r0, r1 - r0).copy_(part);
+  }
+  return out;
+}
+
+// Activation rows from which bf16/fp16 inputs take the dequantize-tile + at::mm path (AVX512-BF16
+// GEMM beats streaming blocks through fp32 FMAs there).  fp32 inputs always stream: the block
+// kernel already runs at the FMA units' peak from 8 rows up.  Measured by bench/quant_kernels.py.
+constexpr int64_t kMmMinRowsHalf = 48;
+
+at::Tensor qlinear_cpu(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                       const c10::optional<at::Tensor>& mins) {
+  const QView w = view_of(codes, scales, mins);
+  TORCH_CHECK(x.size(-1) == w.k, "qlinear: input has ", x.size(-1), " features, the weight takes ", w.k);
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
+              "qlinear: activations must be float32, bfloat16 or float16, got ", x.scalar_type());
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  out_shape.back() = w.n;
+  const at::Tensor x2d = x.reshape({-1, w.k}).contiguous();
+  const int64_t m = x2d.size(0);
+  if (m == 0) return at::empty(out_shape, x.options());
+  if (x.scalar_type() != at::kFloat && m >= kMmMinRowsHalf) return large_m(w, x2d).view(out_shape);
+  const at::Tensor x32 = x2d.to(at::kFloat);
+  at::Tensor out = at::empty({m, w.n}, x32.options());
+  small_m(w, x32.data_ptr<float>(), m, out.data_ptr<float>());
+  return out.to(x.scalar_type()).view(out_shape);
+}
+
+at::Tensor qdequantize_cpu(const at::Tensor& codes, const at::Tensor& scales, const c10::optional<at::Tensor>& mins,
+                           at::ScalarType dtype) {
+  const QView w = view_of(codes, scales, mins);
+  return dequantize_tile(w, 0, w.n, dtype);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(graphexec, CPU, m) {
+  m.impl("qlinear", &qlinear_cpu);
+  m.impl("qdequantize", &qdequantize_cpu);
+}
