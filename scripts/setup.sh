@@ -16,3 +16,5 @@ if [[ "${1:-}" == "--dev" ]]; then
 else
     $pip install --quiet .
 fi
+# Build graphexec's C++ CPU kernels now (about a minute on 2 cores), not on the first start.
+.venv/bin/python -c "from graphexec.kernels import load; print('graphexec kernels built in', load())"

@@ -194,8 +194,11 @@ GGUF_NAMES = {
 }
 
 
-def write_tiny_gguf(path, kind: str, state_dict: dict[str, torch.Tensor]) -> None:
-    """What llama.cpp's converter would write for a tiny model: renamed, llama q/k permuted, embedding in F16."""
+def write_tiny_gguf(path, kind: str, state_dict: dict[str, torch.Tensor], types=None) -> None:
+    """What llama.cpp's converter would write for a tiny model: renamed, llama q/k permuted, embedding in F16.
+
+    `types` maps GGUF tensor names (or their suffix after `blk.N.`) to a quantization type to store
+    them in, as llama-quantize would."""
     import gguf
     from tokenizers import pre_tokenizers
 
@@ -233,7 +236,11 @@ def write_tiny_gguf(path, kind: str, state_dict: dict[str, torch.Tensor]) -> Non
             heads = TINY["num_attention_heads"] if ".q_proj." in key else TINY["num_key_value_heads"]
             if kind == "llama" and (".q_proj." in key or ".k_proj." in key):
                 array = llama_cpp_permute(tensor, heads).numpy()
-        writer.add_tensor(name, array)
+        qtype = (types or {}).get(name, (types or {}).get(name.split(".", 2)[-1]))
+        if qtype is None:
+            writer.add_tensor(name, array)
+        else:
+            writer.add_tensor(name, gguf.quants.quantize(array.astype("float32"), qtype), raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -27,6 +27,7 @@ def test_wheel_ships_configs_and_composes_from_site_packages(tmp_path):
     for yaml in (ROOT / "configs").rglob("*.yaml"):
         assert f"graphexec/configs/{yaml.relative_to(ROOT / 'configs')}" in names
     assert "capture/backend.py" in names
+    assert "graphexec/kernels/csrc/qlinear.cpp" in names  # built on the user's machine at first use
 
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
