@@ -118,5 +118,11 @@ class ModelRunner:
             for mode, backend in self.backends.items()
         }
 
+    def weight_nbytes(self) -> int:
+        """Bytes of resident weights: parameters and packed quantized arrays, not derived RoPE tables."""
+        derived = {id(t) for t in self.model.rotary.buffers()}
+        tensors = [t for t in [*self.model.parameters(), *self.model.buffers()] if id(t) not in derived]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
     def init_forward_batch(self, schedule_batch) -> ForwardBatch:
         return ForwardBatch.init_new(schedule_batch, self.device, self.model_config.vocab_size)
