@@ -21,6 +21,7 @@ SUITES = {
     "capture": "bench.capture",
     "padding": "bench.padding",
     "e2e": "bench.e2e",
+    "peer": "bench.peer",
 }
 
 

@@ -1,0 +1,518 @@
+"""Peer suite: graphexec against llama.cpp (llama-cpp-python) on the same GGUF file.
+
+Boundary: this module orchestrates and reports.  It builds the prompts once (token ids, so both
+sides read exactly the same ones), writes them into a spec file, runs each side as a fresh
+`python -m bench.peer_worker` process per round, alternating graphexec and llama.cpp (A B A B ...)
+so machine noise lands on both alike, and turns the workers' JSON into min / median / max over
+rounds, ratios, a Markdown table and plots.  The measuring itself is bench/peer_worker.py's.
+
+Sides never share a process: two live OpenMP teams in one process slow both (docs/STATUS.md,
+"Threads").  Without llama_cpp, or with a model that is not a GGUF file, the graphexec side still
+runs and the peer is recorded as unavailable with the reason; a worker that fails is recorded as
+that round's error, not raised.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from omegaconf import OmegaConf
+
+from bench.plots import grouped_bars
+
+COMPARE_UNIT = "tok/s"  # which summary numbers a multirun comparison plots
+SIDES = ("graphexec", "llamacpp")
+LABELS = {"graphexec": "graphexec", "llamacpp": "llama.cpp"}
+SPEC_FILE = "peer_spec.json"
+# What the report says of the graphexec side's configuration (the worker's "engine" facts).
+ENGINE_FACTS = ("weights", "dtype", "capture_plan", "attention_backend", "max_prefill_tokens", "kv_slots")
+INSTALL_HINT = "pip install 'graphexec[peer]' (llama-cpp-python)"
+
+# Ordinary English, so the ids are ordinary tokens; prompts repeat or rotate its ids to any length.
+PROMPT_TEXT = (
+    "The river town woke slowly. Fishermen checked their nets by the grey light, bakers pulled the "
+    "first loaves from brick ovens, and the ferryman counted coins for the morning crossing. Along "
+    "the quay, children raced paper boats between the moored barges while gulls argued over scraps. "
+    "In the library above the square, an old cartographer unrolled a map of the delta, tracing each "
+    "channel that had shifted since her apprenticeship, and wrote careful notes in the margin about "
+    "sandbanks, tides, lanterns and the names the villagers gave to every bend of the water."
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# run
+
+
+def run(cfg, ctx) -> dict[str, Any]:
+    from graphexec.config import EngineConfig
+
+    opts = options(cfg.bench)
+    source = EngineConfig.from_dictconfig(cfg).model
+    gguf = gguf_path(source)
+    peer = peer_status(opts, gguf, source)
+    spec = build_spec(_tokenizer(source, gguf), opts, gguf)
+    ctx.out_dir.mkdir(parents=True, exist_ok=True)
+    spec_path = ctx.out_dir / SPEC_FILE
+    spec_path.write_text(json.dumps(spec))
+    sides = ["graphexec", "llamacpp"] if peer["available"] else ["graphexec"]
+
+    def one(side: str, round_index: int) -> dict[str, Any]:
+        if ctx.progress:
+            print(f"peer suite: round {round_index + 1}/{opts['rounds']}, {LABELS[side]} (fresh process) ...", file=sys.stderr, flush=True)
+        result = run_worker(side, spec_path, ctx.overrides, opts["threads"], opts["worker_timeout_s"])
+        if ctx.progress:
+            print(f"peer suite: {LABELS[side]} done: {result['error'] or 'ok'} ({result['process_seconds']:.0f} s)", file=sys.stderr, flush=True)
+        return result
+
+    raw, sequence = alternate(sides, opts["rounds"], one)
+    return assemble(opts, spec, peer, source, ctx.overrides, raw, sequence)
+
+
+def options(bench_cfg) -> dict[str, Any]:
+    """bench.* as plain values, checked; errors name the option."""
+    o = OmegaConf.to_container(bench_cfg, resolve=True)
+    for key in ("rounds", "repeats", "threads", "worker_timeout_s", "decode.prompt_len", "batch.prompt_len",
+                "llamacpp.n_ctx", "llamacpp.n_batch"):
+        _positive_int(_get(o, key), f"bench.{key}")
+    for key in ("decode.new_tokens", "batch.new_tokens"):
+        if not isinstance(_get(o, key), int) or _get(o, key) < 2:
+            raise ValueError(f"bench.{key}={_get(o, key)!r} must be an integer >= 2 (decode time is measured between tokens)")
+    for key in ("prefill.lengths", "batch.sizes"):
+        values = _get(o, key)
+        if not isinstance(values, list) or not all(isinstance(v, int) and v >= 1 for v in values):
+            raise ValueError(f"bench.{key}={values!r} must be a list of integers >= 1")
+    if not o["prefill"]["lengths"]:
+        raise ValueError("bench.prefill.lengths is empty: give at least one prompt length")
+    return o
+
+
+def _get(tree: dict[str, Any], dotted: str) -> Any:
+    for part in dotted.split("."):
+        tree = tree[part]
+    return tree
+
+
+def _positive_int(value: Any, option: str) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{option}={value!r} must be an integer >= 1")
+
+
+def gguf_path(source) -> Path | None:
+    """The GGUF both sides read, or None when the model is not one (llama.cpp then has no peer)."""
+    if source.source != "gguf":
+        return None
+    from graphexec.loader import default_smollm2_gguf
+
+    return Path(source.path) if source.path is not None else default_smollm2_gguf()
+
+
+def llamacpp_importable() -> bool:
+    # find_spec locates without importing: the orchestrator never loads llama.cpp's OpenMP runtime.
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+def peer_status(opts: dict[str, Any], gguf: Path | None, source) -> dict[str, Any]:
+    llama = opts["llamacpp"]
+    reason = None
+    if not llama["enabled"]:
+        reason = "bench.llamacpp.enabled=false"
+    elif gguf is None:
+        reason = f"model={source.name} is model.source={source.source}: llama.cpp reads GGUF files only"
+    elif not llamacpp_importable():
+        reason = f"llama_cpp is not importable; {INSTALL_HINT}"
+    if reason is None:
+        need = max(opts["decode"]["prompt_len"] + opts["decode"]["new_tokens"], max(opts["prefill"]["lengths"]) + 1)
+        if llama["n_ctx"] < need:
+            raise ValueError(f"bench.llamacpp.n_ctx={llama['n_ctx']} is too small: the longest request needs {need} tokens")
+    return {"available": reason is None, "reason": reason, "version": _llamacpp_version() if reason is None else None}
+
+
+def _llamacpp_version() -> str | None:
+    try:
+        return importlib.metadata.version("llama-cpp-python")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _tokenizer(source, gguf: Path | None):
+    """Only the tokenizer (no weights) of the configured model."""
+    if gguf is not None:
+        from graphexec.loader import load_gguf_tokenizer
+
+        return load_gguf_tokenizer(gguf)
+    if source.source == "random":
+        from graphexec.tokenizer import ByteTokenizer
+
+        return ByteTokenizer(vocab_size=source.architecture.get("vocab_size", 258))
+    from graphexec.tokenizer import Tokenizer
+
+    if not (Path(source.path) / "tokenizer.json").is_file():
+        raise ValueError(f"model.path={source.path} has no tokenizer.json: the peer suite builds its prompts from text")
+    return Tokenizer.from_hf_dir(source.path)
+
+
+def build_spec(tokenizer, opts: dict[str, Any], gguf: Path | None) -> dict[str, Any]:
+    """What every worker reads: the prompts as token ids, and the sizes and knobs of each side."""
+    make = prompt_maker(tokenizer.encode(PROMPT_TEXT), tokenizer.bos_token_id)
+    decode, batch, llama = opts["decode"], opts["batch"], opts["llamacpp"]
+    return {
+        "threads": opts["threads"],
+        "warmup": bool(opts["warmup"]),
+        "repeats": opts["repeats"],
+        "decode": {"prompt": make(decode["prompt_len"]), "new_tokens": decode["new_tokens"]},
+        "prefill": [{"tokens": n, "prompt": make(n)} for n in opts["prefill"]["lengths"]],
+        "batch": {
+            "sizes": batch["sizes"],
+            "new_tokens": batch["new_tokens"],
+            # Rotations start at different tokens, so no prompt is a prefix of another.
+            "prompts": [make(batch["prompt_len"], offset=7 * i) for i in range(max(batch["sizes"], default=0))],
+        },
+        "llamacpp": {"gguf": None if gguf is None else str(gguf), "n_ctx": llama["n_ctx"],
+                     "n_batch": llama["n_batch"], "flash_attn": bool(llama["flash_attn"])},
+    }
+
+
+def prompt_maker(ids: Sequence[int], bos_token_id: int | None) -> Callable[..., list[int]]:
+    """Prompts of exactly n tokens: the text's ids cycled from `offset`, behind its BOS if the
+    tokenizer adds one (a BOS in the middle of a prompt would be out of distribution)."""
+    head = list(ids[:1]) if ids and bos_token_id is not None and ids[0] == bos_token_id else []
+    body = list(ids[len(head):])
+    if not body:
+        raise ValueError("the peer prompt text encodes to no tokens")
+
+    def make(n: int, offset: int = 0) -> list[int]:
+        if n <= len(head):
+            raise ValueError(f"a {n}-token prompt has no room after the BOS token")
+        return head + [body[(offset + j) % len(body)] for j in range(n - len(head))]
+
+    return make
+
+
+def run_worker(side: str, spec_path: Path, overrides: Sequence[str], threads: int, timeout_s: float) -> dict[str, Any]:
+    """One side in a fresh process; its JSON, or {"error": ...}: a failure is this round's, not the suite's."""
+    # Both sides' OpenMP runtimes read these at start: the same team size whatever the machine.
+    env = os.environ | {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    engine_overrides = list(overrides) if side == "graphexec" else []
+    cmd = [sys.executable, "-m", "bench.peer_worker", "--side", side, "--spec", str(spec_path), *engine_overrides]
+    # On a shared machine other work competing for the cores is the main noise: record it.
+    facts: dict[str, Any] = {"busy_cores_before": busy_cores()}
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return facts | {"error": f"worker timed out after {timeout_s:.0f} s (bench.worker_timeout_s)",
+                        "process_seconds": time.perf_counter() - t0}
+    facts |= {"process_seconds": time.perf_counter() - t0, "exit_code": proc.returncode}
+    lines = proc.stderr.strip().splitlines()
+    last_line = lines[-1] if lines else f"worker exited with code {proc.returncode}"
+    try:
+        result = json.loads(proc.stdout.strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):
+        error = last_line if proc.returncode != 0 else f"worker printed no JSON line: {proc.stdout[-200:]!r}"
+        return facts | {"error": error}
+    # The JSON line is printed last: a crash after it (in interpreter teardown) loses no
+    # measurement, so the round counts and the crash is reported beside it.
+    return result | facts | {"error": None, "exit_error": last_line if proc.returncode != 0 else None}
+
+
+def busy_cores(window_s: float = 0.5) -> float | None:
+    """Cores busy with other work (stolen time included) over a short window while none of this
+    suite's workers runs; None off Linux.  The load average would not do: it still carries the
+    previous worker's threads for minutes."""
+    def sample() -> tuple[int, int]:
+        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        return sum(fields[:8]), fields[3] + fields[4]  # total, idle + iowait
+
+    try:
+        total0, idle0 = sample()
+        time.sleep(window_s)
+        total1, idle1 = sample()
+    except (OSError, ValueError, IndexError):
+        return None
+    if total1 == total0:
+        return 0.0
+    return (1 - (idle1 - idle0) / (total1 - total0)) * (os.cpu_count() or 1)
+
+
+def alternate(sides: Sequence[str], rounds: int, run_one: Callable[[str, int], dict[str, Any]]):
+    """A B A B ...: every round runs each side once, in order; returns each side's rounds and the
+    order things ran in."""
+    raw: dict[str, list[dict[str, Any]]] = {side: [] for side in sides}
+    sequence = []
+    for r in range(rounds):
+        for side in sides:
+            sequence.append({"round": r, "side": side})
+            raw[side].append(run_one(side, r))
+    return raw, sequence
+
+
+# ---------------------------------------------------------------------------------------------
+# aggregation
+
+
+def round_metrics(worker: dict[str, Any]) -> dict[str, float]:
+    """One round of one side as flat numbers (medians over its repeats); {} for a failed round."""
+    if worker.get("error"):
+        return {}
+    m: dict[str, float | None] = {"start_s": worker["start_seconds"], "process_s": worker["process_seconds"]}
+    decode = worker["decode"]
+    m["decode_ms"] = _median(d["decode_ms_per_token"] for d in decode)
+    m["decode_tok_s"] = None if not m["decode_ms"] else 1e3 / m["decode_ms"]
+    m["request_ms"] = _median(d["request_ms_per_token"] for d in decode)
+    m["decode_ttft_s"] = _median(d["ttft_s"] for d in decode)
+    m |= {f"pp_tok_s@{n}": _median(r["tokens_per_s"] for r in reps) for n, reps in worker["prefill"].items()}
+    m |= {f"batch_tok_s@{b}": _median(r["decode_tokens_per_s"] for r in reps) for b, reps in worker["batch"].items()}
+    for name, key in (("peak_rss_mib", "peak_rss_bytes"), ("weight_mib", "weight_bytes"), ("kv_mib", "kv_bytes"), ("rope_mib", "rope_bytes")):
+        value = worker["memory"].get(key)
+        m[name] = None if value is None else value / 2**20
+    return {k: v for k, v in m.items() if v is not None}
+
+
+def _median(values) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def stats(values: Sequence[float]) -> dict[str, Any] | None:
+    if not values:
+        return None
+    return {"min": min(values), "median": statistics.median(values), "max": max(values), "rounds": len(values), "values": list(values)}
+
+
+def row_specs(prefill_lengths: Sequence[int], batch_sizes: Sequence[int], decode: dict[str, int]) -> list[dict[str, Any]]:
+    """The table's rows in order: key, label (↓ lower is better, ↑ higher), and which llama.cpp
+    number each row is compared with (its own key unless stated)."""
+    n, p = decode["new_tokens"], decode["prompt_len"]
+    rows = [
+        ("decode_ms", f"B=1 decode ms/token ({n} new tokens, prefill excluded) ↓"),
+        ("decode_tok_s", "B=1 decode tok/s ↑"),
+        ("request_ms", f"B=1 whole request ms/token ({p}-token prompt + {n} tokens) ↓"),
+        ("decode_ttft_s", f"B=1 time to first token s ({p}-token prompt) ↓"),
+        *[(f"pp_tok_s@{length}", f"prompt processing tok/s, {length} tokens ↑") for length in prefill_lengths],
+        *[(f"batch_tok_s@{b}", f"decode tok/s, graphexec B={b} vs llama.cpp B=1 ↑", "decode_tok_s") for b in batch_sizes],
+        ("start_s", "start-up s (load, and capture for graphexec) ↓"),
+        ("peak_rss_mib", "peak RSS MiB ↓"),
+        ("weight_mib", "weights MiB (graphexec: parameters + buffers, RoPE tables apart) ↓"),
+        ("kv_mib", "KV cache MiB allocated ↓"),
+        ("rope_mib", "RoPE cos/sin tables MiB"),
+        ("process_s", "worker process s (imports to exit)"),
+    ]
+    return [{"key": r[0], "label": r[1], "peer_key": r[2] if len(r) > 2 else r[0]} for r in rows]
+
+
+def table_rows(specs: list[dict[str, Any]], per_side: dict[str, list[dict[str, float]]]) -> list[dict[str, Any]]:
+    rows = []
+    for spec in specs:
+        ours = stats([m[spec["key"]] for m in per_side.get("graphexec", []) if spec["key"] in m])
+        theirs = stats([m[spec["peer_key"]] for m in per_side.get("llamacpp", []) if spec["peer_key"] in m])
+        ratio = ours["median"] / theirs["median"] if ours and theirs and theirs["median"] else None
+        rows.append(spec | {"graphexec": ours, "llamacpp": theirs, "ratio": ratio})
+    return rows
+
+
+def assemble(opts, spec, peer, source, overrides, raw, sequence) -> dict[str, Any]:
+    from bench.e2e import agreement
+
+    per_side = {side: [round_metrics(w) for w in rounds] for side, rounds in raw.items()}
+    ok = {side: [w for w in rounds if not w.get("error")] for side, rounds in raw.items()}
+    engine = ok["graphexec"][0]["engine"] if ok["graphexec"] else None
+    agree = None
+    if ok.get("graphexec") and ok.get("llamacpp"):
+        agree = agreement([ok["graphexec"][-1]["decode"][0]["token_ids"]], [ok["llamacpp"][-1]["decode"][0]["token_ids"]])
+    return {
+        "rounds": opts["rounds"],
+        "repeats": opts["repeats"],
+        "threads": opts["threads"],
+        "model": {"name": source.name, "source": source.source, "gguf": spec["llamacpp"]["gguf"]},
+        "engine_overrides": list(overrides),
+        "engine": engine,
+        "peer": peer,
+        "llamacpp_options": {k: v for k, v in spec["llamacpp"].items() if k != "gguf"},
+        "workload": {
+            "decode_prompt_tokens": len(spec["decode"]["prompt"]),
+            "decode_new_tokens": spec["decode"]["new_tokens"],
+            "prefill_lengths": [p["tokens"] for p in spec["prefill"]],
+            "batch_sizes": spec["batch"]["sizes"],
+            "batch_prompt_tokens": opts["batch"]["prompt_len"],
+            "batch_new_tokens": spec["batch"]["new_tokens"],
+        },
+        "sequence": sequence,
+        "rows": table_rows(row_specs(spec_lengths(spec), spec["batch"]["sizes"], opts["decode"]), per_side),
+        "greedy_agreement": agree,
+        "batch_details": _batch_details(ok["graphexec"]),
+        "errors": [{"round": r, "side": side, "error": w["error"]}
+                   for side, rounds in raw.items() for r, w in enumerate(rounds) if w.get("error")],
+        "raw": raw,
+    }
+
+
+def spec_lengths(spec: dict[str, Any]) -> list[int]:
+    return [p["tokens"] for p in spec["prefill"]]
+
+
+def _batch_details(rounds: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per batch size, the worst first-token spread and the prefix-cache hits over rounds: what
+    says whether the decode window was clean."""
+    out: dict[str, dict[str, float]] = {}
+    for worker in rounds:
+        for b, reps in worker["batch"].items():
+            entry = out.setdefault(b, {"first_token_spread_s": 0.0, "cached_tokens": 0})
+            entry["first_token_spread_s"] = max(entry["first_token_spread_s"], *(r["first_token_spread_s"] for r in reps))
+            entry["cached_tokens"] = max(entry["cached_tokens"], *(r["cached_tokens"] for r in reps))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# report
+
+
+def _cell(s: dict[str, Any] | None) -> str:
+    if s is None:
+        return "—"
+    if s["rounds"] == 1:
+        return _fmt(s["median"])
+    return f"{_fmt(s['median'])} ({_fmt(s['min'])}–{_fmt(s['max'])})"
+
+
+def _fmt(v: float) -> str:
+    return f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"
+
+
+def markdown(result: dict[str, Any]) -> str:
+    peer, engine, w = result["peer"], result["engine"] or {}, result["workload"]
+    lines = [_setup_line(result), ""]
+    if not peer["available"]:
+        lines += [f"**llama.cpp unavailable**: {peer['reason']}. Only the graphexec side ran.", ""]
+    lines += [
+        f"Cells: median (min–max) over {result['rounds']} rounds, each side a fresh process per round, "
+        f"alternated graphexec → llama.cpp; ratio = graphexec median / llama.cpp median (↓ lower is better, ↑ higher).",
+        "",
+        "| metric | graphexec | llama.cpp | ratio |",
+        "|---|---|---|---|",
+    ]
+    for row in result["rows"]:
+        if row["graphexec"] is None and row["llamacpp"] is None:
+            continue
+        ratio = "—" if row["ratio"] is None else f"{row['ratio']:.2f}×"
+        lines.append(f"| {row['label']} | {_cell(row['graphexec'])} | {_cell(row['llamacpp'])} | {ratio} |")
+    lines += ["", *_notes(result, engine, w)]
+    return "\n".join(lines) + "\n"
+
+
+def _setup_line(result: dict[str, Any]) -> str:
+    m, engine = result["model"], result["engine"] or {}
+    gguf = f"`{Path(m['gguf']).name}`" if m["gguf"] else f"{m['name']} (model.source={m['source']}, no GGUF)"
+    ours = ", ".join(f"{k}={engine[k]}" for k in ENGINE_FACTS if k in engine)
+    overrides = " ".join(result["engine_overrides"]) or "none"
+    theirs = ", ".join(f"{k}={v}" for k, v in result["llamacpp_options"].items())
+    version = result["peer"]["version"] or "—"
+    return (f"Model {gguf}, {result['threads']} threads per side. graphexec: {ours or 'did not start'} "
+            f"(overrides: {overrides}). llama.cpp: llama-cpp-python {version}, {theirs}.")
+
+
+def _notes(result: dict[str, Any], engine: dict[str, Any], w: dict[str, Any]) -> list[str]:
+    notes = [
+        f"- Prompts are the same token ids on both sides; prefill lengths {w['prefill_lengths']} are timed to the first "
+        f"token (max_new_tokens=1) with graphexec's prefix cache flushed and llama.cpp's context reset. Prefill chunks: "
+        f"graphexec scheduler.max_prefill_tokens={engine.get('max_prefill_tokens', '—')}, llama.cpp "
+        f"n_batch={result['llamacpp_options']['n_batch']}.",
+        f"- Batched decode: graphexec, B requests of {w['batch_prompt_tokens']} distinct prompt tokens and "
+        f"{w['batch_new_tokens']} new tokens each, submitted together; decode tokens/s counts every token after each "
+        f"request's first, between the earliest first token and the latest last one.",
+    ]
+    for b, d in result["batch_details"].items():
+        notes.append(f"  - B={b}: first tokens spread over {d['first_token_spread_s']:.3f} s (prefill chunks), "
+                     f"prefix-cache hits {d['cached_tokens']} tokens.")
+    notes.append(f"- KV cache: graphexec's pool is cache.num_slots={engine.get('kv_slots', '—')} tokens, allocated (and "
+                 f"resident) at start; llama.cpp's is n_ctx={result['llamacpp_options']['n_ctx']} tokens of f16 K and V "
+                 "(from the GGUF's shape). Override cache.num_slots to compare peak RSS at equal KV capacity. "
+                 "Peak RSS counts llama.cpp's mmapped weights as they are touched.")
+    if result["greedy_agreement"]:
+        a = result["greedy_agreement"]
+        notes.append(f"- Greedy B=1 tokens (last round): {'identical' if a['identical_requests'] else 'differ'}; "
+                     f"{a['mean_prefix_fraction']:.0%} of the {w['decode_new_tokens']} tokens agree before the first difference "
+                     "(a sanity check, not a fidelity test: llama.cpp quantizes activations to 8 bits for its quantized dot "
+                     "products, so near-ties can go either way).")
+    internal = [r.get("internal_decode_ms_per_token") for wk in result["raw"].get("llamacpp", []) if not wk.get("error")
+                for r in wk["decode"]]
+    internal = [v for v in internal if v is not None]
+    if internal:
+        notes.append(f"- llama.cpp's own eval timer: {statistics.median(internal):.3g} ms/token decode (the table's "
+                     "number is wall clock between yielded tokens, Python included, as for graphexec).")
+    busy = {side: [w.get("busy_cores_before") for w in rounds] for side, rounds in result["raw"].items()}
+    if any(v is not None for values in busy.values() for v in values):
+        per_side = "; ".join(f"{LABELS[s]} " + ", ".join("—" if v is None else f"{v:.1f}" for v in values)
+                             for s, values in busy.items())
+        notes.append(f"- Cores busy with other work just before each round's worker started: {per_side}. Where that "
+                     "is well above 0, the worker shared its cores and that round's numbers are inflated.")
+    for side, rounds in result["raw"].items():
+        for r, w in enumerate(rounds):
+            if w.get("exit_error"):
+                notes.append(f"- {LABELS[side]} round {r + 1}: the worker printed its results, then exited with code "
+                             f"{w['exit_code']} ({w['exit_error']}); its numbers are kept.")
+    for e in result["errors"]:
+        notes.append(f"- **{LABELS[e['side']]} round {e['round'] + 1} failed**: {e['error']}")
+    notes.append("- Order run: " + " → ".join(f"{LABELS[s['side']]}" for s in result["sequence"]) + ".")
+    return notes
+
+
+def _row(result: dict[str, Any], key: str) -> dict[str, Any] | None:
+    return next((r for r in result["rows"] if r["key"] == key), None)
+
+
+def _medians(result: dict[str, Any], keys: Sequence[str], side: str) -> list[float | None]:
+    out = []
+    for key in keys:
+        row = _row(result, key)
+        cell = row[side] if row else None
+        out.append(None if cell is None else cell["median"])
+    return out
+
+
+def plots(result: dict[str, Any], out_dir: Path) -> list[str]:
+    w = result["workload"]
+    rate_keys = [*(f"pp_tok_s@{n}" for n in w["prefill_lengths"]), "decode_tok_s", *(f"batch_tok_s@{b}" for b in w["batch_sizes"])]
+    rate_groups = [*(f"prefill {n}" for n in w["prefill_lengths"]), "decode B=1", *(f"decode B={b}\n(graphexec only)" for b in w["batch_sizes"])]
+    # llama.cpp's bars only where it measured that very thing (not its B=1 rate under a B=8 group).
+    peer_rates = [(v if not k.startswith("batch") else None) for k, v in zip(rate_keys, _medians(result, rate_keys, "llamacpp"))]
+    files = [grouped_bars(out_dir / "peer_throughput.png", "tokens per second (median over rounds)", "tokens/s",
+                          rate_groups, {"graphexec": _medians(result, rate_keys, "graphexec"), "llama.cpp": peer_rates}, log_y=True)]
+    latency_keys = ["decode_ms", "request_ms"]
+    files.append(grouped_bars(out_dir / "peer_latency.png", "B=1 ms per token (median over rounds)", "ms/token",
+                              ["decode only", "whole request"],
+                              {LABELS[s]: _medians(result, latency_keys, s) for s in SIDES}))
+    memory_keys = ["peak_rss_mib", "weight_mib", "kv_mib"]
+    files.append(grouped_bars(out_dir / "peer_memory.png", "memory (median over rounds)", "MiB",
+                              ["peak RSS", "weights", "KV cache"], {LABELS[s]: _medians(result, memory_keys, s) for s in SIDES}))
+    return files
+
+
+def summary(result: dict[str, Any]) -> dict[str, float]:
+    names = {"decode_tok_s": "decode B=1 tok/s", "decode_ms": "decode B=1 ms/token", "peak_rss_mib": "peak RSS MiB",
+             "start_s": "start-up s"}
+    out: dict[str, float] = {}
+    for row in result["rows"]:
+        key = row["key"]
+        if key.startswith("pp_tok_s@"):
+            name = f"prefill {key.split('@')[1]} tok/s"
+        elif key.startswith("batch_tok_s@"):
+            name = f"decode B={key.split('@')[1]} tok/s"
+        elif key in names:
+            name = names[key]
+        else:
+            continue
+        for side in SIDES:
+            if row[side] is not None and not (side == "llamacpp" and key.startswith("batch")):
+                out[f"{LABELS[side]} {name}"] = row[side]["median"]
+        if row["ratio"] is not None and (key in ("decode_tok_s", "decode_ms") or key.startswith("pp_tok_s@")):
+            out[f"graphexec/llama.cpp {name} ×"] = row["ratio"]
+    return out

@@ -1,0 +1,300 @@
+"""One side of the peer suite (bench/peer.py) in a fresh process: graphexec through the public
+`Engine` API, or llama.cpp through `llama-cpp-python`, on the prompts of a spec file the suite
+wrote.  Prints its measurements as one JSON line on stdout.
+
+    python -m bench.peer_worker --side graphexec --spec peer_spec.json model=tiny-llama capture=eager
+    python -m bench.peer_worker --side llamacpp --spec peer_spec.json
+
+Boundary: this module measures one side and reports raw per-repeat numbers; it does not compare,
+aggregate over rounds or render anything (bench/peer.py does).  Each side runs alone in its
+process because two live OpenMP teams in one process slow both (docs/STATUS.md, "Threads").
+On failure it exits non-zero with a one-line reason as the last line of stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+SIDES = ("graphexec", "llamacpp")
+
+
+def peak_rss_bytes() -> int:
+    # ru_maxrss is KiB on Linux.  Inductor's compile workers are other processes: not counted.
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+# ---------------------------------------------------------------------------------------------
+# graphexec
+
+
+def graphexec_side(spec: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    import torch
+
+    torch.set_num_threads(spec["threads"])
+    from bench.capture_probe import _config_without_progress_bars
+    from graphexec import Engine
+
+    t0 = time.perf_counter()
+    engine = Engine(config=_config_without_progress_bars(list(overrides)))
+    start_seconds = time.perf_counter() - t0
+    try:
+        if spec["warmup"]:
+            _graphexec_warmup(engine, spec)
+        out = {
+            "side": "graphexec",
+            "start_seconds": start_seconds,
+            "torch_threads": torch.get_num_threads(),
+            "decode": [_graphexec_decode(engine, spec["decode"]) for _ in range(spec["repeats"])],
+            "prefill": {str(p["tokens"]): [_graphexec_prefill(engine, p["prompt"]) for _ in range(spec["repeats"])]
+                        for p in spec["prefill"]},
+            "batch": {str(b): [_graphexec_batch(engine, spec["batch"], b) for _ in range(spec["repeats"])]
+                      for b in spec["batch"]["sizes"]},
+            "engine": _engine_facts(engine),
+        }
+    finally:
+        engine.shutdown()
+    return out | {"memory": graphexec_memory(engine)}
+
+
+def _greedy(max_new_tokens: int):
+    from graphexec import SamplingParams
+
+    return SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
+
+
+def _graphexec_warmup(engine, spec: dict[str, Any]) -> None:
+    """First requests pay one-off costs (allocator growth, lazy init, first graph replays): one
+    short request of every shape measured, then the cache is emptied so nothing timed hits it."""
+    engine.generate([spec["decode"]["prompt"]], _greedy(min(8, spec["decode"]["new_tokens"])))
+    for p in spec["prefill"]:
+        engine.flush_cache()
+        engine.generate([p["prompt"]], _greedy(1))
+    for b in spec["batch"]["sizes"]:
+        engine.flush_cache()
+        engine.generate(spec["batch"]["prompts"][:b], _greedy(min(4, spec["batch"]["new_tokens"])))
+    engine.flush_cache()
+
+
+def _graphexec_decode(engine, decode: dict[str, Any]) -> dict[str, Any]:
+    engine.flush_cache()  # a repeat of the same prompt must prefill it again, as llama.cpp does
+    (out,) = engine.generate([decode["prompt"]], _greedy(decode["new_tokens"]))
+    return timed_request(out.ttft, out.tpot, out.latency, out.token_ids) | {"cached_tokens": out.cached_tokens}
+
+
+def _graphexec_prefill(engine, prompt: list[int]) -> dict[str, Any]:
+    engine.flush_cache()
+    (out,) = engine.generate([prompt], _greedy(1))
+    return {"ttft_s": out.ttft, "tokens_per_s": len(prompt) / out.ttft, "cached_tokens": out.cached_tokens}
+
+
+def _graphexec_batch(engine, batch: dict[str, Any], size: int) -> dict[str, Any]:
+    engine.flush_cache()
+    outs = engine.generate(batch["prompts"][:size], _greedy(batch["new_tokens"]))
+    return batch_throughput([(o.ttft, o.tpot, o.latency, len(o.token_ids)) for o in outs]) | {
+        "cached_tokens": sum(o.cached_tokens for o in outs)
+    }
+
+
+def batch_throughput(requests: Sequence[tuple[float, float | None, float, int]]) -> dict[str, Any]:
+    """Decode-phase tokens/s of requests submitted together, from each one's (ttft, tpot, latency,
+    tokens): one `generate` call stamps every request with the same arrival time, so first and last
+    token times share a clock.  The first token of each comes out of its prefill, so the decode
+    phase is every later token, between the earliest first token and the latest last one (prefill
+    chunks of late requests that land inside that window count against it, as they do in serving)."""
+    firsts = [ttft for ttft, _, _, _ in requests]
+    lasts = [ttft + (tpot or 0.0) * (n - 1) for ttft, tpot, _, n in requests]
+    decode_tokens = sum(n - 1 for _, _, _, n in requests)
+    window = max(lasts) - min(firsts)
+    wall = max(latency for _, _, latency, _ in requests)
+    return {
+        "requests": len(requests),
+        "decode_tokens": decode_tokens,
+        "decode_s": window,
+        "decode_tokens_per_s": decode_tokens / window if window > 0 else None,
+        "request_tokens_per_s": sum(n for *_, n in requests) / wall,
+        "first_token_spread_s": max(firsts) - min(firsts),
+    }
+
+
+def timed_request(ttft: float, tpot: float | None, latency: float, token_ids: Sequence[int]) -> dict[str, Any]:
+    """One B=1 request's numbers, the same for both sides: decode ms/token excludes the prefill
+    (the first token); the whole-request ms/token includes it."""
+    n = len(token_ids)
+    return {
+        "tokens": n,
+        "ttft_s": ttft,
+        "decode_ms_per_token": None if tpot is None else tpot * 1e3,
+        "latency_s": latency,
+        "request_ms_per_token": latency * 1e3 / n,
+        "token_ids": list(token_ids),
+    }
+
+
+def _engine_facts(engine) -> dict[str, Any]:
+    cfg = engine.config
+    return {
+        "model": cfg.model.name,
+        "weights": getattr(cfg.model, "weights", None),
+        "dtype": str(cfg.torch_dtype).removeprefix("torch."),
+        "capture_plan": cfg.capture.name,
+        "attention_backend": cfg.attention_backend,
+        "max_prefill_tokens": cfg.scheduler.max_prefill_tokens,
+        "kv_slots": cfg.cache.num_slots,
+    }
+
+
+def graphexec_memory(engine) -> dict[str, Any]:
+    weights, rope = model_bytes(engine.runner.model)
+    return {"peak_rss_bytes": peak_rss_bytes(), "weight_bytes": weights, "rope_bytes": rope,
+            "kv_bytes": engine.runner.kv_pool.nbytes()}
+
+
+def model_bytes(model) -> tuple[int, int]:
+    """Resident bytes of the model's parameters and buffers (packed quantized arrays are buffers),
+    each tensor once, with the RoPE cos/sin tables apart: they are a function of the context
+    length, not weights, and llama.cpp computes RoPE on the fly."""
+    seen: set[tuple[int, int, str]] = set()
+    weights = rope = 0
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        key = (t.data_ptr(), t.numel(), str(t.dtype))  # a tied weight is one tensor
+        if key in seen:
+            continue
+        seen.add(key)
+        if name.endswith(("cos_table", "sin_table")):
+            rope += t.numel() * t.element_size()
+        else:
+            weights += t.numel() * t.element_size()
+    return weights, rope
+
+
+# ---------------------------------------------------------------------------------------------
+# llama.cpp
+
+
+def llamacpp_side(spec: dict[str, Any]) -> dict[str, Any]:
+    import llama_cpp
+
+    opts = spec["llamacpp"]
+    t0 = time.perf_counter()
+    llama = llama_cpp.Llama(
+        model_path=opts["gguf"], n_threads=spec["threads"], n_threads_batch=spec["threads"],
+        n_ctx=opts["n_ctx"], n_batch=opts["n_batch"], n_ubatch=opts["n_batch"],
+        flash_attn=opts["flash_attn"], logits_all=False, verbose=False,
+    )
+    start_seconds = time.perf_counter() - t0
+    out = {"side": "llamacpp", "start_seconds": start_seconds} | measure_llamacpp(llama, spec, _perf_counters(llama_cpp, llama))
+    return out | {"memory": _llamacpp_memory(llama_cpp, llama, opts["n_ctx"]),
+                  "llamacpp": {"version": getattr(llama_cpp, "__version__", None)} | opts}
+
+
+def measure_llamacpp(llama, spec: dict[str, Any], perf: Callable[..., dict[str, float]] | None = None) -> dict[str, Any]:
+    """The same prompts as the graphexec side through `llama` (anything with reset() and
+    llama-cpp-python's generate()); batch sizes are not measured: one llama.cpp context decodes
+    one sequence here, so its B=1 rate is the peer of graphexec's batched rates."""
+    decode = spec["decode"]
+    if spec["warmup"]:
+        generate_timed(llama, decode["prompt"], min(8, decode["new_tokens"]))
+        for p in spec["prefill"]:
+            generate_timed(llama, p["prompt"], 1)
+    decodes = []
+    for _ in range(spec["repeats"]):
+        r = generate_timed(llama, decode["prompt"], decode["new_tokens"], perf)
+        decodes.append(timed_request(r["ttft_s"], r["tpot_s"], r["latency_s"], r["token_ids"]) | r["perf"])
+    prefill = {}
+    for p in spec["prefill"]:
+        runs = [generate_timed(llama, p["prompt"], 1) for _ in range(spec["repeats"])]
+        prefill[str(p["tokens"])] = [{"ttft_s": r["ttft_s"], "tokens_per_s": len(p["prompt"]) / r["ttft_s"]} for r in runs]
+    return {"decode": decodes, "prefill": prefill, "batch": {}}
+
+
+def generate_timed(llama, prompt: list[int], new_tokens: int, perf: Callable[..., dict[str, float]] | None = None) -> dict[str, Any]:
+    """Greedy tokens with a timestamp each.  reset() first: llama-cpp-python's generate() reuses
+    the longest cached prefix of the previous call, which would skip the prefill being measured.
+    generate() itself never stops at EOS (only create_completion checks it), so the count is exact."""
+    llama.reset()
+    if perf is not None:
+        perf(reset=True)
+    stamps, tokens = [], []
+    t0 = time.perf_counter()
+    tokens_out = llama.generate(prompt, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True)
+    try:
+        for token in tokens_out:
+            stamps.append(time.perf_counter())
+            tokens.append(int(token))
+            if len(tokens) == new_tokens:
+                break
+    finally:
+        tokens_out.close()
+    n = len(tokens)
+    return {
+        "ttft_s": stamps[0] - t0,
+        "tpot_s": (stamps[-1] - stamps[0]) / (n - 1) if n > 1 else None,
+        "latency_s": stamps[-1] - t0,
+        "token_ids": tokens,
+        "perf": perf() if perf is not None else {},
+    }
+
+
+def _perf_counters(llama_cpp, llama) -> Callable[..., dict[str, float]] | None:
+    """llama.cpp's own eval timers, a cross-check of the wall-clock stamps (decode ms/token
+    without Python's share); None where this llama-cpp-python lacks them."""
+    if not hasattr(llama_cpp, "llama_perf_context"):
+        return None
+
+    def read(reset: bool = False) -> dict[str, float]:
+        if reset:
+            llama_cpp.llama_perf_context_reset(llama.ctx)
+            return {}
+        data = llama_cpp.llama_perf_context(llama.ctx)
+        # n_eval counts sampled-token evals; the last token sampled is never evaluated.
+        return {"internal_decode_ms_per_token": data.t_eval_ms / data.n_eval if data.n_eval else None,
+                "internal_prompt_ms": data.t_p_eval_ms}
+
+    return read
+
+
+def _llamacpp_memory(llama_cpp, llama, n_ctx: int) -> dict[str, Any]:
+    meta = llama.metadata
+    arch = meta.get("general.architecture", "llama")
+    try:
+        layers = int(meta[f"{arch}.block_count"])
+        heads, kv_heads = int(meta[f"{arch}.attention.head_count"]), int(meta[f"{arch}.attention.head_count_kv"])
+        head_dim = int(meta.get(f"{arch}.attention.key_length") or int(meta[f"{arch}.embedding_length"]) // heads)
+        kv_dim = head_dim * kv_heads
+        # K and V per layer per context slot, f16 (llama.cpp's default type_k/type_v).
+        kv_bytes = n_ctx * layers * 2 * kv_dim * 2
+    except (KeyError, ValueError, ZeroDivisionError):
+        kv_bytes = None
+    return {"peak_rss_bytes": peak_rss_bytes(), "weight_bytes": int(llama_cpp.llama_model_size(llama.model)),
+            "kv_bytes": kv_bytes}
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.peer_worker", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--side", choices=SIDES, required=True)
+    parser.add_argument("--spec", type=Path, required=True, help="the JSON spec bench/peer.py wrote")
+    parser.add_argument("overrides", nargs="*", help="graphexec engine overrides (graphexec side only)")
+    args = parser.parse_args(argv)
+    try:
+        spec = json.loads(args.spec.read_text())
+        result = graphexec_side(spec, args.overrides) if args.side == "graphexec" else llamacpp_side(spec)
+    except Exception as exc:  # the suite records the last stderr line as this round's error
+        traceback.print_exc()
+        reason = " ".join(f"{type(exc).__name__}: {exc}".split())
+        print(f"{args.side} worker failed: {reason}", file=sys.stderr)
+        raise SystemExit(1)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,228 @@
+"""The peer suite (graphexec vs llama.cpp) without llama.cpp: its orchestration with fake workers
+(alternation, result shape, ratios, report and plots), the llama.cpp side's timing logic on a fake
+`Llama`, and the graphexec side for real on the tiny model through `graphexec-bench bench=peer`,
+where the peer is recorded as unavailable.  No timed assertions."""
+
+import json
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+from bench import peer, peer_worker
+from bench.report import run_suite
+from bench.suites import SuiteContext
+from graphexec.config import compose
+from graphexec.tokenizer import ByteTokenizer
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+SMALL = [
+    "bench=peer", "model=tiny-llama", "capture=eager", "bench.rounds=2", "bench.progress=false",
+    "bench.decode.prompt_len=16", "bench.decode.new_tokens=8", "bench.prefill.lengths=[32,64]",
+    "bench.batch.sizes=[2,4]", "bench.batch.prompt_len=8", "bench.batch.new_tokens=6",
+]
+
+
+def _cfg(*extra):
+    return compose([*SMALL, *extra], config_name="bench")
+
+
+def test_alternation_runs_each_side_once_per_round_in_order():
+    calls = []
+    raw, sequence = peer.alternate(["graphexec", "llamacpp"], 3, lambda side, r: calls.append((side, r)) or {"r": r})
+    assert calls == [("graphexec", 0), ("llamacpp", 0), ("graphexec", 1), ("llamacpp", 1), ("graphexec", 2), ("llamacpp", 2)]
+    assert [s["side"] for s in sequence] == ["graphexec", "llamacpp"] * 3
+    assert [w["r"] for w in raw["graphexec"]] == [w["r"] for w in raw["llamacpp"]] == [0, 1, 2]
+
+
+@pytest.mark.parametrize(
+    "override, named",
+    [("bench.rounds=0", "bench.rounds"), ("bench.threads=-1", "bench.threads"), ("bench.decode.new_tokens=1", "bench.decode.new_tokens"),
+     ("bench.prefill.lengths=[]", "bench.prefill.lengths"), ("bench.batch.sizes=[0]", "bench.batch.sizes"),
+     ("bench.llamacpp.n_batch=0", "bench.llamacpp.n_batch")],
+)
+def test_bad_options_name_the_option(override, named):
+    with pytest.raises(ValueError, match=named):
+        peer.options(_cfg(override).bench)
+
+
+def test_peer_unavailable_says_why(monkeypatch):
+    opts = peer.options(_cfg().bench)
+    tiny = types.SimpleNamespace(name="tiny-llama", source="random")
+    assert not peer.peer_status(opts, None, tiny)["available"]
+    assert "GGUF" in peer.peer_status(opts, None, tiny)["reason"]
+    monkeypatch.setattr(peer, "llamacpp_importable", lambda: False)
+    gguf = types.SimpleNamespace(name="smollm2-135m", source="gguf")
+    status = peer.peer_status(opts, "/m.gguf", gguf)
+    assert not status["available"] and "llama_cpp is not importable" in status["reason"] and "graphexec[peer]" in status["reason"]
+    off = peer.options(_cfg("bench.llamacpp.enabled=false").bench)
+    assert peer.peer_status(off, "/m.gguf", gguf)["reason"] == "bench.llamacpp.enabled=false"
+    monkeypatch.setattr(peer, "llamacpp_importable", lambda: True)
+    assert peer.peer_status(opts, "/m.gguf", gguf)["available"]
+    with pytest.raises(ValueError, match="bench.llamacpp.n_ctx"):
+        peer.peer_status(peer.options(_cfg("bench.llamacpp.n_ctx=40").bench), "/m.gguf", gguf)
+
+
+def test_prompts_have_exact_lengths_keep_a_leading_bos_and_batch_prompts_share_no_prefix():
+    make = peer.prompt_maker([256, 10, 11, 12], bos_token_id=256)
+    assert make(7) == [256, 10, 11, 12, 10, 11, 12]
+    assert make(3, offset=1) == [256, 11, 12]
+    assert peer.prompt_maker([10, 11], bos_token_id=None)(3) == [10, 11, 10]
+    spec = peer.build_spec(ByteTokenizer(320), peer.options(_cfg().bench), None)
+    assert len(spec["decode"]["prompt"]) == 16
+    assert [len(p["prompt"]) for p in spec["prefill"]] == [p["tokens"] for p in spec["prefill"]] == [32, 64]
+    firsts = [p[0] for p in spec["batch"]["prompts"]]
+    assert len(spec["batch"]["prompts"]) == 4 and len(set(firsts)) == 4
+
+
+def test_batch_throughput_counts_decode_tokens_between_first_and_last():
+    # Two requests, same arrival: first tokens at 1.0 s and 1.5 s, 5 tokens each at 0.1 s apart.
+    got = peer_worker.batch_throughput([(1.0, 0.1, 1.5, 5), (1.5, 0.1, 2.0, 5)])
+    assert got["decode_tokens"] == 8
+    assert got["decode_s"] == pytest.approx(0.9)  # 1.0 → 1.5 + 4 × 0.1
+    assert got["decode_tokens_per_s"] == pytest.approx(8 / 0.9)
+    assert got["first_token_spread_s"] == pytest.approx(0.5) and got["request_tokens_per_s"] == pytest.approx(10 / 2.0)
+
+
+def test_model_bytes_counts_tied_tensors_once_and_rope_apart():
+    model = torch.nn.Module()
+    model.embed = torch.nn.Embedding(10, 4)
+    model.head = torch.nn.Linear(4, 10, bias=False)
+    model.head.weight = model.embed.weight  # tied
+    model.register_buffer("cos_table", torch.zeros(8, 2))
+    model.register_buffer("codes", torch.zeros(6, dtype=torch.uint8))
+    assert peer_worker.model_bytes(model) == (10 * 4 * 4 + 6, 8 * 2 * 4)
+
+
+def test_worker_failures_are_recorded_and_a_crash_after_the_results_keeps_them(monkeypatch, tmp_path):
+    seen = []
+
+    def fake_run(cmd, env, **kwargs):
+        seen.append((cmd, env["OMP_NUM_THREADS"]))
+        if "graphexec" in cmd:  # results printed, then a crash in interpreter teardown
+            return subprocess.CompletedProcess(cmd, 134, '{"decode": []}\n', "terminate called without an active exception\n")
+        return subprocess.CompletedProcess(cmd, 1, "", "Traceback ...\nllamacpp worker failed: OSError: bad file\n")
+
+    monkeypatch.setattr(peer.subprocess, "run", fake_run)
+    ours = peer.run_worker("graphexec", tmp_path / "s.json", ["model=tiny-llama"], 3, 60)
+    theirs = peer.run_worker("llamacpp", tmp_path / "s.json", ["model=tiny-llama"], 3, 60)
+    assert ours["error"] is None and ours["decode"] == [] and ours["exit_code"] == 134
+    assert ours["exit_error"] == "terminate called without an active exception"
+    assert theirs["error"] == "llamacpp worker failed: OSError: bad file" and "decode" not in theirs
+    (g_cmd, g_threads), (l_cmd, l_threads) = seen
+    assert g_cmd[-1] == "model=tiny-llama" and "model=tiny-llama" not in l_cmd  # engine overrides: graphexec only
+    assert g_threads == l_threads == "3"
+    assert ours["busy_cores_before"] is None or ours["busy_cores_before"] >= 0  # None off Linux
+
+
+class _FakeLlama:
+    """llama-cpp-python's reset()/generate() contract: generate never stops by itself (no EOS)."""
+
+    def __init__(self):
+        self.log = []
+
+    def reset(self):
+        self.log.append("reset")
+
+    def generate(self, tokens, **kwargs):
+        assert kwargs["temp"] == 0.0 and kwargs["top_k"] == 1 and kwargs["repeat_penalty"] == 1.0
+        self.log.append(("generate", len(tokens)))
+        token = 0
+        while True:
+            token += 1
+            yield token
+
+
+def test_llamacpp_side_decodes_exactly_the_asked_tokens_and_resets_before_every_request():
+    spec = peer.build_spec(ByteTokenizer(320), peer.options(_cfg("bench.repeats=2").bench), "/m.gguf")
+    llama = _FakeLlama()
+    out = peer_worker.measure_llamacpp(llama, spec)
+    assert [d["tokens"] for d in out["decode"]] == [8, 8] and out["batch"] == {}
+    assert out["decode"][0]["token_ids"] == list(range(1, 9))
+    assert set(out["prefill"]) == {"32", "64"} and all(len(v) == 2 for v in out["prefill"].values())
+    generates = [e for e in llama.log if e != "reset"]
+    assert llama.log.count("reset") == len(generates)  # every request starts from an empty context
+    assert generates[-2:] == [("generate", 64), ("generate", 64)]
+
+
+def _fake_worker(side, scale, error=None):
+    if error:
+        return {"error": error, "process_seconds": 1.0}
+    decode = {"tokens": 8, "ttft_s": 0.01 * scale, "decode_ms_per_token": 2.0 * scale, "latency_s": 0.03,
+              "request_ms_per_token": 3.0 * scale, "token_ids": [1, 2, 3, 4, 5, 6, 7, 8 if side == "graphexec" else 9]}
+    batch = {"2": [{"decode_tokens_per_s": 900.0, "first_token_spread_s": 0.0, "cached_tokens": 0}]} if side == "graphexec" else {}
+    return {
+        "side": side, "start_seconds": 1.0 * scale, "error": None, "process_seconds": 2.0,
+        "decode": [decode], "prefill": {"32": [{"ttft_s": 0.01, "tokens_per_s": 1000.0 / scale}]}, "batch": batch,
+        "memory": {"peak_rss_bytes": 2**20 * 100 * scale, "weight_bytes": 2**20 * 50, "kv_bytes": 2**20 * 8,
+                   **({"rope_bytes": 2**20} if side == "graphexec" else {})},
+        **({"engine": {"weights": "native", "dtype": "float32", "capture_plan": "eager", "max_prefill_tokens": 2048,
+                       "kv_slots": 16384}} if side == "graphexec" else {}),
+    }
+
+
+def test_suite_with_both_sides_alternates_aggregates_and_reports(tmp_path, monkeypatch):
+    cfg = _cfg("bench.prefill.lengths=[32]", "bench.batch.sizes=[2]")
+    calls = []
+    canned = {"graphexec": [_fake_worker("graphexec", 2), _fake_worker("graphexec", 4)],
+              "llamacpp": [_fake_worker("llamacpp", 1), _fake_worker("llamacpp", 1, error="llamacpp worker failed: boom")]}
+
+    def fake_run_worker(side, spec_path, overrides, threads, timeout_s):
+        calls.append(side)
+        assert json.loads(spec_path.read_text())["threads"] == threads == 2
+        assert list(overrides) == ["model=tiny-llama"]
+        return canned[side][sum(c == side for c in calls) - 1]
+
+    monkeypatch.setattr(peer, "gguf_path", lambda source: tmp_path / "m.gguf")
+    monkeypatch.setattr(peer, "llamacpp_importable", lambda: True)
+    monkeypatch.setattr(peer, "_tokenizer", lambda source, gguf: ByteTokenizer(320))
+    monkeypatch.setattr(peer, "run_worker", fake_run_worker)
+    ctx = SuiteContext(out_dir=tmp_path, overrides=("model=tiny-llama",), progress=False)
+    payload = run_suite(peer, "peer", lambda: peer.run(cfg, ctx), tmp_path, {}, "fake")
+
+    assert payload["status"] == "ok", payload.get("traceback")
+    assert calls == ["graphexec", "llamacpp", "graphexec", "llamacpp"]
+    result = payload["result"]
+    assert result["peer"]["available"] and result["errors"] == [{"round": 1, "side": "llamacpp", "error": "llamacpp worker failed: boom"}]
+    rows = {r["key"]: r for r in result["rows"]}
+    assert rows["decode_ms"]["graphexec"] | {"values": None} == {"min": 4.0, "median": 6.0, "max": 8.0, "rounds": 2, "values": None}
+    assert rows["decode_ms"]["llamacpp"]["rounds"] == 1 and rows["decode_ms"]["ratio"] == pytest.approx(3.0)
+    assert rows["batch_tok_s@2"]["llamacpp"]["median"] == pytest.approx(500.0)  # llama.cpp's B=1 rate beside it
+    assert rows["rope_mib"]["llamacpp"] is None and rows["rope_mib"]["graphexec"]["median"] == 1.0
+    assert result["greedy_agreement"]["mean_prefix_fraction"] == pytest.approx(7 / 8)
+    assert payload["summary"]["graphexec/llama.cpp decode B=1 tok/s ×"] == pytest.approx((1000 / 4 + 1000 / 8) / 2 / 500)  # median of the rounds' rates
+
+    report = (tmp_path / "report.md").read_text()
+    assert "| metric | graphexec | llama.cpp | ratio |" in report
+    assert "| B=1 decode ms/token (8 new tokens, prefill excluded) ↓ | 6 (4–8) | 2 | 3.00× |" in report
+    assert "llama.cpp round 2 failed**: llamacpp worker failed: boom" in report
+    for png in payload["plots"]:
+        assert (tmp_path / png).read_bytes()[:8] == PNG_MAGIC
+
+
+def test_graphexec_side_runs_for_real_and_the_peer_is_recorded_unavailable(tmp_path):
+    """The tiny model is no GGUF: llama.cpp cannot be its peer, whether llama_cpp is installed or not."""
+    cmd = [sys.executable, "-m", "bench.cli", *SMALL, "bench.rounds=1", f"hydra.run.dir={tmp_path}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    payload = json.loads((tmp_path / "results.json").read_text())
+    assert payload["status"] == "ok", payload.get("error")
+    result = payload["result"]
+    assert not result["peer"]["available"] and "GGUF" in result["peer"]["reason"]
+    assert result["errors"] == [] and result["sequence"] == [{"round": 0, "side": "graphexec"}]
+    assert result["engine_overrides"] == ["model=tiny-llama", "capture=eager"]
+    (worker,) = result["raw"]["graphexec"]
+    (decode,) = worker["decode"]
+    assert decode["tokens"] == 8 and decode["cached_tokens"] == 0  # EOS ignored; the cache was flushed
+    assert all(r[0]["cached_tokens"] == 0 for r in worker["prefill"].values())
+    assert {b: r[0]["requests"] for b, r in worker["batch"].items()} == {"2": 2, "4": 4}
+    assert worker["memory"]["weight_bytes"] > 0 and worker["memory"]["rope_bytes"] > 0 and worker["torch_threads"] == 2
+    rows = {r["key"]: r for r in result["rows"]}
+    assert rows["pp_tok_s@64"]["graphexec"]["median"] > 0 and rows["pp_tok_s@64"]["llamacpp"] is None
+    report = (tmp_path / "report.md").read_text()
+    assert "**llama.cpp unavailable**" in report and "| decode tok/s, graphexec B=4 vs llama.cpp B=1 ↑ |" in report
+    assert sorted(payload["plots"]) == ["peer_latency.png", "peer_memory.png", "peer_throughput.png"]
+    for png in payload["plots"]:
+        assert (tmp_path / png).read_bytes()[:8] == PNG_MAGIC
