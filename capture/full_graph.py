@@ -27,7 +27,7 @@ from graphexec.forward_mode import ForwardMode
 
 GRAPH_KINDS = ("auto", "compile", "cuda_graph", "eager")
 _OPTIONS = {"buckets", "graph", "compile", "lazy", "progress"}
-_COMPILE_OPTIONS = {"enabled", "mode", "dynamic", "freezing", "cache_dir", "regional", "skip_module_guards"}
+_COMPILE_OPTIONS = {"enabled", "mode", "dynamic", "freezing", "cache_dir", "regional", "skip_module_guards", "cpp_wrapper"}
 
 BucketRunner = Callable[[ForwardBatch], torch.Tensor]
 
@@ -87,13 +87,19 @@ class FullGraphBackend(CaptureBackend):
                 # Inductor reads its on-disk cache location from the environment.
                 os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(opts["cache_dir"])
             options: dict[str, Any] = {"freezing": True} if opts.get("freezing") else {}
+            if opts.get("cpp_wrapper"):
+                # Inductor's per-call wrapper in C++ instead of Python: the kernels of a graph are
+                # launched without a Python frame between them.
+                options["cpp_wrapper"] = True
             if opts.get("skip_module_guards"):
                 # Weights never change identity or shape after loading, so checking every
                 # module attribute on each call (30 times a step when regional) buys nothing.
                 options["guard_filter_fn"] = torch.compiler.skip_guard_on_all_nn_modules_unsafe
             mode = opts.get("mode", "default")
             if mode != "default" and options:
-                raise ConfigError(f"{self.config_path}.compile.mode={mode!r} cannot be combined with freezing or skip_module_guards")
+                raise ConfigError(
+                    f"{self.config_path}.compile.mode={mode!r} cannot be combined with freezing, skip_module_guards or cpp_wrapper"
+                )
             compile_kwargs = dict(
                 fullgraph=True,
                 dynamic=bool(opts.get("dynamic", False)),

@@ -81,19 +81,35 @@ void dequantize_rows(const QView& w, int64_t row0, int64_t row1, float* dst) {
 }
 
 #if defined(__AVX512F__)
-// One block of weight row r, dequantized into two registers (elements 0-15, 16-31).
-inline void load_block(const QView& w, const uint8_t* q, int64_t r, int64_t b, __m512& lo, __m512& hi) {
-  const __m512 d = _mm512_set1_ps(static_cast<float>(w.scales[r * w.blocks + b]));
+// Scales (and mins) of up to 16 consecutive blocks of one row, widened to fp32 with one vcvtph2ps:
+// converting them one at a time costs more instructions than the block's whole dot product.
+struct BlockParams {
+  alignas(64) float d[16];
+  alignas(64) float m[16];
+  void load(const QView& w, int64_t r, int64_t b0, int count) {
+    const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1);
+    const int64_t at = r * w.blocks + b0;
+    _mm512_store_ps(d, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, w.scales + at)));
+    if (w.mins) _mm512_store_ps(m, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, w.mins + at)));
+  }
+};
+
+// Block b of a row, dequantized into two registers (elements 0-15, 16-31).  4-bit: the block's 16
+// possible values d*i + m are computed once (one fma, exactly the fp32 value gguf dequantizes to)
+// and each code picks its value with a permute, which reads only the low 4 bits of each lane: no
+// masking, no int->float conversion.
+inline void load_block(const QView& w, const uint8_t* q, int64_t b, float d, float m, __m512& lo, __m512& hi) {
   if (w.four_bit) {
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * (kBlock / 2)));
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    const __m512 m = _mm512_set1_ps(static_cast<float>(w.mins[r * w.blocks + b]));
-    lo = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(raw, mask))), m);
-    hi = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), mask))), m);
+    const __m512 values = _mm512_fmadd_ps(_mm512_set1_ps(d), _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                          _mm512_set1_ps(m));
+    const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * (kBlock / 2))));
+    lo = _mm512_permutexvar_ps(codes, values);
+    hi = _mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), values);
   } else {
     const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + b * kBlock));
-    lo = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(raw))));
-    hi = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(raw, 1))));
+    const __m512 vd = _mm512_set1_ps(d);
+    lo = _mm512_mul_ps(vd, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(raw))));
+    hi = _mm512_mul_ps(vd, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(raw, 1))));
   }
 }
 
@@ -104,15 +120,22 @@ inline void dot_tile(const QView& w, int64_t r, bool two, const float* x, int64_
   for (int i = 0; i < MT; ++i) acc0[i] = acc1[i] = _mm512_setzero_ps();
   const uint8_t* q0 = w.codes + r * w.row_bytes;
   const uint8_t* q1 = two ? q0 + w.row_bytes : q0;
-  for (int64_t b = 0; b < w.blocks; ++b) {
-    __m512 lo0, hi0, lo1, hi1;
-    load_block(w, q0, r, b, lo0, hi0);
-    if (two) load_block(w, q1, r + 1, b, lo1, hi1);
-    for (int i = 0; i < MT; ++i) {
-      const float* xi = x + i * ldx + b * kBlock;
-      const __m512 xl = _mm512_loadu_ps(xi), xh = _mm512_loadu_ps(xi + 16);
-      acc0[i] = _mm512_fmadd_ps(xh, hi0, _mm512_fmadd_ps(xl, lo0, acc0[i]));
-      if (two) acc1[i] = _mm512_fmadd_ps(xh, hi1, _mm512_fmadd_ps(xl, lo1, acc1[i]));
+  BlockParams p0, p1;
+  for (int64_t g = 0; g < w.blocks; g += 16) {
+    const int count = static_cast<int>(std::min<int64_t>(16, w.blocks - g));
+    p0.load(w, r, g, count);
+    if (two) p1.load(w, r + 1, g, count);
+    for (int j = 0; j < count; ++j) {
+      const int64_t b = g + j;
+      __m512 lo0, hi0, lo1, hi1;
+      load_block(w, q0, b, p0.d[j], p0.m[j], lo0, hi0);
+      if (two) load_block(w, q1, b, p1.d[j], p1.m[j], lo1, hi1);
+      for (int i = 0; i < MT; ++i) {
+        const float* xi = x + i * ldx + b * kBlock;
+        const __m512 xl = _mm512_loadu_ps(xi), xh = _mm512_loadu_ps(xi + 16);
+        acc0[i] = _mm512_fmadd_ps(xh, hi0, _mm512_fmadd_ps(xl, lo0, acc0[i]));
+        if (two) acc1[i] = _mm512_fmadd_ps(xh, hi1, _mm512_fmadd_ps(xl, lo1, acc1[i]));
+      }
     }
   }
   for (int i = 0; i < MT; ++i) {
