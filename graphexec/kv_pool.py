@@ -39,7 +39,12 @@ class SlotAllocator:
 
 
 class TokenToKVPool:
-    """K and V buffers `[num_slots + 1, kv_heads, head_dim]` per layer, plus the slot allocator."""
+    """K and V pools `[num_layers, num_slots + 1, kv_heads, head_dim]`, plus the slot allocator.
+
+    One tensor per side, so a kernel reaches any layer from a single argument (the C++ attention
+    kernels take `k_pool`/`v_pool` and a layer id); `k_buffers[i]`/`v_buffers[i]` are views of
+    layer i, writable in place.
+    """
 
     def __init__(
         self,
@@ -51,9 +56,11 @@ class TokenToKVPool:
         device: torch.device | str = "cpu",
     ):
         self.allocator = SlotAllocator(num_slots)
-        shape = (num_slots + 1, num_kv_heads, head_dim)
-        self.k_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        shape = (num_layers, num_slots + 1, num_kv_heads, head_dim)
+        self.k_pool = torch.zeros(shape, dtype=dtype, device=device)
+        self.v_pool = torch.zeros(shape, dtype=dtype, device=device)
+        self.k_buffers = list(self.k_pool.unbind(0))
+        self.v_buffers = list(self.v_pool.unbind(0))
 
     @property
     def num_slots(self) -> int:
@@ -70,8 +77,9 @@ class TokenToKVPool:
         self.allocator.free(slots)
 
     def write(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k_buffers[layer_id].index_copy_(0, slots, k)
-        self.v_buffers[layer_id].index_copy_(0, slots, v)
+        k_buffer, v_buffer = self.k_buffers[layer_id], self.v_buffers[layer_id]
+        k_buffer.index_copy_(0, slots, k.to(k_buffer.dtype))  # cache.dtype may differ from the model's
+        v_buffer.index_copy_(0, slots, v.to(v_buffer.dtype))
 
     def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.k_buffers + self.v_buffers)
+        return sum(p.numel() * p.element_size() for p in (self.k_pool, self.v_pool))

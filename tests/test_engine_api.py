@@ -100,11 +100,12 @@ def test_async_calls_interleave_in_one_event_loop(engine):
     async def main():
         generated = [engine.agenerate(prompts[i], SamplingParams(max_new_tokens=lengths[i], ignore_eos=True)) for i in (0, 2)]
         results = await asyncio.gather(generated[0], consume(1), generated[1], consume(3))
-        cancelled = asyncio.ensure_future(engine.agenerate(prompts[1], LONG))
-        await asyncio.sleep(0.2)
-        cancelled.cancel()  # cancelling the await aborts the request
-        with pytest.raises(asyncio.CancelledError):
-            await cancelled
+        with slowed(engine):  # still running when cancelled, however fast the steps are
+            cancelled = asyncio.ensure_future(engine.agenerate(prompts[1], LONG))
+            await asyncio.sleep(0.2)
+            cancelled.cancel()  # cancelling the await aborts the request
+            with pytest.raises(asyncio.CancelledError):
+                await cancelled
         return results
 
     results = asyncio.run(main())

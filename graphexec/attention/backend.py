@@ -29,7 +29,12 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def init_forward_metadata(self, fb: "ForwardBatch", req_to_token: torch.Tensor) -> None:
-        """Build whatever the layers need (KV index lists, masks) for this forward."""
+        """Build whatever the layers need (KV index lists, masks) for this forward.
+
+        Called inside the forward context, before every forward.  A backend that serves the op
+        from Python must call `graphexec.attention.op.unbind_cpu_kernels()` here, so that the
+        C++ route never serves it with a pool another backend bound on this thread.
+        """
 
     def enable_static_decode_metadata(self, max_rows: int, max_kv_len: int, device: torch.device) -> None:
         """From now on, build decode metadata into fixed-address, bucket-shaped buffers (for CUDA graphs)."""
@@ -51,6 +56,8 @@ class AttentionBackend(ABC):
 # Imported on demand so that naming a backend in config costs nothing until it is used.
 _BACKENDS = {
     "torch_native": "graphexec.attention.torch_native:TorchNativeAttnBackend",
+    # C++ paged kernels for CPU tensors (graphexec/kernels/csrc/attention.cpp); torch_native elsewhere.
+    "cpu": "graphexec.attention.cpu:CpuAttnBackend",
 }
 
 

@@ -1,39 +1,96 @@
-"""`graphexec::attention`, the opaque custom op every attention layer calls.
+"""`graphexec::attention`, the opaque op every attention layer calls, and the ops behind it.
 
 Opaque so that graph capture can keep it inside a whole-forward graph (decode) or split the graph
 at it (piecewise prefill) without the compiler ever tracing the KV pool or ragged metadata.
 
-Why `torch.library.custom_op` and not the lower-level `Library.define`/`impl` (7 µs per call
-against 55 µs here): with the latter, Dynamo specializes the `layer_id` int on every call, so a
-regionally compiled decoder layer recompiles once per layer (30 graphs, recompile limit hit)
-instead of sharing one graph with a symbolic layer_id.
+Defined with `Library.define`, not `torch.library.custom_op`: a call goes through the dispatcher
+with no Python wrapper (custom_op's wrapper cost ~55 µs a call, 30 calls a step).  `layer_id` is
+a `SymInt` in the schema, so Dynamo keeps it symbolic and a regionally compiled decoder layer is
+one graph for every layer (with an `int` schema Dynamo specializes it: one graph per layer).
+
+Two ways a call is served (the KV pool and per-step metadata never appear as op arguments):
+  C++     the CPU kernel (graphexec/kernels/csrc/attention.cpp), when the `cpu` attention backend
+          has bound this forward's pool and metadata on this thread (`attention_bind`, once per
+          forward in init_forward_metadata): ~1 µs of dispatch, then the kernel.
+  Python  everything else (other devices, the torch_native backend, a binding-free forward):
+          the op runs `attention_py`, which hands the call to the forward context's backend.
 """
 
 from __future__ import annotations
+
+import threading
 
 import torch
 
 from capture.break_points import ATTENTION, break_point
 from graphexec.forward_context import get_forward_context
 
+_LIB = torch.library.Library("graphexec", "FRAGMENT")  # noqa: the library object keeps the ops alive
+_LIB.define("attention(Tensor q, Tensor k, Tensor v, Tensor(a!) out, SymInt layer_id) -> ()")
+# The Python route of `attention` (the C++ kernel redispatches to it when nothing is bound).
+_LIB.define("attention_py(Tensor q, Tensor k, Tensor v, Tensor(a!) out, SymInt layer_id) -> ()")
+# The CPU kernels with every input explicit (the cpu backend's Python route, tests, benchmarks).
+# k_pool/v_pool: [layers, slots, kv_heads, head_dim]; extend iff the three extend_* are given.
+_LIB.define(
+    "paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) out, Tensor(b!) k_pool, Tensor(c!) v_pool, "
+    "int layer_id, Tensor req_to_token, Tensor req_pool_indices, Tensor seq_lens, Tensor out_cache_loc, "
+    "Tensor? extend_prefix_lens, Tensor? extend_seq_lens, Tensor? extend_start_loc, int num_token_non_padded) -> ()"
+)
+# This thread's binding for the C++ route of `attention` (arguments as paged_attention's).
+_LIB.define(
+    "attention_bind(Tensor k_pool, Tensor v_pool, Tensor req_to_token, Tensor req_pool_indices, "
+    "Tensor seq_lens, Tensor out_cache_loc, Tensor? extend_prefix_lens, Tensor? extend_seq_lens, "
+    "Tensor? extend_start_loc, int num_token_non_padded) -> ()"
+)
+_LIB.define("attention_unbind() -> ()")
 
-@torch.library.custom_op("graphexec::attention", mutates_args=("out",))
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, layer_id: int) -> None:
-    """Write k/v for this step's tokens into the pool, then attend; the result lands in `out`.
 
-    q/out: [num_tokens, num_heads * head_dim]; k/v: [num_tokens, num_kv_heads * head_dim].
-    """
+def _python_route(q, k, v, out, layer_id) -> None:
+    """q/out: [num_tokens, num_heads * head_dim]; k/v: [num_tokens, num_kv_heads * head_dim]."""
     ctx = get_forward_context()
     ctx.attn_backend.forward(q, k, v, out, layer_id, ctx)
 
 
-@attention.register_fake
+_LIB.impl("attention", _python_route, "CompositeExplicitAutograd")
+_LIB.impl("attention_py", _python_route, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("graphexec::attention")
 def _attention_fake(q, k, v, out, layer_id) -> None:
     return None
+
+
+@torch.library.register_fake("graphexec::attention_py")
+def _attention_py_fake(q, k, v, out, layer_id) -> None:
+    return None
+
+
+@torch.library.register_fake("graphexec::paged_attention")
+def _paged_attention_fake(q, k, v, out, k_pool, v_pool, layer_id, *metadata) -> None:
+    return None
+
+
+# Whether this thread holds a C++ binding: lets backends that never bind drop a stale one for
+# the price of an attribute read.
+_bound = threading.local()
+
+
+def bind_cpu_kernels(*args) -> None:
+    """Arm the C++ route of `attention` on this thread for the coming forward (see attention_bind)."""
+    torch.ops.graphexec.attention_bind.default(*args)
+    _bound.value = True
+
+
+def unbind_cpu_kernels() -> None:
+    """Route `attention` through Python on this thread again (every backend that does not bind
+    calls this from init_forward_metadata, so a binding never outlives its forward's successor)."""
+    if getattr(_bound, "value", False):
+        torch.ops.graphexec.attention_unbind.default()
+        _bound.value = False
 
 
 @break_point(ATTENTION)
 def unified_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
     out = torch.empty_like(q)
-    torch.ops.graphexec.attention(q, k, v, out, layer_id)
+    torch.ops.graphexec.attention.default(q, k, v, out, layer_id)
     return out

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from graphexec.attention.backend import AttentionBackend
+from graphexec.attention.op import unbind_cpu_kernels
 
 if TYPE_CHECKING:
     from graphexec.forward_batch import ForwardBatch
@@ -40,6 +41,7 @@ class TorchNativeAttnBackend(AttentionBackend):
     _static: _DecodeMetadata | None = None  # [max_rows, max_kv_len] buffers once enabled
 
     def init_forward_metadata(self, fb: "ForwardBatch", req_to_token: torch.Tensor) -> None:
+        unbind_cpu_kernels()  # the op must come to forward() below, not to another engine's pool
         self._replayable = False
         if fb.forward_mode.is_extend():
             self._metadata = self._extend_metadata(fb, req_to_token)
@@ -120,8 +122,8 @@ class TorchNativeAttnBackend(AttentionBackend):
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
         for meta in self._metadata:
             n = meta.kv_indices.shape[0]
-            keys = _gather(k_cache, meta.kv_indices).transpose(1, 2)  # [n, kvh, max_len, d]
-            values = _gather(v_cache, meta.kv_indices).transpose(1, 2)
+            keys = _gather(k_cache, meta.kv_indices, q.dtype).transpose(1, 2)  # [n, kvh, max_len, d]
+            values = _gather(v_cache, meta.kv_indices, q.dtype).transpose(1, 2)
             queries = (q[:bs] if meta.rows is None else q.index_select(0, meta.rows)).view(n, h, 1, d)
             o = F.scaled_dot_product_attention(
                 queries, keys, values, attn_mask=meta.attn_mask, scale=self.scale, enable_gqa=h != kvh
@@ -135,8 +137,8 @@ class TorchNativeAttnBackend(AttentionBackend):
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
         for run in self._metadata:
             queries = q[run.q_start : run.q_start + run.q_len].view(run.q_len, h, d).transpose(0, 1)
-            keys = _gather(k_cache, run.kv_indices).transpose(0, 1)  # [kvh, seq_len, d]
-            values = _gather(v_cache, run.kv_indices).transpose(0, 1)
+            keys = _gather(k_cache, run.kv_indices, q.dtype).transpose(0, 1)  # [kvh, seq_len, d]
+            values = _gather(v_cache, run.kv_indices, q.dtype).transpose(0, 1)
             o = F.scaled_dot_product_attention(
                 queries[None],
                 keys[None],
@@ -149,8 +151,9 @@ class TorchNativeAttnBackend(AttentionBackend):
             out[run.q_start : run.q_start + run.q_len] = o[0].transpose(0, 1).reshape(run.q_len, h * d)
 
 
-def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """cache[slots] for any shape of slots.  index_select on the flattened slots, because advanced
-    indexing takes 4-6x longer on CPU (measured: 32 x 320 slots of [3, 64] fp32, 4.8 vs 1.2 ms),
-    and this gather is most of a decode step's attention."""
-    return cache.index_select(0, slots.reshape(-1)).view(*slots.shape, *cache.shape[1:])
+def _gather(cache: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """cache[slots] for any shape of slots, as `dtype` (cache.dtype may differ from the model's).
+    index_select on the flattened slots, because advanced indexing takes 4-6x longer on CPU
+    (measured: 32 x 320 slots of [3, 64] fp32, 4.8 vs 1.2 ms), and this gather is most of a
+    decode step's attention."""
+    return cache.index_select(0, slots.reshape(-1)).view(*slots.shape, *cache.shape[1:]).to(dtype)

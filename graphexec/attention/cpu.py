@@ -1,0 +1,78 @@
+"""The `cpu` attention backend: graphexec's C++ paged-attention kernels for CPU tensors.
+
+Decode and extend attention read the KV pool in place through the request -> token table (no
+gathered copies), with the step's K/V write fused in (graphexec/kernels/csrc/attention.cpp).
+Per forward, `init_forward_metadata` binds the pool and this batch's metadata tensors to the
+calling thread (`graphexec::attention_bind`); each layer's `graphexec::attention` call then goes
+straight from the dispatcher to the kernel, with no Python on the way.  The metadata tensors are
+the ForwardBatch's own, which a captured graph's static input buffers already are, so a replayed
+graph reads the current step's values.
+
+On any other device this is the torch_native backend.  Replacing `forward` on an instance (a
+spy, a test) routes that instance's calls through Python, to the same kernels.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from graphexec.attention.op import bind_cpu_kernels, unbind_cpu_kernels
+from graphexec.attention.torch_native import TorchNativeAttnBackend
+from graphexec.errors import CheckpointError, ConfigError
+from graphexec.forward_context import get_forward_context
+
+if TYPE_CHECKING:
+    from graphexec.forward_batch import ForwardBatch
+    from graphexec.forward_context import ForwardContext
+
+
+def load_kernels() -> None:
+    """Build/load the C++ kernels; a ConfigError naming the way out if they cannot be built."""
+    from graphexec import kernels
+
+    try:
+        kernels.load()
+    except CheckpointError as error:
+        raise ConfigError(
+            f"attention_backend=cpu needs graphexec's C++ kernels, which failed to build ({error}); "
+            "use attention_backend=torch_native"
+        ) from error
+
+
+class CpuAttnBackend(TorchNativeAttnBackend):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+        super().__init__(num_heads, num_kv_heads, head_dim)
+        # paged_attention's arguments after layer_id, for this forward (None: not on the CPU).
+        self._kernel_args: tuple | None = None
+
+    def init_forward_metadata(self, fb: "ForwardBatch", req_to_token: torch.Tensor) -> None:
+        if req_to_token.device.type != "cpu":
+            self._kernel_args = None
+            super().init_forward_metadata(fb, req_to_token)
+            return
+        load_kernels()  # built and loaded once per process (kernels.load is cached)
+        pool = get_forward_context().kv_pool
+        extend = fb.forward_mode.is_extend()
+        self._kernel_args = (
+            req_to_token,
+            fb.req_pool_indices,
+            fb.seq_lens,
+            fb.out_cache_loc,
+            fb.extend_prefix_lens if extend else None,
+            fb.extend_seq_lens if extend else None,
+            fb.extend_start_loc if extend else None,
+            fb.num_token_non_padded,
+        )
+        self._pools = (pool.k_pool, pool.v_pool)
+        if "forward" in vars(self):
+            unbind_cpu_kernels()
+        else:
+            bind_cpu_kernels(*self._pools, *self._kernel_args)
+
+    def forward(self, q, k, v, out, layer_id, ctx: "ForwardContext") -> None:
+        """The Python route (the C++ route never comes here)."""
+        if self._kernel_args is None:
+            return super().forward(q, k, v, out, layer_id, ctx)
+        torch.ops.graphexec.paged_attention.default(q, k, v, out, *self._pools, int(layer_id), *self._kernel_args)
