@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import torch
 
 # Slot 0 is the dummy target for padded rows: they write there and nothing reads it as live KV.
@@ -57,8 +60,8 @@ class TokenToKVPool:
     ):
         self.allocator = SlotAllocator(num_slots)
         shape = (num_layers, num_slots + 1, num_kv_heads, head_dim)
-        self.k_pool = torch.zeros(shape, dtype=dtype, device=device)
-        self.v_pool = torch.zeros(shape, dtype=dtype, device=device)
+        self.k_pool = _zeros(shape, dtype, torch.device(device))
+        self.v_pool = _zeros(shape, dtype, torch.device(device))
         self.k_buffers = list(self.k_pool.unbind(0))
         self.v_buffers = list(self.v_pool.unbind(0))
 
@@ -83,3 +86,16 @@ class TokenToKVPool:
 
     def nbytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in (self.k_pool, self.v_pool))
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero pool whose CPU memory is taken only as slots are first written.
+
+    torch.zeros writes every byte up front (the default pool is 720 MiB of fp32 for SmolLM2);
+    numpy's zeros comes from calloc, whose large blocks are fresh zero pages of the OS, so a pool
+    costs resident memory in proportion to the KV actually used.
+    """
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
