@@ -94,17 +94,16 @@ struct BlockParams {
   }
 };
 
-// Block b of a row, dequantized into two registers (elements 0-15, 16-31).  4-bit: the block's 16
-// possible values d*i + m are computed once (one fma, exactly the fp32 value gguf dequantizes to)
-// and each code picks its value with a permute, which reads only the low 4 bits of each lane: no
-// masking, no int->float conversion.
+// Block b of a row, dequantized into two registers (elements 0-15, 16-31): fma(d, q, m) is exactly
+// the fp32 value gguf dequantizes to.  (Picking each code's value from a 16-entry d*i+m table with
+// vpermps measured no faster: bench/quant_kernels.py.)
 inline void load_block(const QView& w, const uint8_t* q, int64_t b, float d, float m, __m512& lo, __m512& hi) {
   if (w.four_bit) {
-    const __m512 values = _mm512_fmadd_ps(_mm512_set1_ps(d), _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                          _mm512_set1_ps(m));
-    const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * (kBlock / 2))));
-    lo = _mm512_permutexvar_ps(codes, values);
-    hi = _mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), values);
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * (kBlock / 2)));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    const __m512 vd = _mm512_set1_ps(d), vm = _mm512_set1_ps(m);
+    lo = _mm512_fmadd_ps(vd, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(raw, mask))), vm);
+    hi = _mm512_fmadd_ps(vd, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), mask))), vm);
   } else {
     const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + b * kBlock));
     const __m512 vd = _mm512_set1_ps(d);
@@ -113,11 +112,13 @@ inline void load_block(const QView& w, const uint8_t* q, int64_t b, float d, flo
   }
 }
 
-// out[i, r] for rows i < MT of x, weight rows r and r+1 together (x loads shared).
+// out[i, r] for rows i < MT of x, weight rows r and r+1 together (x loads shared).  Each output
+// keeps separate accumulators for a block's two halves: with one, every block waits on two
+// dependent fmas (8 cycles of latency), which at M=1 made the kernel latency-bound.
 template <int MT>
 inline void dot_tile(const QView& w, int64_t r, bool two, const float* x, int64_t ldx, float* out, int64_t ldo) {
-  __m512 acc0[MT], acc1[MT];
-  for (int i = 0; i < MT; ++i) acc0[i] = acc1[i] = _mm512_setzero_ps();
+  __m512 acc0l[MT], acc0h[MT], acc1l[MT], acc1h[MT];
+  for (int i = 0; i < MT; ++i) acc0l[i] = acc0h[i] = acc1l[i] = acc1h[i] = _mm512_setzero_ps();
   const uint8_t* q0 = w.codes + r * w.row_bytes;
   const uint8_t* q1 = two ? q0 + w.row_bytes : q0;
   BlockParams p0, p1;
@@ -125,6 +126,10 @@ inline void dot_tile(const QView& w, int64_t r, bool two, const float* x, int64_
     const int count = static_cast<int>(std::min<int64_t>(16, w.blocks - g));
     p0.load(w, r, g, count);
     if (two) p1.load(w, r + 1, g, count);
+    // The rows after this pair stream next: ask for them ahead of the hardware prefetcher, which
+    // on its own left one core reading codes at about half the cached rate.
+    const uint8_t* ahead = q0 + 2 * w.row_bytes + g * (w.row_bytes / w.blocks);
+    for (int64_t off = 0; off < 2 * (w.row_bytes / w.blocks) * count; off += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + off), _MM_HINT_T0);
     for (int j = 0; j < count; ++j) {
       const int64_t b = g + j;
       __m512 lo0, hi0, lo1, hi1;
@@ -133,14 +138,18 @@ inline void dot_tile(const QView& w, int64_t r, bool two, const float* x, int64_
       for (int i = 0; i < MT; ++i) {
         const float* xi = x + i * ldx + b * kBlock;
         const __m512 xl = _mm512_loadu_ps(xi), xh = _mm512_loadu_ps(xi + 16);
-        acc0[i] = _mm512_fmadd_ps(xh, hi0, _mm512_fmadd_ps(xl, lo0, acc0[i]));
-        if (two) acc1[i] = _mm512_fmadd_ps(xh, hi1, _mm512_fmadd_ps(xl, lo1, acc1[i]));
+        acc0l[i] = _mm512_fmadd_ps(xl, lo0, acc0l[i]);
+        acc0h[i] = _mm512_fmadd_ps(xh, hi0, acc0h[i]);
+        if (two) {
+          acc1l[i] = _mm512_fmadd_ps(xl, lo1, acc1l[i]);
+          acc1h[i] = _mm512_fmadd_ps(xh, hi1, acc1h[i]);
+        }
       }
     }
   }
   for (int i = 0; i < MT; ++i) {
-    out[i * ldo + r] = _mm512_reduce_add_ps(acc0[i]);
-    if (two) out[i * ldo + r + 1] = _mm512_reduce_add_ps(acc1[i]);
+    out[i * ldo + r] = _mm512_reduce_add_ps(_mm512_add_ps(acc0l[i], acc0h[i]));
+    if (two) out[i * ldo + r + 1] = _mm512_reduce_add_ps(_mm512_add_ps(acc1l[i], acc1h[i]));
   }
 }
 
