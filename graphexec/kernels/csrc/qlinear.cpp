@@ -112,50 +112,55 @@ inline void load_block(const QView& w, const uint8_t* q, int64_t b, float d, flo
   }
 }
 
-// out[i, r] for rows i < MT of x, weight rows r and r+1 together (x loads shared).  Each output
-// keeps separate accumulators for a block's two halves: with one, every block waits on two
-// dependent fmas (8 cycles of latency), which at M=1 made the kernel latency-bound.
-template <int MT>
-inline void dot_tile(const QView& w, int64_t r, bool two, const float* x, int64_t ldx, float* out, int64_t ldo) {
-  __m512 acc0l[MT], acc0h[MT], acc1l[MT], acc1h[MT];
-  for (int i = 0; i < MT; ++i) acc0l[i] = acc0h[i] = acc1l[i] = acc1h[i] = _mm512_setzero_ps();
-  const uint8_t* q0 = w.codes + r * w.row_bytes;
-  const uint8_t* q1 = two ? q0 + w.row_bytes : q0;
-  BlockParams p0, p1;
+// out[i, r + n] for rows i < MT of x and NR weight rows from r, together: the x loads are shared
+// by NR rows and NR streams of codes are in flight.  Each output keeps separate accumulators for
+// a block's two halves, so no block waits on two dependent fmas.
+template <int MT, int NR>
+inline void dot_tile(const QView& w, int64_t r, const float* x, int64_t ldx, float* out, int64_t ldo) {
+  __m512 accl[MT][NR], acch[MT][NR];
+  for (int i = 0; i < MT; ++i)
+    for (int n = 0; n < NR; ++n) accl[i][n] = acch[i][n] = _mm512_setzero_ps();
+  const uint8_t* q[NR];
+  for (int n = 0; n < NR; ++n) q[n] = w.codes + (r + n) * w.row_bytes;
+  const int64_t block_bytes = w.row_bytes / w.blocks;
+  BlockParams p[NR];
   for (int64_t g = 0; g < w.blocks; g += 16) {
     const int count = static_cast<int>(std::min<int64_t>(16, w.blocks - g));
-    p0.load(w, r, g, count);
-    if (two) p1.load(w, r + 1, g, count);
-    // The rows after this pair stream next: ask for them ahead of the hardware prefetcher, which
-    // on its own left one core reading codes at about half the cached rate.
-    const uint8_t* ahead = q0 + 2 * w.row_bytes + g * (w.row_bytes / w.blocks);
-    for (int64_t off = 0; off < 2 * (w.row_bytes / w.blocks) * count; off += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + off), _MM_HINT_T0);
+    for (int n = 0; n < NR; ++n) p[n].load(w, r + n, g, count);
+    // The next rows stream after these: ask for them ahead of the hardware prefetcher, which on its
+    // own left one core reading codes at about half the cached rate.
+    for (int n = 0; n < NR; ++n) {
+      const uint8_t* ahead = q[n] + NR * w.row_bytes + g * block_bytes;
+      for (int64_t off = 0; off < block_bytes * count; off += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + off), _MM_HINT_T0);
+    }
     for (int j = 0; j < count; ++j) {
       const int64_t b = g + j;
-      __m512 lo0, hi0, lo1, hi1;
-      load_block(w, q0, b, p0.d[j], p0.m[j], lo0, hi0);
-      if (two) load_block(w, q1, b, p1.d[j], p1.m[j], lo1, hi1);
+      __m512 lo[NR], hi[NR];
+      for (int n = 0; n < NR; ++n) load_block(w, q[n], b, p[n].d[j], p[n].m[j], lo[n], hi[n]);
       for (int i = 0; i < MT; ++i) {
         const float* xi = x + i * ldx + b * kBlock;
         const __m512 xl = _mm512_loadu_ps(xi), xh = _mm512_loadu_ps(xi + 16);
-        acc0l[i] = _mm512_fmadd_ps(xl, lo0, acc0l[i]);
-        acc0h[i] = _mm512_fmadd_ps(xh, hi0, acc0h[i]);
-        if (two) {
-          acc1l[i] = _mm512_fmadd_ps(xl, lo1, acc1l[i]);
-          acc1h[i] = _mm512_fmadd_ps(xh, hi1, acc1h[i]);
+        for (int n = 0; n < NR; ++n) {
+          accl[i][n] = _mm512_fmadd_ps(xl, lo[n], accl[i][n]);
+          acch[i][n] = _mm512_fmadd_ps(xh, hi[n], acch[i][n]);
         }
       }
     }
   }
-  for (int i = 0; i < MT; ++i) {
-    out[i * ldo + r] = _mm512_reduce_add_ps(_mm512_add_ps(acc0l[i], acc0h[i]));
-    if (two) out[i * ldo + r + 1] = _mm512_reduce_add_ps(_mm512_add_ps(acc1l[i], acc1h[i]));
-  }
+  for (int i = 0; i < MT; ++i)
+    for (int n = 0; n < NR; ++n) out[i * ldo + r + n] = _mm512_reduce_add_ps(_mm512_add_ps(accl[i][n], acch[i][n]));
 }
+
+// Weight rows per tile for MT activation rows: as many as the 32 vector registers hold.
+template <int MT>
+constexpr int kTileRows = MT >= 4 ? 2 : 4;
 
 template <int MT>
 void rows_tile(const QView& w, int64_t r0, int64_t r1, const float* x, int64_t ldx, float* out, int64_t ldo) {
-  for (int64_t r = r0; r < r1; r += 2) dot_tile<MT>(w, r, r + 1 < r1, x, ldx, out, ldo);
+  constexpr int NR = kTileRows<MT>;
+  int64_t r = r0;
+  for (; r + NR <= r1; r += NR) dot_tile<MT, NR>(w, r, x, ldx, out, ldo);
+  for (; r < r1; ++r) dot_tile<MT, 1>(w, r, x, ldx, out, ldo);
 }
 #else
 // Portable path: dequantize a few rows at a time and dot them (the compiler vectorizes the loops).
