@@ -3,6 +3,7 @@ two ways its users usually run it (left-padded groups; one request at a time).""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -52,7 +53,9 @@ def hf_model_for_engine(engine):
     """The reference model for a running engine: the same checkpoint, loaded again in fp32."""
     from graphexec.models.checkpoint import load_checkpoint
 
-    ckpt = load_checkpoint(engine.config.model, torch.float32)
+    # HF runs the dequantized fp32 weights: what the engine's native blocks compute, as HF reads a GGUF.
+    source = dataclasses.replace(engine.config.model, weights="dequantize")
+    ckpt = load_checkpoint(source, torch.float32)
     return hf_model_from(ckpt.config, ckpt.state_dict)
 
 
