@@ -14,6 +14,7 @@ the `graph` option:
 from __future__ import annotations
 
 import os
+import types
 from typing import Any, Callable, Mapping
 
 import torch
@@ -111,7 +112,7 @@ class FullGraphBackend(CaptureBackend):
                 # share a graph, so shapes are pinned with mark_static instead of dynamic=False
                 # (which would specialize every int).
                 dynamic = compile_kwargs.pop("dynamic")
-                compiled_layer = torch.compile(_call_layer, dynamic=True if dynamic else None, **compile_kwargs)
+                compiled_layer = torch.compile(_own_code(_call_layer), dynamic=True if dynamic else None, **compile_kwargs)
                 model = self.env.model
 
                 def run_layer(layer, positions, x, rotary, layer_id):
@@ -130,7 +131,7 @@ class FullGraphBackend(CaptureBackend):
                 def whole_forward(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
                     return model(input_ids, positions)
 
-                self._compiled = torch.compile(whole_forward, **compile_kwargs)
+                self._compiled = torch.compile(_own_code(whole_forward), **compile_kwargs)
         return self._compiled
 
     def _capture_cuda_graph(self, dummy: ForwardBatch) -> BucketRunner:
@@ -175,6 +176,14 @@ class FullGraphBackend(CaptureBackend):
 
 def _call_layer(layer, positions, x, rotary, layer_id):
     return layer(positions, x, rotary, layer_id)
+
+
+def _own_code(fn: Callable) -> Callable:
+    """`fn` over a code object of its own.  Dynamo caches compiled graphs on the code object, so
+    without this every backend in the process would share one cache, and with module guards
+    skipped (`skip_module_guards`) one engine's graph could run another engine's different
+    modules (seen: a dequantized model replaying a quantized model's layer graph)."""
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
 def _resolve_graph_kind(kind: str, device: torch.device, config_path: str) -> str:

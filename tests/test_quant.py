@@ -171,9 +171,11 @@ def test_native_graph_first_equals_eager_and_dequantize(tiny_quantized_gguf):
             "eager": ["capture=eager"],
             "graph_first": small_plan,
             "dequantize": ["capture=eager", "model.weights=dequantize"],
+            # Same shapes, other modules, same process: must not replay the quantized engine's graphs.
+            "graph_first dequantize": small_plan + ["model.weights=dequantize"],
         }.items()
     }
-    assert runs["graph_first"] == runs["eager"] == runs["dequantize"]
+    assert runs["graph_first"] == runs["eager"] == runs["dequantize"] == runs["graph_first dequantize"]
 
 
 def test_unsupported_type_names_tensor_type_and_way_out(tmp_path):
