@@ -68,15 +68,21 @@ def probe(overrides: list[str]) -> dict[str, Any]:
     return {"start_seconds": start_seconds, "peak_rss_bytes": peak_rss, "backends": distinct_backends(engine.runner)}
 
 
-def main() -> None:
+def print_result_or_fail(label: str, measure) -> None:
+    """A worker process's ending: its result as one JSON line on stdout, or a one-line reason as the
+    last line of stderr (which the suite records as that run's error) and exit status 1."""
     try:
-        result = probe(sys.argv[1:])
-    except Exception as exc:  # the suite records the last stderr line as this phase's error
+        result = measure()
+    except Exception as exc:
         traceback.print_exc()
         reason = " ".join(f"{type(exc).__name__}: {exc}".split())
-        print(f"probe failed: {reason}", file=sys.stderr)
+        print(f"{label} failed: {reason}", file=sys.stderr)
         raise SystemExit(1)
     print(json.dumps(result))
+
+
+def main() -> None:
+    print_result_or_fail("probe", lambda: probe(sys.argv[1:]))
 
 
 if __name__ == "__main__":

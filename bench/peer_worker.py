@@ -16,11 +16,11 @@ from __future__ import annotations
 import argparse
 import json
 import resource
-import sys
 import time
-import traceback
 from pathlib import Path
 from typing import Any, Callable, Sequence
+
+from bench.capture_probe import print_result_or_fail
 
 SIDES = ("graphexec", "llamacpp")
 
@@ -285,15 +285,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--spec", type=Path, required=True, help="the JSON spec bench/peer.py wrote")
     parser.add_argument("overrides", nargs="*", help="graphexec engine overrides (graphexec side only)")
     args = parser.parse_args(argv)
-    try:
+
+    def measure():
         spec = json.loads(args.spec.read_text())
-        result = graphexec_side(spec, args.overrides) if args.side == "graphexec" else llamacpp_side(spec)
-    except Exception as exc:  # the suite records the last stderr line as this round's error
-        traceback.print_exc()
-        reason = " ".join(f"{type(exc).__name__}: {exc}".split())
-        print(f"{args.side} worker failed: {reason}", file=sys.stderr)
-        raise SystemExit(1)
-    print(json.dumps(result))
+        return graphexec_side(spec, args.overrides) if args.side == "graphexec" else llamacpp_side(spec)
+
+    print_result_or_fail(f"{args.side} worker", measure)
 
 
 if __name__ == "__main__":
