@@ -61,9 +61,8 @@ def _qdequantize_any_device(codes, scales, mins, dtype):
     return dequantize_reference(codes, scales, mins, dtype)
 
 
-for _key in ("CUDA",):
-    _LIB.impl("qlinear", _qlinear_any_device, _key)
-    _LIB.impl("qdequantize", _qdequantize_any_device, _key)
+_LIB.impl("qlinear", _qlinear_any_device, "CUDA")
+_LIB.impl("qdequantize", _qdequantize_any_device, "CUDA")
 
 
 def ensure_kernels() -> None:
