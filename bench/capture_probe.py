@@ -18,7 +18,7 @@ from typing import Any
 
 
 
-def _config_without_progress_bars(overrides: list[str]):
+def config_without_progress_bars(overrides: list[str]):
     """The engine config for `overrides`, with capture progress bars off: they would bury the
     error line on stderr.  Modes that alias another mode's spec (`mixed: ${.extend}`) are left
     alone, so they keep resolving to the very same spec and still share its backend."""
@@ -61,7 +61,7 @@ def probe(overrides: list[str]) -> dict[str, Any]:
     t0 = time.perf_counter()
     from graphexec import Engine
 
-    engine = Engine(config=_config_without_progress_bars(overrides))
+    engine = Engine(config=config_without_progress_bars(overrides))
     start_seconds = time.perf_counter() - t0
     # ru_maxrss is KiB on Linux.  Inductor's compile workers are separate processes, not counted.
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

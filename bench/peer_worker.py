@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from bench.capture_probe import print_result_or_fail
+from bench.capture_probe import config_without_progress_bars, print_result_or_fail
 
 SIDES = ("graphexec", "llamacpp")
 
@@ -38,11 +38,10 @@ def graphexec_side(spec: dict[str, Any], overrides: Sequence[str]) -> dict[str, 
     import torch
 
     torch.set_num_threads(spec["threads"])
-    from bench.capture_probe import _config_without_progress_bars
     from graphexec import Engine
 
     t0 = time.perf_counter()
-    engine = Engine(config=_config_without_progress_bars(list(overrides)))
+    engine = Engine(config=config_without_progress_bars(list(overrides)))
     start_seconds = time.perf_counter() - t0
     try:
         if spec["warmup"]:
