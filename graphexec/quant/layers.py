@@ -20,10 +20,6 @@ class _Packed(nn.Module):
         self.register_buffer("scales", weight.scales)
         self.register_buffer("mins", weight.mins)
 
-    @property
-    def weight(self) -> QuantizedWeight:
-        return QuantizedWeight(self.qtype, self.codes, self.scales, self.mins)
-
     def project(self, x: torch.Tensor) -> torch.Tensor:
         """x @ W.T for x [..., K]: one opaque op, whatever capture does around it."""
         return torch.ops.graphexec.qlinear(x, self.codes, self.scales, self.mins)
