@@ -69,6 +69,11 @@ class Engine:
     def max_context(self) -> int:
         return self.runner.max_context
 
+    @property
+    def max_request_tokens(self) -> int:
+        """Most tokens (prompt + generated) one request may hold: the context, or the KV pool if smaller."""
+        return min(self.max_context, self.scheduler.kv_capacity)
+
     def generate(
         self,
         prompts: Sequence[Prompt],
