@@ -78,7 +78,6 @@ def decode_batch(engine, batch_size: int, context_len: int):
     """`batch_size` requests whose KV holds `context_len` tokens, ready for one decode step."""
     from graphexec import SamplingParams
     from graphexec.request import Req
-    from graphexec.schedule_batch import ScheduleBatch
 
     runner = engine.runner
     gen = torch.Generator().manual_seed(batch_size)
@@ -88,16 +87,16 @@ def decode_batch(engine, batch_size: int, context_len: int):
             SamplingParams(max_new_tokens=2, ignore_eos=True), (), engine.max_context)
         for i in range(batch_size)
     ]
-    prefill = ScheduleBatch.prepare_for_extend(reqs, runner.req_to_token_pool, runner.kv_pool)
+    prefill = engine.scheduler.plan_extend(reqs)
     runner.forward(runner.init_forward_batch(prefill))
     for req in reqs:
-        req.num_cached_tokens = req.seq_len
+        req.num_computed_tokens = req.seq_len
         req.output_ids.append(5)
-    decode = ScheduleBatch.prepare_for_decode(reqs, runner.req_to_token_pool, runner.kv_pool)
+    decode = engine.scheduler.plan_decode(reqs)
 
     def release() -> None:
         for req in reqs:
-            engine.scheduler._release(req, cache=False)
+            engine.scheduler.release(req, cache=False)
 
     # Re-running this batch rewrites the same slots, so every timed step sees the same state.
     return runner.init_forward_batch(decode), release

@@ -152,7 +152,7 @@ def _engine_facts(engine) -> dict[str, Any]:
 def graphexec_memory(engine) -> dict[str, Any]:
     weights, rope = model_bytes(engine.runner.model)
     return {"peak_rss_bytes": peak_rss_bytes(), "weight_bytes": weights, "rope_bytes": rope,
-            "kv_bytes": engine.runner.kv_pool.nbytes()}
+            "kv_bytes": engine.kv_cache.token_pool.nbytes()}
 
 
 def model_bytes(model) -> tuple[int, int]:

@@ -52,7 +52,6 @@ def _extend_batch(engine, tokens: int):
     """One prefill batch of exactly `tokens` new tokens (two requests), and how to free it."""
     from graphexec import SamplingParams
     from graphexec.request import Req
-    from graphexec.schedule_batch import ScheduleBatch
 
     runner = engine.runner
     gen = torch.Generator().manual_seed(tokens)
@@ -62,11 +61,11 @@ def _extend_batch(engine, tokens: int):
             SamplingParams(max_new_tokens=1), (), engine.max_context)
         for i, n in enumerate(sizes)
     ]
-    batch = ScheduleBatch.prepare_for_extend(reqs, runner.req_to_token_pool, runner.kv_pool)
+    batch = engine.scheduler.plan_extend(reqs)
 
     def release() -> None:
         for req in reqs:
-            engine.scheduler._release(req, cache=False)
+            engine.scheduler.release(req, cache=False)
 
     return runner.init_forward_batch(batch), release
 

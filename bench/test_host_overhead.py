@@ -15,6 +15,7 @@ from capture.padding import PaddingPolicy, StaticInputs
 from graphexec import SamplingParams
 from graphexec.config import SchedulerConfig
 from graphexec.forward_batch import ForwardBatch
+from graphexec.kv_cache_manager import KVCacheManager
 from graphexec.kv_pool import TokenToKVPool
 from graphexec.model_runner import StepOutput
 from graphexec.req_to_token_pool import ReqToTokenPool
@@ -26,26 +27,36 @@ from graphexec.scheduler import Scheduler
 VOCAB = 49152
 
 
+def _kv(num_slots: int = 8192, max_requests: int = 64, max_context: int = 2048) -> KVCacheManager:
+    pools = TokenToKVPool(num_slots, 1, 1, 8, torch.float32), ReqToTokenPool(max_requests, max_context)
+    return KVCacheManager(*pools, prefix_cache=False)
+
+
 def _running(batch_size: int, context: int = 64):
-    req_pool = ReqToTokenPool(max_requests=64, max_context=2048)
-    kv_pool = TokenToKVPool(8192, 1, 1, 8, torch.float32)
+    kv = _kv()
     reqs = [Req(f"r{i}", list(range(1, context + 1)), SamplingParams(max_new_tokens=512), (), 2048) for i in range(batch_size)]
-    ScheduleBatch.prepare_for_extend(reqs, req_pool, kv_pool)
     for req in reqs:
-        req.num_cached_tokens = req.seq_len
+        kv.admit(req)
+    kv.allocate(reqs, [context] * batch_size)
+    for req in reqs:
+        req.num_computed_tokens = req.seq_len
         req.output_ids.append(7)
-    return reqs, req_pool, kv_pool
+    return reqs, kv
+
+
+def _decode(reqs: list[Req], kv: KVCacheManager) -> ScheduleBatch:
+    return ScheduleBatch.decode(reqs, kv.rows(reqs), kv.allocate(reqs, [1] * len(reqs)))
 
 
 @pytest.mark.parametrize("batch_size", [1, 8, 32])
 def test_prepare_decode_and_init_forward_batch(benchmark, batch_size):
     """Scheduler side of one decode step: allocate slots, build the device tensors."""
-    reqs, req_pool, kv_pool = _running(batch_size)
+    reqs, kv = _running(batch_size)
 
     def step():
-        batch = ScheduleBatch.prepare_for_decode(reqs, req_pool, kv_pool)
-        fb = ForwardBatch.init_new(batch, "cpu", VOCAB)
-        kv_pool.free(batch.out_cache_loc)  # keep the pool steady across rounds
+        fb = ForwardBatch.init_new(_decode(reqs, kv), "cpu", VOCAB)
+        for req in reqs:  # keep the pool steady across rounds
+            kv.truncate(req, req.num_computed_tokens)
         return fb
 
     benchmark(step)
@@ -53,8 +64,8 @@ def test_prepare_decode_and_init_forward_batch(benchmark, batch_size):
 
 @pytest.mark.parametrize("batch_size,bucket", [(3, 4), (7, 8), (20, 32)])
 def test_pad_to_bucket(benchmark, batch_size, bucket):
-    reqs, req_pool, kv_pool = _running(batch_size)
-    fb = ForwardBatch.init_new(ScheduleBatch.prepare_for_decode(reqs, req_pool, kv_pool), "cpu", VOCAB)
+    reqs, kv = _running(batch_size)
+    fb = ForwardBatch.init_new(_decode(reqs, kv), "cpu", VOCAB)
     buffers = StaticInputs(32, torch.device("cpu"))
     benchmark(buffers.load, fb, bucket, PaddingPolicy())
 
@@ -69,15 +80,12 @@ def test_sampler(benchmark, batch_size, kind):
 
 
 class HostOnlyRunner:
-    """What Scheduler uses of ModelRunner, with no model: pools (enough KV for 32 requests'
-    admission reservations of 64 + 1000 tokens), device, the real
+    """What Scheduler uses of ModelRunner, with no model: the device, the real
     `init_forward_batch` (host work every step pays) and a `forward_and_sample` that returns a
     fixed non-stop token per row instead of running the model and the sampler."""
 
-    def __init__(self, max_requests: int = 64, max_context: int = 2048, num_slots: int = 40_000):
+    def __init__(self, max_requests: int = 64):
         self.device = torch.device("cpu")
-        self.req_to_token_pool = ReqToTokenPool(max_requests=max_requests, max_context=max_context)
-        self.kv_pool = TokenToKVPool(num_slots, 1, 1, 8, torch.float32)
         self.last_batch: ScheduleBatch | None = None
         self._next_ids = torch.full((max_requests,), 7, dtype=torch.int64)
         self._no_logits = torch.empty(0, VOCAB)
@@ -90,24 +98,23 @@ class HostOnlyRunner:
         return StepOutput(sampler=SamplerOutput(next_token_ids=self._next_ids[: fb.batch_size]), logits=self._no_logits)
 
 
-def _undo_decode_step(runner: HostOnlyRunner, reqs: list[Req]) -> None:
+def _undo_decode_step(runner: HostOnlyRunner, kv: KVCacheManager, reqs: list[Req]) -> None:
     """Put the requests and pools back where they were before the last decode step, so every
     timed tick starts from the same state (same lengths, same number of free slots)."""
     batch = runner.last_batch
     assert batch is not None and batch.batch_size == len(reqs)
-    runner.kv_pool.free(batch.out_cache_loc)
     for req in reqs:
         req.output_ids.pop()
-        req.num_cached_tokens -= 1
-        req.num_allocated_tokens = req.num_cached_tokens
+        req.num_computed_tokens -= 1
+        kv.truncate(req, req.num_computed_tokens)
 
 
 @pytest.mark.parametrize("batch_size", [1, 8, 32])
 def test_scheduler_decode_tick(benchmark, batch_size):
-    """One `Scheduler.step` in steady decode: admission check, prepare_for_decode,
+    """One `Scheduler.step` in steady decode: admission check, slot allocation, the plan,
     ForwardBatch.init_new, result processing; everything but the model and the sampler."""
-    runner = HostOnlyRunner()
-    scheduler = Scheduler(runner, SchedulerConfig(max_running_requests=64, max_prefill_tokens=4096, mixed_chunk=False))
+    runner, kv = HostOnlyRunner(), _kv(num_slots=40_000)
+    scheduler = Scheduler(runner, kv, SchedulerConfig(max_running_requests=64, max_prefill_tokens=4096, mixed_chunk=False))
     for i in range(batch_size):
         # Never finishes within the timing: no EOS, a large token allowance.
         scheduler.add_request(Req(f"r{i}", list(range(1, 65)), SamplingParams(max_new_tokens=1000), (), 2048))
@@ -120,5 +127,5 @@ def test_scheduler_decode_tick(benchmark, batch_size):
         assert scheduler.step() == []  # nothing finishes; the batch stays steady
 
     tick()
-    benchmark.pedantic(tick, setup=lambda: _undo_decode_step(runner, reqs), rounds=1000, warmup_rounds=20)
+    benchmark.pedantic(tick, setup=lambda: _undo_decode_step(runner, kv, reqs), rounds=1000, warmup_rounds=20)
     assert runner.last_batch.forward_mode.is_decode_or_idle() and len(scheduler.running) == batch_size

@@ -23,6 +23,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 _DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 _WEIGHT_MODES = ("native", "dequantize")
 _MODEL_SOURCES = ("gguf", "hf", "random")
+_ADMISSION_POLICIES = ("optimistic", "reserve")
 _DEFAULT_PREFILL_TOKENS = 2048
 
 
@@ -105,6 +106,19 @@ class SchedulerConfig:
     # largest token bucket of the extend backend (so every chunk fits a graph), else 2048.
     max_prefill_tokens: int
     mixed_chunk: bool  # running decodes join a prefill batch as one-token extends (MIXED)
+    # optimistic: admit against what the next steps need plus an estimate of future decode
+    # tokens, and retract running requests when a decode step cannot get its slots.
+    # reserve: admit only when each request's worst case (prompt + max_new_tokens) is promised;
+    # nothing is ever retracted, but a few huge requests can hold the pool for everyone.
+    admission: str = "optimistic"
+    # The estimate of future decode tokens is ratio x each request's remaining max_new_tokens
+    # (capped by new_token_estimate_cap): the ratio starts at init_new_token_ratio, decays by
+    # new_token_ratio_decay per decode step down to min_new_token_ratio, and is reset to the
+    # start on every retraction.
+    init_new_token_ratio: float = 0.7
+    min_new_token_ratio: float = 0.1
+    new_token_ratio_decay: float = 0.001
+    new_token_estimate_cap: int = 4096
 
 
 @dataclass(frozen=True)
@@ -176,6 +190,19 @@ def _scheduler(values: Mapping[str, Any], capture: Mapping[str, Any]) -> Schedul
         _check_positive_int(values.get(key), f"scheduler.{key}")
     if not isinstance(values.get("mixed_chunk"), bool):
         raise ConfigError(f"scheduler.mixed_chunk must be true or false, got {values.get('mixed_chunk')!r}")
+    if values.get("admission", "optimistic") not in _ADMISSION_POLICIES:
+        raise ConfigError(f"scheduler.admission must be one of {list(_ADMISSION_POLICIES)}, got {values['admission']!r}")
+    for key in ("init_new_token_ratio", "min_new_token_ratio", "new_token_ratio_decay"):
+        value = values.get(key, getattr(SchedulerConfig, key))
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+            raise ConfigError(f"scheduler.{key} must be a number in [0, 1], got {value!r}")
+        values[key] = float(value)
+    if values.get("min_new_token_ratio", 0.1) > values.get("init_new_token_ratio", 0.7):
+        raise ConfigError(
+            f"scheduler.min_new_token_ratio ({values['min_new_token_ratio']}) must not exceed "
+            f"scheduler.init_new_token_ratio ({values['init_new_token_ratio']})"
+        )
+    _check_positive_int(values.get("new_token_estimate_cap", 4096), "scheduler.new_token_estimate_cap")
     return SchedulerConfig(**values)
 
 

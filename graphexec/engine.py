@@ -18,6 +18,7 @@ from graphexec.config import EngineConfig
 from graphexec.engine_loop import EngineLoop
 from graphexec.engine_metrics import EngineMetrics
 from graphexec.errors import InvalidRequestError, RequestFailedError
+from graphexec.kv_cache_manager import KVCacheManager
 from graphexec.model_runner import ModelRunner
 from graphexec.models.checkpoint import LoadedCheckpoint, load_checkpoint
 from graphexec.prompt_encoder import Prompt, PromptEncoder
@@ -48,7 +49,8 @@ class Engine:
         checkpoint, self.runner = call_in_thread(self._load_and_capture)
         self.model_config = checkpoint.config
         self.tokenizer = checkpoint.tokenizer
-        self.scheduler = Scheduler(self.runner, self.config.scheduler, prefix_cache=self.config.cache.prefix_cache)
+        self.kv_cache = self.runner.kv_cache
+        self.scheduler = Scheduler(self.runner, self.kv_cache, self.config.scheduler)
         self.prompt_encoder = PromptEncoder(self.tokenizer, self.model_config.name, self.model_config.vocab_size, self.max_context)
         self._request_ids = itertools.count()
         self._loop = EngineLoop(self.scheduler, self.runner.device)
@@ -61,7 +63,10 @@ class Engine:
         if device.type == "cuda" and device.index is not None:
             torch.cuda.set_device(device)  # the current CUDA device is per thread (as in EngineLoop)
         checkpoint = load_checkpoint(self.config.model, self.config.torch_dtype)
-        runner = ModelRunner(self.config, checkpoint)
+        model = checkpoint.config
+        max_context = min(self.config.cache.max_context or model.max_context, model.max_context)
+        kv_cache = KVCacheManager.from_config(self.config, model, max_context)
+        runner = ModelRunner(self.config, checkpoint, kv_cache)
         runner.capture()
         return checkpoint, runner
 
@@ -72,7 +77,7 @@ class Engine:
     @property
     def max_request_tokens(self) -> int:
         """Most tokens (prompt + generated) one request may hold: the context, or the KV pool if smaller."""
-        return min(self.max_context, self.scheduler.kv_capacity)
+        return min(self.max_context, self.kv_cache.num_slots)
 
     def generate(
         self,
@@ -159,7 +164,7 @@ class Engine:
         return self.prompt_encoder.encode_chat(messages)
 
     def kv_slots_free(self) -> int:
-        return self.runner.kv_pool.num_free
+        return self.kv_cache.num_free
 
     def flush_cache(self) -> int:
         """Drop every cached prompt prefix, returning its KV slots to the pool; refused
@@ -192,10 +197,10 @@ class Engine:
             eos_token_ids=self.model_config.eos_token_ids,
             max_context=self.max_context,
         )
-        if req.max_total_tokens() > self.scheduler.kv_capacity:
+        if req.max_total_tokens() > self.kv_cache.num_slots:
             raise InvalidRequestError(
                 f"{label} needs up to {req.max_total_tokens()} KV slots (prompt + max_new_tokens) "
-                f"but the pool has {self.scheduler.kv_capacity}; lower max_new_tokens or raise cache.num_slots",
+                f"but the pool has {self.kv_cache.num_slots}; lower max_new_tokens or raise cache.num_slots",
                 param="max_tokens",
             )
         return req

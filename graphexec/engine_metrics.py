@@ -23,8 +23,11 @@ class EngineMetrics:
     kv_slots_total: int
     kv_slots_used: int
     kv_slots_free: int
-    kv_slots_reserved: int  # worst case promised to admitted requests (admission control)
+    # Slots admission counts as spoken for beyond what requests have mapped: their worst case
+    # (scheduler.admission=reserve) or the tokens they still compute plus the decode estimate (optimistic).
+    kv_slots_reserved: int
     kv_slots_cached: int  # owned by the prefix cache (part of kv_slots_used; evictable unless in use)
+    retractions_total: int  # running requests whose KV was taken back under pressure (they resumed later)
     tokens_per_s: float  # generated tokens per second over the last few seconds
     generated_tokens_total: int
     finished: Mapping[str, int]  # ended requests by finish reason, plus "error"
@@ -33,7 +36,7 @@ class EngineMetrics:
     @classmethod
     def collect(cls, scheduler: Scheduler, runner: ModelRunner, loop: EngineLoop) -> EngineMetrics:
         running = len(scheduler.running)
-        kv = runner.kv_pool
+        kv = scheduler.kv_cache
         free = kv.num_free
         return cls(
             running=running,
@@ -41,8 +44,9 @@ class EngineMetrics:
             kv_slots_total=kv.num_slots,
             kv_slots_used=kv.num_slots - free,
             kv_slots_free=free,
-            kv_slots_reserved=_read_while_changing(lambda: scheduler.reserved_slots),
-            kv_slots_cached=scheduler.cached_slots,
+            kv_slots_reserved=_read_while_changing(lambda: scheduler.promised_slots),
+            kv_slots_cached=kv.num_cached,
+            retractions_total=scheduler.num_retractions,
             tokens_per_s=loop.stats.tokens_per_s(time.perf_counter()),
             generated_tokens_total=loop.stats.tokens_total(),
             finished=loop.stats.finished(),

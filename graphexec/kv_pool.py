@@ -25,6 +25,10 @@ class SlotAllocator:
     def num_free(self) -> int:
         return int(self._free.numel())
 
+    def free_slots(self) -> torch.Tensor:
+        """A copy of the free list (for audits)."""
+        return self._free.clone()
+
     def alloc(self, n: int) -> torch.Tensor:
         if n > self.num_free:
             raise RuntimeError(f"KV pool exhausted: need {n} slots, {self.num_free} free")
@@ -75,6 +79,9 @@ class TokenToKVPool:
 
     def alloc(self, n: int) -> torch.Tensor:
         return self.allocator.alloc(n)
+
+    def free_slots(self) -> torch.Tensor:
+        return self.allocator.free_slots()
 
     def free(self, slots: torch.Tensor) -> None:
         self.allocator.free(slots)

@@ -1,5 +1,6 @@
-"""ModelRunner: owns the weights, the KV pools, the attention backend and one capture backend per
-ForwardMode, and turns a ForwardBatch into sampled tokens.
+"""ModelRunner: owns the weights, the attention backend and one capture backend per ForwardMode,
+and turns a ForwardBatch into sampled tokens.  It reads and writes the KV pools of the KV cache
+manager it is given; it never allocates or frees a slot.
 """
 
 from __future__ import annotations
@@ -17,13 +18,12 @@ from graphexec.config import EngineConfig
 from graphexec.forward_batch import ForwardBatch
 from graphexec.forward_context import ForwardContext, forward_context
 from graphexec.forward_mode import ForwardMode
-from graphexec.kv_pool import TokenToKVPool
+from graphexec.kv_cache_manager import KVCacheManager
 from graphexec.loader import LoadedCheckpoint
 from graphexec.logits_processor import LogitsProcessor
 from graphexec.models.config import ModelConfig
 from graphexec.models.llama import LlamaForCausalLM
 from graphexec.quant import QuantEmbedding, QuantLinear, ensure_kernels
-from graphexec.req_to_token_pool import ReqToTokenPool
 from graphexec.sampler import Sampler, SamplerOutput
 
 
@@ -34,12 +34,13 @@ class StepOutput:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, checkpoint: LoadedCheckpoint):
+    def __init__(self, config: EngineConfig, checkpoint: LoadedCheckpoint, kv_cache: KVCacheManager):
         self.config = config
         self.model_config: ModelConfig = checkpoint.config
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype
-        self.max_context = min(config.cache.max_context or self.model_config.max_context, self.model_config.max_context)
+        self.kv_cache = kv_cache
+        self.max_context = kv_cache.req_to_token_pool.max_context
 
         # Built on the meta device and given the checkpoint's tensors: no second copy of the weights.
         # RoPE tables stay fp32 like the reference; the model casts per use.
@@ -51,11 +52,6 @@ class ModelRunner:
         self.model = model.to(device=self.device).eval()
 
         mc = self.model_config
-        self.req_to_token_pool = ReqToTokenPool(config.scheduler.max_running_requests, self.max_context, self.device)
-        self.kv_pool = TokenToKVPool(
-            config.cache.num_slots, mc.num_layers, mc.num_kv_heads, mc.head_dim,
-            config.cache.torch_dtype or self.dtype, self.device,
-        )
         self.attn_backend = create_attention_backend(config.attention_backend, mc.num_heads, mc.num_kv_heads, mc.head_dim)
         self.logits_processor = LogitsProcessor(self.model.compute_logits)
         self.sampler = Sampler()
@@ -88,9 +84,10 @@ class ModelRunner:
 
     @contextlib.contextmanager
     def _forward_scope(self, fb: ForwardBatch) -> Iterator[None]:
-        with forward_context(ForwardContext(fb, self.attn_backend, self.kv_pool, self.req_to_token_pool)):
+        kv = self.kv_cache
+        with forward_context(ForwardContext(fb, self.attn_backend, kv.token_pool, kv.req_to_token_pool)):
             # Metadata is prepared once per forward, outside any graph.
-            self.attn_backend.init_forward_metadata(fb, self.req_to_token_pool.req_to_token)
+            self.attn_backend.init_forward_metadata(fb, kv.req_to_token_pool.req_to_token)
             yield
 
     @torch.inference_mode()

@@ -109,7 +109,7 @@ class RadixCache:
     def evict(self, num_tokens: int) -> int:
         """Free at least `num_tokens` slots (fewer if not that many are evictable), least recently
         used leaves first; returns how many were freed."""
-        leaves = [(n.last_access, id(n), n) for n in self._nodes() if not n.children and n.lock_ref == 0]
+        leaves = [(n.last_access, id(n), n) for n in self.nodes() if not n.children and n.lock_ref == 0]
         heapq.heapify(leaves)
         freed = 0
         while freed < num_tokens and leaves:
@@ -138,7 +138,8 @@ class RadixCache:
         head.children[child.key[0]] = child
         return head
 
-    def _nodes(self):
+    def nodes(self):
+        """Every node but the root."""
         stack = list(self.root.children.values())
         while stack:
             node = stack.pop()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -27,19 +26,14 @@ class Req:
     eos_token_ids: tuple[int, ...]
     max_context: int
     output_ids: list[int] = field(default_factory=list)
-    # Row in ReqToTokenPool while the request holds KV; None before admission and after release.
-    req_pool_idx: int | None = None
-    # Tokens whose KV is already in the pool (prefix-cache hit or earlier prefill chunks).
-    num_cached_tokens: int = 0
-    # Leading tokens whose KV slots belong to the prefix cache (matched at admission), and the
-    # cache node that ends them, locked while this request holds them.
-    num_prefix_tokens: int = 0
-    prefix_node: Any = None
-    # Prompt tokens reused from the prefix cache at admission (kept after release, for usage).
+    # Leading tokens (prompt, then output) whose KV is computed: a prefix-cache hit, earlier prompt
+    # chunks, decode steps.  Back to 0 when the request is retracted; where the KV lives, and
+    # which slots the prefix cache owns, is the KV cache manager's business.
+    num_computed_tokens: int = 0
+    # Prompt tokens the prefix cache supplied at first admission (kept, for usage).
     num_reused_tokens: int = 0
-    # Tokens with a KV slot mapped in req_to_token; ahead of num_cached_tokens while a forward
-    # that will fill them is in flight.  Release frees exactly these.
-    num_allocated_tokens: int = 0
+    # Times the scheduler took this request's KV back under memory pressure (it then resumed).
+    num_retractions: int = 0
     finish_reason: FinishReason | None = None
     # The token that ended the request when it is a stop token; kept out of output_ids.
     matched_stop_token: int | None = None
@@ -60,7 +54,7 @@ class Req:
         return self.finish_reason is not None
 
     def max_total_tokens(self) -> int:
-        """Upper bound on KV slots this request can ever hold (used to reserve capacity)."""
+        """Upper bound on the tokens (so KV slots) this request can ever hold."""
         return min(len(self.prompt_ids) + self.params.max_new_tokens, self.max_context)
 
     def append_token(self, token_id: int) -> None:

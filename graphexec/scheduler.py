@@ -1,56 +1,58 @@
-"""A minimal continuous-batching scheduler: prefill first under a token budget, then decode.
+"""A continuous-batching scheduler: prefill first under a token budget, then decode.
 
-Admission reserves each request's worst-case KV (prompt + max_new_tokens, capped by the context),
-so a running request can always take its next decode slot and nothing ever needs preempting.
-With the prefix cache, a request first maps the longest cached prefix of its prompt (all but
-the last token, which must be computed to sample from), locks it, and reserves only the rest.
-What it prefills is cached as soon as it is computed, the rest when it ends; unlocked cached KV
-is evicted, least recently used first, whenever a forward needs the slots.
+It decides what runs; the KV cache manager (graphexec/kv_cache_manager.py) does the accounting
+and the admission policy (graphexec/admission.py) says whether the head of the queue may start.
+One step:
+
+1. Admit waiting requests in order while the policy agrees, the prefill token budget lasts and
+   table rows remain; each maps its cached prefix and computes the rest, in chunks when long.
+2. If any were admitted, run them (with `mixed_chunk`, the running decodes ride along);
+   otherwise decode every running request.
+3. If the forward cannot get its slots (free or evictable), retract running requests, the one
+   with the most tokens left first: their computed KV goes to the prefix cache, they go back to
+   the head of the queue and later resume by recomputing prompt + output so far (what the cache
+   kept is reused), with their outputs and random streams untouched.
+4. Record the sampled tokens; cache what the prefills computed; release what finished.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 
+from graphexec.admission import create_admission
 from graphexec.config import SchedulerConfig
+from graphexec.kv_cache_manager import KVCacheManager
 from graphexec.model_runner import ModelRunner, StepOutput
-from graphexec.prefix_cache import RadixCache
 from graphexec.request import FinishReason, Req
 from graphexec.sampler import make_generator
 from graphexec.schedule_batch import ScheduleBatch
 
 
 class Scheduler:
-    def __init__(self, runner: ModelRunner, config: SchedulerConfig, prefix_cache: bool = False):
+    def __init__(self, runner: ModelRunner, kv_cache: KVCacheManager, config: SchedulerConfig):
         self.runner = runner
+        self.kv_cache = kv_cache
         self.config = config
+        self.admission = create_admission(config)
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
-        # Worst-case new KV slots promised to each admitted request (beyond its cached prefix).
-        self._reservations: dict[Req, int] = {}
-        self.prefix_cache = RadixCache(runner.kv_pool.free) if prefix_cache else None
+        self.num_retractions = 0
 
     @property
     def kv_capacity(self) -> int:
-        return self.runner.kv_pool.num_slots
+        return self.kv_cache.num_slots
 
     @property
-    def reserved_slots(self) -> int:
-        return sum(self._reservations.values())
-
-    @property
-    def cached_slots(self) -> int:
-        """Slots the prefix cache owns (in use by running requests or evictable)."""
-        return self.prefix_cache.cached_tokens if self.prefix_cache else 0
+    def promised_slots(self) -> int:
+        """Slots the admission policy counts as spoken for beyond what holders have mapped."""
+        return self.admission.promised(self.kv_cache)
 
     def flush_cache(self) -> int:
         """Evict the whole prefix cache; refused while requests are in flight.  Returns slots freed."""
         if self.has_unfinished():
             raise RuntimeError("flush_cache: requests are in flight; flush when the engine is idle")
-        freed = self.cached_slots
-        if self.prefix_cache:
-            self.prefix_cache.reset()
-        return freed
+        return self.kv_cache.flush()
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -67,59 +69,59 @@ class Scheduler:
         return self.finish(rid, FinishReason.ABORT)
 
     def step(self) -> list[Req]:
-        """Run one forward: a prefill batch (chunked to the token budget; with mixed_chunk, the
-        running requests' decode tokens ride along as one-token extends) if any request can be
-        admitted, else a decode batch."""
-        budget = self.config.max_prefill_tokens
+        """Run one forward (a prefill batch if any request can be admitted, else a decode batch)
+        and return the requests it finished."""
         mixed = self.config.mixed_chunk and bool(self.running)
-        if mixed:
-            budget -= len(self.running)
-        admitted, chunks = self._admit(budget)
-        runner = self.runner
-        if admitted and mixed:
-            reqs, lens = admitted + self.running, chunks + [1] * len(self.running)
-        else:
-            reqs, lens = (admitted, chunks) if admitted else (list(self.running), None)
+        admitted, chunks = self._admit(self.config.max_prefill_tokens - (len(self.running) if mixed else 0))
+        decoding = not admitted or mixed
+        if decoding:
+            self._retract_for(sum(chunks) + len(self.running))
+        reqs = admitted + (self.running if decoding else [])
         if not reqs:
             return []
+        lens = chunks + [1] * (len(reqs) - len(admitted))
         try:
-            self._make_room(len(reqs) if lens is None else sum(lens))
-            if lens is None:
-                batch = ScheduleBatch.prepare_for_decode(reqs, runner.req_to_token_pool, runner.kv_pool)
+            slots = self.kv_cache.allocate(reqs, lens)
+            rows = self.kv_cache.rows(reqs)
+            if admitted:
+                batch = ScheduleBatch.extend(reqs, lens, rows, slots, mixed=decoding)
             else:
-                batch = ScheduleBatch.prepare_for_extend(
-                    reqs, runner.req_to_token_pool, runner.kv_pool, lens, mixed=bool(admitted and mixed)
-                )
-            result = runner.forward_and_sample(runner.init_forward_batch(batch))
+                batch = ScheduleBatch.decode(reqs, rows, slots)
+            result = self.runner.forward_and_sample(self.runner.init_forward_batch(batch))
         except BaseException:
             # Leave the pools as if these requests had never run; other requests are untouched.
             for req in reqs:
                 req.finish_reason = FinishReason.ABORT
-                self._release(req, cache=False)  # its KV may be half written
+                self.kv_cache.release(req, cache=False)  # its KV may be half written
             self.running = [r for r in self.running if not r.finished]
             self.waiting = deque(r for r in self.waiting if not r.finished)
             raise
+        if not admitted:
+            self.admission.on_decode_step()
         finished = self._process_result(batch, result)
-        if self.prefix_cache is not None:
+        if self.kv_cache.prefix_cache is not None:
             for req in admitted:
                 if not req.finished:
-                    self._cache_computed(req)
+                    self.kv_cache.cache_computed(req)
         return finished
 
     def _admit(self, budget: int) -> tuple[list[Req], list[int]]:
         """Waiting requests for the next prefill and how many new tokens each computes now.
 
         A prompt longer than the remaining budget is cut into chunks over several steps; it stays
-        at the head of the queue, its KV and reservation kept, until its last chunk runs.
+        at the head of the queue, holding its KV, until its last chunk runs.
         """
         admitted: list[Req] = []
         chunks: list[int] = []
+        decode_tokens = len(self.running) if self.config.mixed_chunk else 0
         while budget > 0 and self.waiting and len(self.running) + len(admitted) < self.config.max_running_requests:
             req = self.waiting[0]
-            if req not in self._reservations and not self._reserve(req):
+            if not self.kv_cache.holds(req) and not self._start(req):
                 break
-            remaining = req.seq_len - req.num_cached_tokens
+            remaining = req.seq_len - req.num_computed_tokens
             chunk = min(remaining, budget)
+            if not self.kv_cache.can_allocate(sum(chunks) + chunk + decode_tokens):
+                break  # its next chunk must wait for room (decode steps free it or retract)
             admitted.append(req)
             chunks.append(chunk)
             budget -= chunk
@@ -128,57 +130,40 @@ class Scheduler:
             self.waiting.popleft()
         return admitted, chunks
 
-    def _reserve(self, req: Req) -> bool:
-        """Map the request's cached prefix and promise it the slots for the rest, if they fit:
-        reservations plus locked cached KV never exceed the pool, so evicting what is unlocked
-        always makes room for any promised slot."""
-        match = None
-        if self.prefix_cache is not None:
-            match = self.prefix_cache.match(req.prompt_ids[: len(req.prompt_ids) - 1])
-            self.prefix_cache.lock(match.node)
-        need = req.max_total_tokens() - (len(match) if match else 0)
-        locked = self.prefix_cache.locked_tokens if self.prefix_cache else 0
-        if self.reserved_slots + need + locked > self.kv_capacity:
-            if match is not None:
-                self.prefix_cache.unlock(match.node)
+    def _start(self, req: Req) -> bool:
+        """Admit the request into the KV cache (its cached prefix mapped) if the policy agrees."""
+        reused = self.kv_cache.admit(req)
+        if not self.admission.admits(req, self.kv_cache):
+            self.kv_cache.release(req, cache=False)
             return False
-        self._reservations[req] = need
-        if match is not None:
-            req.prefix_node = match.node
-            if len(match):
-                pool = self.runner.req_to_token_pool
-                req.req_pool_idx = pool.alloc()
-                pool.write(req.req_pool_idx, 0, match.slots.to(pool.req_to_token.device))
-                req.num_prefix_tokens = req.num_cached_tokens = req.num_allocated_tokens = len(match)
-                req.num_reused_tokens = len(match)
+        req.num_computed_tokens = reused
+        if req.num_retractions == 0:
+            req.num_reused_tokens = reused
         return True
 
-    def _cache_computed(self, req: Req) -> None:
-        """Hand the KV a request has computed so far to the prefix cache: after each prefill, so
-        requests admitted from now on (not only after it ends) reuse it, and when it ends.  The
-        request keeps those slots as its locked prefix; its reservation shrinks by as many, so
-        reservations plus locked cached KV still never exceed the pool."""
-        cache, pool = self.prefix_cache, self.runner.req_to_token_pool
-        computed, old_prefix = req.num_cached_tokens, req.num_prefix_tokens
-        if computed <= old_prefix:
+    def _retract_for(self, num_slots: int) -> None:
+        """Retract running requests until a forward of `num_slots` new tokens (one per running
+        request among them) can get its slots."""
+        victims: list[Req] = []
+        while not self.kv_cache.can_allocate(num_slots) and self.running:
+            victim = max(
+                enumerate(self.running), key=lambda item: (item[1].max_total_tokens() - item[1].seq_len, item[0])
+            )[1]
+            self.running.remove(victim)
+            self.kv_cache.release(victim)
+            victim.num_computed_tokens = 0
+            victim.num_retractions += 1
+            victims.append(victim)
+            num_slots -= 1
+        if not victims:
             return
-        slots = pool.req_to_token[req.req_pool_idx, :computed].clone().cpu()
-        already = cache.insert(req.all_ids[:computed], slots)
-        match = cache.match(req.all_ids[:computed])
-        if already > old_prefix:  # another request cached these first: use its slots, free ours
-            self.runner.kv_pool.free(slots[old_prefix:already])
-            pool.write(req.req_pool_idx, old_prefix, match.slots[old_prefix:already].to(pool.req_to_token.device))
-        cache.lock(match.node)
-        if req.prefix_node is not None:
-            cache.unlock(req.prefix_node)
-        req.prefix_node, req.num_prefix_tokens = match.node, computed
-        if req in self._reservations:  # batches built by hand (tests, benchmarks) reserve nothing
-            self._reservations[req] -= computed - old_prefix
-
-    def _make_room(self, num_slots: int) -> None:
-        short = num_slots - self.runner.kv_pool.num_free
-        if short > 0 and self.prefix_cache is not None:
-            self.prefix_cache.evict(short)
+        self.num_retractions += len(victims)
+        self.admission.on_retract()
+        # Back at the head of the queue, in the order they were running; behind a request whose
+        # prompt is half prefilled, which holds KV and must finish first.
+        at = 1 if self.waiting and self.kv_cache.holds(self.waiting[0]) else 0
+        for victim in reversed(victims):
+            self.waiting.insert(at, victim)
 
     def _process_result(self, batch: ScheduleBatch, result: StepOutput) -> list[Req]:
         out = result.sampler
@@ -186,7 +171,7 @@ class Scheduler:
         finished = []
         running = set(self.running)
         for i, (req, seq_len, samples) in enumerate(zip(batch.reqs, batch.seq_lens, batch.samples)):
-            req.num_cached_tokens = seq_len
+            req.num_computed_tokens = seq_len
             if not samples:
                 continue  # a prompt chunk: its KV is kept, its token comes with the last chunk
             n_before = len(req.output_ids)
@@ -195,32 +180,12 @@ class Scheduler:
                 req.output_logprobs.append(_logprob_entry(out, i, req.params.logprobs))
             if req.finished:
                 finished.append(req)
-                self._release(req)
+                self.kv_cache.release(req)
             elif req not in running:
                 self.running.append(req)
         if finished:
             self.running = [r for r in self.running if not r.finished]
         return finished
-
-    def _release(self, req: Req, cache: bool = True) -> None:
-        """Return what a request holds (idempotent): its table row, its reservation, its lock on
-        the prefix cache, and its KV slots, which go into the prefix cache when `cache` (those
-        whose KV was computed) or back to the pool."""
-        if req.req_pool_idx is not None:
-            if cache and self.prefix_cache is not None:
-                self._cache_computed(req)
-            pool = self.runner.req_to_token_pool
-            # The prefix's slots belong to the cache; the rest (KV not computed, or everything
-            # past the prefix when not caching) are the request's own.
-            owned = pool.req_to_token[req.req_pool_idx, req.num_prefix_tokens : req.num_allocated_tokens]
-            self.runner.kv_pool.free(owned.clone().cpu())
-            pool.free(req.req_pool_idx)
-            req.req_pool_idx = None
-            req.num_cached_tokens = req.num_allocated_tokens = req.num_prefix_tokens = 0
-        if req.prefix_node is not None:
-            self.prefix_cache.unlock(req.prefix_node)
-            req.prefix_node = None
-        self._reservations.pop(req, None)
 
     def finish(self, rid: str, reason: FinishReason) -> bool:
         """End a waiting or running request early (an abort, or a stop string matched in the
@@ -230,9 +195,30 @@ class Scheduler:
                 if req.rid == rid:
                     queue.remove(req)
                     req.finish_reason = reason
-                    self._release(req)
+                    self.kv_cache.release(req)
                     return True
         return False
+
+    # ---- batches built by hand (tests, benchmarks): no admission policy, no prefix reuse ----
+
+    def plan_extend(self, reqs: Sequence[Req], extend_lens: Sequence[int] | None = None) -> ScheduleBatch:
+        """Slots for each request's next `extend_lens` uncomputed tokens (default: all of them)
+        and the batch that computes them.  Set `num_computed_tokens` after running it."""
+        for req in reqs:
+            if not self.kv_cache.holds(req):
+                self.kv_cache.admit(req, reuse_prefix=False)
+        if extend_lens is None:
+            extend_lens = [r.seq_len - r.num_computed_tokens for r in reqs]
+        slots = self.kv_cache.allocate(reqs, extend_lens)
+        return ScheduleBatch.extend(reqs, extend_lens, self.kv_cache.rows(reqs), slots)
+
+    def plan_decode(self, reqs: Sequence[Req]) -> ScheduleBatch:
+        slots = self.kv_cache.allocate(reqs, [1] * len(reqs))
+        return ScheduleBatch.decode(reqs, self.kv_cache.rows(reqs), slots)
+
+    def release(self, req: Req, cache: bool = True) -> None:
+        """Free what a hand-run request holds (its computed KV cached when `cache`)."""
+        self.kv_cache.release(req, cache=cache)
 
 
 def _logprob_entry(out, row: int, top_k: int) -> dict:

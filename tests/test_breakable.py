@@ -101,7 +101,7 @@ def test_user_marked_break_keeps_tokens(eager_tokens):
 
 
 def test_padded_tokens_write_only_the_dummy_slot(breakable):
-    kv = breakable.runner.kv_pool
+    kv = breakable.kv_cache.token_pool
     breakable.flush_cache()  # cached KV would be poisoned below
     assert kv.num_free == kv.num_slots
     for buf in kv.k_buffers + kv.v_buffers:

@@ -55,7 +55,7 @@ def test_abort_via_python_api_frees_slots(engine):
     with slowed(engine):
         stream = engine.stream(_ids(10, 4), LONG)
         first = [next(stream) for _ in range(3)]
-        assert engine.runner.kv_pool.num_free < engine.runner.kv_pool.num_slots
+        assert engine.kv_cache.num_free < engine.kv_cache.num_slots
         assert engine.abort(stream.request_id)
         rest = list(stream)
     assert rest[-1].finish_reason == "abort"

@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from graphexec import Engine, SamplingParams
-from graphexec.schedule_batch import ScheduleBatch
 from tests.invariants import assert_no_leak
 from tests.reference import hf_greedy, hf_last_logits, hf_model_from
 
@@ -46,16 +45,16 @@ def _runner_logits(engine, prompts, decode_tokens):
     from graphexec.request import Req
 
     reqs = [Req(f"r{i}", p, GREEDY, (), engine.max_context) for i, p in enumerate(prompts)]
-    batch = ScheduleBatch.prepare_for_extend(reqs, runner.req_to_token_pool, runner.kv_pool)
+    batch = engine.scheduler.plan_extend(reqs)
     prefill = runner.forward_and_sample(runner.init_forward_batch(batch)).logits
     for req, tok in zip(reqs, decode_tokens):
-        req.num_cached_tokens = req.seq_len
+        req.num_computed_tokens = req.seq_len
         req.output_ids.append(tok)
-    batch = ScheduleBatch.prepare_for_decode(reqs, runner.req_to_token_pool, runner.kv_pool)
+    batch = engine.scheduler.plan_decode(reqs)
     decode = runner.forward_and_sample(runner.init_forward_batch(batch)).logits
     for req in reqs:
-        req.num_cached_tokens = req.seq_len
-        engine.scheduler._release(req)
+        req.num_computed_tokens = req.seq_len
+        engine.scheduler.release(req)
     return prefill, decode
 
 
@@ -138,7 +137,7 @@ def test_smollm2_bf16_agrees_with_fp32_except_near_ties(smollm2_engine):
     ]
     params = SamplingParams(max_new_tokens=48, temperature=0.0, ignore_eos=True, logprobs=2)
     bf16 = Engine(overrides=["capture=eager", "model.dtype=bf16", "cache.num_slots=1024"])
-    assert bf16.runner.kv_pool.k_buffers[0].dtype == torch.bfloat16  # the KV cache follows model.dtype
+    assert bf16.kv_cache.token_pool.k_buffers[0].dtype == torch.bfloat16  # the KV cache follows model.dtype
     reference = smollm2_engine.generate(texts, params, chat=True)
     agreed = 0
     for fp32_out, bf16_out in zip(reference, bf16.generate(texts, params, chat=True)):
@@ -166,15 +165,15 @@ def test_prefix_then_extend_equals_one_extend(tiny_engine):
     prompt = [11, 12, 13, 14, 15, 16]
     full, _ = _runner_logits(tiny_engine, [prompt], [5])
     req = Req("p", prompt[:3], GREEDY, (), tiny_engine.max_context)
-    batch = ScheduleBatch.prepare_for_extend([req], runner.req_to_token_pool, runner.kv_pool)
+    batch = tiny_engine.scheduler.plan_extend([req])
     runner.forward_and_sample(runner.init_forward_batch(batch))
-    req.num_cached_tokens = 3
+    req.num_computed_tokens = 3
     req.prompt_ids = prompt
-    batch = ScheduleBatch.prepare_for_extend([req], runner.req_to_token_pool, runner.kv_pool)
+    batch = tiny_engine.scheduler.plan_extend([req])
     fb = runner.init_forward_batch(batch)
     assert fb.positions.tolist() == [3, 4, 5]
     logits = runner.forward_and_sample(fb).logits
     torch.testing.assert_close(logits[0], full[0], atol=1e-5, rtol=1e-5)
-    req.num_cached_tokens = req.seq_len
-    tiny_engine.scheduler._release(req)
+    req.num_computed_tokens = req.seq_len
+    tiny_engine.scheduler.release(req)
     assert_no_leak(tiny_engine)

@@ -5,6 +5,7 @@ import torch
 from graphexec import SamplingParams
 from graphexec.forward_batch import ForwardBatch
 from graphexec.forward_mode import ForwardMode
+from graphexec.kv_cache_manager import KVCacheManager
 from graphexec.kv_pool import DUMMY_SLOT, TokenToKVPool
 from graphexec.logits_processor import LogitsProcessor
 from graphexec.req_to_token_pool import DUMMY_REQ_ROW, ReqToTokenPool
@@ -14,23 +15,32 @@ from graphexec.schedule_batch import ScheduleBatch
 VOCAB = 64
 
 
-def _pools():
-    return ReqToTokenPool(max_requests=4, max_context=32), TokenToKVPool(64, 1, 1, 4, torch.float32)
+def _kv(prefix_cache=False):
+    return KVCacheManager(TokenToKVPool(64, 1, 1, 4, torch.float32), ReqToTokenPool(max_requests=4, max_context=32), prefix_cache)
 
 
-def _req(rid, prompt, cached=0):
-    return Req(rid, list(prompt), SamplingParams(), eos_token_ids=(0,), max_context=32, num_cached_tokens=cached)
+def _req(rid, prompt):
+    return Req(rid, list(prompt), SamplingParams(), eos_token_ids=(0,), max_context=32)
+
+
+def _plan_extend(kv, reqs):
+    """What the scheduler does for a prefill: admit (cached prefix mapped), allocate, plan."""
+    for req in reqs:
+        req.num_computed_tokens = kv.admit(req)
+    lens = [r.seq_len - r.num_computed_tokens for r in reqs]
+    return ScheduleBatch.extend(reqs, lens, kv.rows(reqs), kv.allocate(reqs, lens))
 
 
 def test_seed001_nine_tokens_two_logits_rows():
-    req_pool, kv_pool = _pools()
-    r1 = _req("r1", [11, 12, 13, 14, 15, 16])
+    kv = _kv(prefix_cache=True)
     # R2's first three tokens hit the prefix cache: their KV already sits in slots 60..62.
-    r2 = _req("r2", [21, 22, 23, 24, 25, 26], cached=3)
-    r2.req_pool_idx = req_pool.alloc()
-    req_pool.write(r2.req_pool_idx, 0, torch.tensor([60, 61, 62]))
+    taken = kv.token_pool.alloc(64)
+    kv.token_pool.free(taken[(taken < 60) | (taken > 62)])
+    kv.prefix_cache.insert([21, 22, 23], torch.tensor([60, 61, 62]))
+    r1 = _req("r1", [11, 12, 13, 14, 15, 16])
+    r2 = _req("r2", [21, 22, 23, 24, 25, 26])
 
-    batch = ScheduleBatch.prepare_for_extend([r1, r2], req_pool, kv_pool)
+    batch = _plan_extend(kv, [r1, r2])
     fb = ForwardBatch.init_new(batch, "cpu", VOCAB)
 
     assert fb.forward_mode is ForwardMode.EXTEND
@@ -46,9 +56,11 @@ def test_seed001_nine_tokens_two_logits_rows():
 
     # Nine new slots, none of them the dummy, mapped at each request's new positions.
     slots = fb.out_cache_loc.tolist()
+    table = kv.req_to_token_pool.req_to_token
     assert len(set(slots)) == 9 and DUMMY_SLOT not in slots
-    assert req_pool.req_to_token[r1.req_pool_idx, :6].tolist() == slots[:6]
-    assert req_pool.req_to_token[r2.req_pool_idx, :6].tolist() == [60, 61, 62] + slots[6:]
+    assert table[kv.row(r1), :6].tolist() == slots[:6]
+    assert table[kv.row(r2), :6].tolist() == [60, 61, 62] + slots[6:]
+    kv.audit()
 
     hidden = torch.arange(9 * 8, dtype=torch.float32).view(9, 8)
     logits = LogitsProcessor(lambda h: h @ torch.ones(8, VOCAB))(hidden, fb)
@@ -57,15 +69,15 @@ def test_seed001_nine_tokens_two_logits_rows():
 
 
 def test_decode_step_allocates_at_old_length_then_grows():
-    req_pool, kv_pool = _pools()
+    kv = _kv()
     reqs = [_req("a", [1, 2, 3]), _req("b", [4, 5, 6, 7, 8])]
-    ScheduleBatch.prepare_for_extend(reqs, req_pool, kv_pool)
+    _plan_extend(kv, reqs)
     for req, first_token in zip(reqs, [30, 40]):
-        req.num_cached_tokens = req.seq_len
+        req.num_computed_tokens = req.seq_len
         req.output_ids.append(first_token)
     old_lens = [3, 5]
 
-    batch = ScheduleBatch.prepare_for_decode(reqs, req_pool, kv_pool)
+    batch = ScheduleBatch.decode(reqs, kv.rows(reqs), kv.allocate(reqs, [1, 1]))
     fb = ForwardBatch.init_new(batch, "cpu", VOCAB)
 
     assert fb.forward_mode is ForwardMode.DECODE
@@ -74,17 +86,24 @@ def test_decode_step_allocates_at_old_length_then_grows():
     assert fb.positions.tolist() == old_lens  # clamp(seq_lens - 1, 0) = L
     assert fb.extend_seq_lens is None and fb.extend_start_loc is None
     for req, old_len, slot in zip(reqs, old_lens, fb.out_cache_loc.tolist()):
-        assert req_pool.req_to_token[req.req_pool_idx, old_len] == slot != DUMMY_SLOT
+        assert kv.req_to_token_pool.req_to_token[kv.row(req), old_len] == slot != DUMMY_SLOT
     assert fb.sample_row_indices().tolist() == [0, 1]
 
 
-def test_init_new_does_not_mutate_the_schedule_batch():
-    req_pool, kv_pool = _pools()
-    batch = ScheduleBatch.prepare_for_extend([_req("a", [1, 2, 3])], req_pool, kv_pool)
+def test_building_a_plan_changes_nothing():
+    """ScheduleBatch is a plan: building one (and a ForwardBatch from it) touches no pool or request."""
+    kv = _kv()
+    req = _req("a", [1, 2, 3])
+    kv.admit(req)
+    slots = kv.allocate([req], [3])
+    state = (kv.num_free, kv.req_to_token_pool.req_to_token.clone(), req.num_computed_tokens)
+    batch = ScheduleBatch.extend([req], [3], kv.rows([req]), slots)
     before = (list(batch.input_ids), list(batch.seq_lens), batch.out_cache_loc.clone())
     ForwardBatch.init_new(batch, "cpu", VOCAB)
     assert (batch.input_ids, batch.seq_lens) == before[:2]
     assert torch.equal(batch.out_cache_loc, before[2])
+    assert kv.num_free == state[0] and torch.equal(kv.req_to_token_pool.req_to_token, state[1])
+    assert req.num_computed_tokens == state[2]
 
 
 def test_dummy_slot_and_row_are_never_handed_out():

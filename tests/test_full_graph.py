@@ -70,7 +70,7 @@ def test_padding_is_inert_and_alone_equals_padded(graph_engine):
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     alone = graph_engine.generate([prompts[1]], params)[0].token_ids
 
-    kv = graph_engine.runner.kv_pool
+    kv = graph_engine.kv_cache.token_pool
     graph_engine.flush_cache()  # cached KV would be poisoned below, and prompts[1] must not hit
     assert kv.num_free == kv.num_slots
     for buf in kv.k_buffers + kv.v_buffers:

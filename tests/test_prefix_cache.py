@@ -132,7 +132,7 @@ def _prompts(shared=24, tails=(7, 12, 3), seed=0):
 @pytest.fixture(scope="module")
 def uncached_tokens():
     engine = Engine(overrides=TINY + ["cache.prefix_cache=false"])
-    assert engine.scheduler.prefix_cache is None
+    assert engine.kv_cache.prefix_cache is None
     return [engine.generate([p], PARAMS)[0].token_ids for p in _prompts()]
 
 
@@ -147,7 +147,7 @@ def test_requests_sharing_a_prefix_compute_only_their_own_tokens(uncached_tokens
     assert [fb.extend_num_tokens for fb in prefills] == [31, 12, 3]
     assert_no_leak(engine)
     # Each request's prompt and output KV (but its last sampled token) is now cached, once.
-    assert engine.scheduler.cached_slots == 24 + (7 + 4) + (12 + 4) + (3 + 4)
+    assert engine.kv_cache.num_cached == 24 + (7 + 4) + (12 + 4) + (3 + 4)
 
 
 def test_a_prompt_is_cached_once_prefilled_not_only_when_its_request_ends(uncached_tokens):
@@ -179,7 +179,7 @@ def test_a_full_pool_evicts_cached_kv_and_keeps_serving(uncached_tokens):
     for _ in range(3):
         assert [engine.generate([p], PARAMS)[0].token_ids for p in _prompts()] == uncached_tokens
         assert_no_leak(engine)
-    assert engine.scheduler.cached_slots <= 48
+    assert engine.kv_cache.num_cached <= 48
 
 
 def test_concurrent_requests_under_pressure_queue_evict_and_match_uncached(uncached_tokens):
@@ -206,14 +206,14 @@ def test_requests_prefilled_together_keep_one_copy_of_their_shared_prefix(uncach
     engine = Engine(overrides=TINY)
     outputs = engine.generate(_prompts(), PARAMS)
     assert [o.token_ids for o in outputs] == uncached_tokens
-    assert engine.scheduler.cached_slots == 24 + (7 + 4) + (12 + 4) + (3 + 4)
+    assert engine.kv_cache.num_cached == 24 + (7 + 4) + (12 + 4) + (3 + 4)
     assert_no_leak(engine)
 
 
 def test_a_failed_forward_caches_nothing(monkeypatch):
     engine = Engine(overrides=TINY)
     engine.generate([_prompts()[0]], PARAMS)
-    cached = engine.scheduler.cached_slots
+    cached = engine.kv_cache.num_cached
 
     def broken(fb):
         raise RuntimeError("device lost")
@@ -222,16 +222,16 @@ def test_a_failed_forward_caches_nothing(monkeypatch):
     with pytest.raises(RuntimeError, match="device lost"):
         engine.generate([_prompts()[1]], PARAMS)
     monkeypatch.undo()
-    assert engine.scheduler.cached_slots == cached
+    assert engine.kv_cache.num_cached == cached
     assert_no_leak(engine)
 
 
 def test_flush_cache_frees_every_slot_and_is_refused_while_requests_run():
     with Engine(overrides=TINY) as engine:
         engine.generate(_prompts(), PARAMS)
-        cached = engine.scheduler.cached_slots
+        cached = engine.kv_cache.num_cached
         assert cached > 0 and engine.flush_cache() == cached
-        assert engine.runner.kv_pool.num_free == engine.runner.kv_pool.num_slots
+        assert engine.kv_cache.num_free == engine.kv_cache.num_slots
         with slowed(engine):
             stream = engine.stream(_prompts()[0], SamplingParams(max_new_tokens=100, ignore_eos=True))
             with pytest.raises(RuntimeError, match="requests are in flight"):

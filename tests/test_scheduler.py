@@ -66,7 +66,7 @@ def test_abort_frees_slots_mid_generation():
         sched.add_request(r)
     for _ in range(4):
         sched.step()
-    assert engine.runner.kv_pool.num_free < engine.runner.kv_pool.num_slots
+    assert engine.kv_cache.num_free < engine.kv_cache.num_slots
     assert sched.abort("a1") and reqs[1].finish_reason.value == "abort"
     assert not sched.abort("a1")
     while sched.has_unfinished():
@@ -144,6 +144,46 @@ def test_abort_of_a_half_prefilled_request_frees_its_chunks():
     sched.add_request(req)
     sched.step()
     sched.step()
-    assert req.num_cached_tokens == 16 and not req.output_ids and req in sched.waiting
+    assert req.num_computed_tokens == 16 and not req.output_ids and req in sched.waiting
     assert sched.abort("long")
+    assert_no_leak(engine)
+
+
+def _oversubscribed_workload():
+    prompts = [_ids(12 + 3 * i, 90 + i) for i in range(8)]
+    params = [
+        SamplingParams(max_new_tokens=40, ignore_eos=True) if i % 2 else
+        SamplingParams(max_new_tokens=40, ignore_eos=True, temperature=0.9, top_p=0.95, seed=100 + i)
+        for i in range(8)
+    ]
+    return prompts, params
+
+
+def test_oversubscribed_pool_retracts_and_keeps_every_token():
+    """A pool 4x smaller than the requests' worst cases (8 requests of up to 500 tokens in all,
+    120 slots): with optimistic admission running requests are retracted and resumed; every
+    request still gets exactly the tokens (greedy and seeded) of a run with a large pool, and its
+    stream's deltas join to them with nothing repeated or missing."""
+    prompts, params = _oversubscribed_workload()
+    large = Engine(overrides=TINY_OVERRIDES)
+    expected = [o.token_ids for o in large.generate(prompts, params)]
+
+    small = Engine(overrides=TINY_OVERRIDES + ["cache.num_slots=120", "scheduler.max_running_requests=8"])
+    assert sum(len(p) + sp.max_new_tokens for p, sp in zip(prompts, params)) >= 4 * 120
+    streams = [small.stream(p, sp) for p, sp in zip(prompts, params)]
+    streamed = [[t for delta in stream for t in delta.token_ids] for stream in streams]
+    outputs = [stream.result() for stream in streams]
+    assert [o.token_ids for o in outputs] == expected
+    assert streamed == expected
+    assert small.metrics().retractions_total > 0
+    assert_no_leak(small)
+
+
+def test_reserve_admission_never_retracts():
+    """scheduler.admission=reserve keeps the old behaviour: same tokens, requests wait instead."""
+    prompts, params = _oversubscribed_workload()
+    expected = [o.token_ids for o in Engine(overrides=TINY_OVERRIDES).generate(prompts, params)]
+    engine = Engine(overrides=TINY_OVERRIDES + ["cache.num_slots=128", "scheduler.admission=reserve"])
+    assert [o.token_ids for o in engine.generate(prompts, params)] == expected
+    assert engine.metrics().retractions_total == 0
     assert_no_leak(engine)

@@ -176,7 +176,7 @@ def test_chunked_and_mixed_batches_replay_recorded_graphs(variant, eager_tokens)
 
 def test_padded_tokens_write_only_the_dummy_slot():
     engine = Engine(overrides=_plan("breakable"))
-    kv = engine.runner.kv_pool
+    kv = engine.kv_cache.token_pool
     for buf in kv.k_buffers + kv.v_buffers:
         buf[1:] = float("nan")
     prompt = _prompts()[2]  # 17 tokens in bucket 32

@@ -182,7 +182,7 @@ def test_pieces_are_splits_plus_one_and_attention_runs_between_them(tc_engine):
 def _poison_real_slots(engine):
     """NaN in every real KV slot (the dummy slot 0 is left), after emptying the prefix cache so
     no cached KV is poisoned and every prompt computes all of its tokens."""
-    kv = engine.runner.kv_pool
+    kv = engine.kv_cache.token_pool
     engine.flush_cache()
     assert kv.num_free == kv.num_slots
     for buf in kv.k_buffers + kv.v_buffers:
@@ -205,7 +205,7 @@ def test_alone_equals_padded_and_padding_writes_no_real_slot(tc_engine):
     prompts = [torch.randint(3, 320, (n,), generator=gen).tolist() for n in (10, 21, 19)]
     new_tokens = 6
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
-    kv = tc_engine.runner.kv_pool
+    kv = tc_engine.kv_cache.token_pool
     calls = _spy(tc_engine)
     try:
         _poison_real_slots(tc_engine)

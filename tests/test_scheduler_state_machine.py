@@ -1,0 +1,181 @@
+"""The scheduler and the KV cache manager under random traffic, against a model whose KV is checkable.
+
+A Hypothesis state machine drives arrivals (prompts sharing prefixes), steps and aborts through tiny
+pools, with either admission policy, the prefix cache on or off, chunked and mixed prefill.  The
+stand-in model writes each token id into its KV slot and, before sampling a request, checks that
+every position of the request maps to a slot holding that position's token: what attention would
+read.  Its next token is a pure function of the request's ids, so the tokens of an unpressured run
+are known exactly.  After every step: each slot free, cached or owned by one request (audit), lock
+counts equal to the holdings; at the end every finished request has exactly its unpressured tokens
+and the pool is whole again.
+
+The default run is 1,000 examples; GRAPHEXEC_SOAK=1 runs 20,000 (`pytest -m soak`).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from graphexec import SamplingParams
+from graphexec.config import SchedulerConfig
+from graphexec.kv_cache_manager import KVCacheManager
+from graphexec.kv_pool import TokenToKVPool
+from graphexec.model_runner import StepOutput
+from graphexec.req_to_token_pool import ReqToTokenPool
+from graphexec.request import Req
+from graphexec.sampler import SamplerOutput
+from graphexec.scheduler import Scheduler
+
+EOS = 3
+MAX_CONTEXT = 32
+# Prompts start with one of a few bases, so the prefix cache sees shared prefixes.
+BASES = [[10, 11, 12, 13, 14, 15, 16, 17], [10, 11, 12, 20, 21], [30, 31]]
+
+
+def next_token(ids: list[int]) -> int:
+    """The stand-in model: a pure function of the request's ids (EOS now and then)."""
+    return (sum((k + 1) * t for k, t in enumerate(ids[-3:])) + len(ids)) % 40 + 3
+
+
+def unpressured(prompt: list[int], params: SamplingParams) -> list[int]:
+    req = Req("reference", list(prompt), params, (EOS,), MAX_CONTEXT)
+    while not req.finished:
+        req.append_token(next_token(req.all_ids))
+    return req.output_ids
+
+
+class TokenKVRunner:
+    """What the scheduler uses of ModelRunner, with KV that stores token ids (see the module doc)."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, kv: KVCacheManager):
+        self.kv = kv
+        self.store = torch.full((kv.num_slots + 1,), -1, dtype=torch.int64)
+        self.forwards = 0
+
+    def init_forward_batch(self, batch):
+        return batch
+
+    def forward_and_sample(self, batch) -> StepOutput:
+        self.forwards += 1
+        assert batch.out_cache_loc.numel() == len(batch.input_ids)
+        self.store[batch.out_cache_loc] = torch.tensor(batch.input_ids, dtype=torch.int64)
+        table = self.kv.req_to_token_pool.req_to_token
+        next_ids = []
+        for req, row, seq_len in zip(batch.reqs, batch.req_pool_indices, batch.seq_lens):
+            assert self.store[table[row, :seq_len]].tolist() == req.all_ids[:seq_len], f"{req.rid} reads wrong KV"
+            next_ids.append(next_token(req.all_ids[:seq_len]))
+        return StepOutput(SamplerOutput(next_token_ids=torch.tensor(next_ids)), logits=torch.empty(0))
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    @initialize(
+        num_slots=st.integers(MAX_CONTEXT, 96),
+        max_running=st.integers(1, 4),
+        prefill_tokens=st.integers(1, 24),
+        mixed=st.booleans(),
+        admission=st.sampled_from(["optimistic", "reserve"]),
+        prefix_cache=st.booleans(),
+        ratio=st.sampled_from([0.0, 0.3, 0.7]),
+    )
+    def setup(self, num_slots, max_running, prefill_tokens, mixed, admission, prefix_cache, ratio):
+        pools = TokenToKVPool(num_slots, 1, 1, 1, torch.float32), ReqToTokenPool(max_running, MAX_CONTEXT)
+        self.kv = KVCacheManager(*pools, prefix_cache=prefix_cache)
+        config = SchedulerConfig(
+            max_running_requests=max_running, max_prefill_tokens=prefill_tokens, mixed_chunk=mixed,
+            admission=admission, init_new_token_ratio=ratio, min_new_token_ratio=min(ratio, 0.1),
+            new_token_ratio_decay=0.05,
+        )
+        self.runner = TokenKVRunner(self.kv)
+        self.scheduler = Scheduler(self.runner, self.kv, config)
+        self.reqs: list[Req] = []
+        self.aborted: set[str] = set()
+
+    @rule(
+        base=st.integers(0, len(BASES)),
+        suffix=st.lists(st.integers(40, 60), max_size=12),
+        max_new=st.integers(1, 24),
+        ignore_eos=st.booleans(),
+    )
+    def arrive(self, base, suffix, max_new, ignore_eos):
+        prompt = (BASES[base] if base < len(BASES) else []) + suffix
+        if not prompt or len(prompt) >= MAX_CONTEXT:
+            return
+        req = Req(f"r{len(self.reqs)}", prompt, SamplingParams(max_new_tokens=max_new, ignore_eos=ignore_eos), (EOS,), MAX_CONTEXT)
+        self.reqs.append(req)
+        self.scheduler.add_request(req)
+
+    @precondition(lambda self: self.scheduler.has_unfinished())
+    @rule()
+    def step(self):
+        self.scheduler.step()
+
+    @precondition(lambda self: self.scheduler.has_unfinished())
+    @rule(pick=st.integers(0, 10**6))
+    def abort(self, pick):
+        live = [r for r in self.reqs if not r.finished]
+        victim = live[pick % len(live)]
+        assert self.scheduler.abort(victim.rid)
+        self.aborted.add(victim.rid)
+
+    @invariant()
+    def every_slot_owned_once(self):
+        self.kv.audit()
+        holders = set(self.kv.holders())
+        # Only running requests and the half-prefilled head of the queue hold KV.
+        assert holders <= set(self.scheduler.running) | set(list(self.scheduler.waiting)[:1])
+        assert set(self.scheduler.running) <= holders
+        assert len(self.scheduler.running) <= self.scheduler.config.max_running_requests
+
+    def teardown(self):
+        if not hasattr(self, "scheduler"):
+            return
+        for _ in range(10_000):
+            if not self.scheduler.has_unfinished():
+                break
+            self.scheduler.step()
+            self.kv.audit()
+        assert not self.scheduler.has_unfinished(), "requests never finished"
+        for req in self.reqs:
+            if req.rid not in self.aborted:
+                assert req.output_ids == unpressured(req.prompt_ids, req.params), f"{req.rid} (retracted {req.num_retractions}x)"
+        kv = self.kv
+        assert kv.num_free + kv.num_cached == kv.num_slots and kv.num_locked == 0 and not kv.holders()
+        assert kv.num_free_rows == kv.req_to_token_pool.max_requests
+
+
+_COMMON = dict(deadline=None, stateful_step_count=40, suppress_health_check=list(HealthCheck))
+
+TestScheduler = SchedulerMachine.TestCase
+TestScheduler.settings = settings(max_examples=1000, **_COMMON)
+
+
+@pytest.mark.soak
+@pytest.mark.skipif(not os.environ.get("GRAPHEXEC_SOAK"), reason="a long randomized run: set GRAPHEXEC_SOAK=1")
+def test_scheduler_soak():
+    machine = type("SoakMachine", (SchedulerMachine,), {})
+    case = machine.TestCase
+    case.settings = settings(max_examples=20_000, **_COMMON)
+    case("runTest").runTest()
+
+
+def test_the_stand_in_model_catches_a_wrong_mapping():
+    """The KV check is real: a table row pointing at another request's slot fails the forward."""
+    kv = KVCacheManager(TokenToKVPool(16, 1, 1, 1, torch.float32), ReqToTokenPool(2, MAX_CONTEXT), prefix_cache=False)
+    runner = TokenKVRunner(kv)
+    scheduler = Scheduler(runner, kv, SchedulerConfig(max_running_requests=2, max_prefill_tokens=16, mixed_chunk=False))
+    a, b = (Req(n, p, SamplingParams(max_new_tokens=4, ignore_eos=True), (EOS,), MAX_CONTEXT) for n, p in [("a", [5, 6]), ("b", [7, 8])])
+    scheduler.add_request(a)
+    scheduler.add_request(b)
+    scheduler.step()
+    table = kv.req_to_token_pool.req_to_token
+    table[kv.row(a), 0] = table[kv.row(b), 0]
+    with pytest.raises(AssertionError, match="a reads wrong KV"):
+        scheduler.step()
