@@ -145,14 +145,23 @@ class KVCacheManager:
         short = total - self.num_free
         if short > 0:
             self.prefix_cache.evict(short)
-        slots = self.token_pool.alloc(total)
-        offset = 0
-        for req, n in zip(reqs, lens):
-            held = self._held[req]
+        holdings = [self._held[r] for r in reqs]
+        for req, held in zip(reqs, holdings):
             if held.allocated != req.num_computed_tokens:
                 raise RuntimeError(
                     f"request {req.rid}: {held.allocated} positions mapped but {req.num_computed_tokens} computed"
                 )
+        slots = self.token_pool.alloc(total)
+        if total == len(reqs) and min(lens, default=1) == 1:  # one token each (decode): one indexed write
+            table = self.req_to_token_pool.req_to_token
+            rows = torch.tensor([h.row for h in holdings])
+            cols = torch.tensor([h.allocated for h in holdings])
+            table[rows.to(table.device), cols.to(table.device)] = slots.to(table.device)
+            for held in holdings:
+                held.allocated += 1
+            return slots
+        offset = 0
+        for held, n in zip(holdings, lens):
             self._map(held, held.allocated, slots[offset : offset + n])
             held.allocated += n
             offset += n
