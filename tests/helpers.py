@@ -50,12 +50,21 @@ def paused(engine):
         gate.set()
 
 
+def server_defaults() -> dict:
+    """configs/server/default.yaml as a plain dict: the options graphexec-serve starts with."""
+    from omegaconf import OmegaConf
+
+    from graphexec.config import config_dir
+
+    return OmegaConf.to_container(OmegaConf.load(config_dir() / "server" / "default.yaml"))
+
+
 def server_config(**changes):
-    """Test servers: loopback, a free port, quiet logs."""
+    """Test servers: the shipped defaults on loopback, a free port, quiet logs."""
     from graphexec.server.config import ServerConfig
 
-    defaults = {"host": "127.0.0.1", "port": 0, "max_queued_requests": 64, "log_level": "warning"}
-    return ServerConfig(**(defaults | changes))
+    test = {"host": "127.0.0.1", "port": 0, "max_queued_requests": 64, "log_level": "warning"}
+    return ServerConfig.from_mapping(server_defaults() | test | changes)
 
 
 class ServerThread:

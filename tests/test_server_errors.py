@@ -6,7 +6,7 @@ import pytest
 from graphexec import ConfigError
 from graphexec.config import compose
 from graphexec.server.config import ServerConfig
-from tests.helpers import wait_until
+from tests.helpers import server_defaults, wait_until
 from tests.invariants import assert_no_leak
 
 TINY = "tiny-llama"
@@ -86,6 +86,6 @@ def test_serve_config_composes_with_overrides():
     ],
 )
 def test_bad_server_option_is_named(change, message):
-    values = {"host": "127.0.0.1", "port": 8000, "max_queued_requests": 4, "log_level": "info"} | change
+    values = server_defaults() | change
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]").replace("(", r"\(")):
         ServerConfig.from_mapping(values)
