@@ -61,16 +61,17 @@ class PromptEncoder:
         param = "messages" if label == "messages" else "prompt"
         if not ids:
             raise InvalidRequestError(f"{label} is empty: at least one token is needed", param=param)
-        bad = [t for t in ids if not 0 <= t < self._vocab_size]
-        if bad:
-            raise InvalidRequestError(
-                f"{label} has token id {bad[0]} outside the vocabulary [0, {self._vocab_size})", param=param
-            )
+        # The length before the vocabulary: a prompt of millions of ids is refused without a scan.
         if len(ids) >= self._max_context:
             raise InvalidRequestError(
                 f"{label} has {len(ids)} tokens; the context limit is {self._max_context} "
                 f"({label} must be at most {self._max_context - 1} tokens to generate)",
                 param=param,
+            )
+        bad = [t for t in ids if not 0 <= t < self._vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"{label} has token id {bad[0]} outside the vocabulary [0, {self._vocab_size})", param=param
             )
 
     def _require_tokenizer(self, label: str):
