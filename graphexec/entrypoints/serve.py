@@ -1,4 +1,9 @@
-"""`graphexec-serve [overrides]`: the configured model behind an OpenAI-compatible HTTP API."""
+"""`graphexec-serve [overrides]`: the configured model behind an OpenAI-compatible HTTP API.
+
+uvicorn runs with graphexec's protocol and connection options (graphexec/server/uvicorn_setup.py):
+a header-read timeout (`server.request_read_timeout_s`), `server.keep_alive_timeout_s`,
+`server.limit_concurrency`, and a log config that also shows graphexec's INFO lines.
+"""
 
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ def _run(cfg: DictConfig) -> None:
     from graphexec.engine import Engine
     from graphexec.server.app import create_app
     from graphexec.server.config import ServerConfig
+    from graphexec.server.uvicorn_setup import log_config, uvicorn_options
 
     try:
         server = ServerConfig.from_mapping(OmegaConf.to_container(cfg.server, resolve=True))
@@ -29,7 +35,8 @@ def _run(cfg: DictConfig) -> None:
         file=sys.stderr,
     )
     try:
-        uvicorn.run(create_app(engine, server), host=server.host, port=server.port, log_level=server.log_level)
+        options = uvicorn_options(server, log_config=log_config(server.log_level))
+        uvicorn.run(create_app(engine, server), **options)
     finally:
         engine.shutdown()
 

@@ -24,7 +24,9 @@ from graphexec.server.serving import OpenAIServing
 
 
 def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
+    """The app; run it under `uvicorn_setup.uvicorn_options(config)` (app.state.server_config)."""
     app = FastAPI(title="graphexec", openapi_url=None, docs_url=None, redoc_url=None)
+    app.state.server_config = config
     install_error_handlers(app)
     serving = OpenAIServing(engine, config)
     started = int(time.time())
