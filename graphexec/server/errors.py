@@ -2,18 +2,22 @@
 
 Every failure the server answers (bad JSON, a validation error, graphexec's InvalidRequestError,
 an unknown route, the queue limit, a bug) takes this one shape, so clients parse a single format.
+A client that went away before its request was read gets no answer and costs one INFO line.
 """
 
 from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Mapping
 from types import MappingProxyType
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
+from starlette.responses import Response
 
 from graphexec.errors import InvalidRequestError
 
@@ -24,18 +28,32 @@ _ENGINE_TO_API_FIELD = MappingProxyType({"max_new_tokens": "max_tokens"})
 _LEADING_FIELD = re.compile(r"^([a-z_]+)")
 
 
+# nginx's status for "the client closed the connection before the answer"; nobody receives it.
+CLIENT_CLOSED_REQUEST = 499
+
+
 class APIError(Exception):
-    def __init__(self, status: int, message: str, *, type: str, param: str | None = None, code: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ):
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type
         self.param = param
         self.code = code
+        self.headers = dict(headers or {})
 
     def response(self) -> JSONResponse:
         body = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
-        return JSONResponse({"error": body}, status_code=self.status)
+        return JSONResponse({"error": body}, status_code=self.status, headers=self.headers)
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -79,10 +97,24 @@ def install_error_handlers(app: FastAPI) -> None:
         kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
         return APIError(error.status_code, f"{request.method} {request.url.path}: {error.detail}", type=kind).response()
 
+    @app.exception_handler(ClientDisconnect)
+    async def _client_gone(request: Request, error: ClientDisconnect) -> Response:
+        # Handled here, not by the catch-all below: that one logs a traceback and Starlette re-raises
+        # to uvicorn, which logs a second one; a client hanging up is routine, not a server fault.
+        _log.info(
+            "client %s went away before its request was read: %s %s",
+            client_address(request), request.method, request.url.path,
+        )
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, error: Exception) -> JSONResponse:
         _log.exception("unhandled error serving %s %s", request.method, request.url.path)
         return APIError(500, f"internal error: {error!r}", type="server_error").response()
+
+
+def client_address(request: Request) -> str:
+    return f"{request.client.host}:{request.client.port}" if request.client else "?"
 
 
 def _param_name(loc: tuple) -> str | None:
