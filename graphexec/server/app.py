@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -25,10 +27,18 @@ from graphexec.server.serving import OpenAIServing
 
 def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
     """The app; run it under `uvicorn_setup.uvicorn_options(config)` (app.state.server_config)."""
-    app = FastAPI(title="graphexec", openapi_url=None, docs_url=None, redoc_url=None)
+    serving = OpenAIServing(engine, config)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            serving.close()  # the worker thread goes with the app; the engine is the caller's
+
+    app = FastAPI(title="graphexec", openapi_url=None, docs_url=None, redoc_url=None, lifespan=lifespan)
     app.state.server_config = config
     install_error_handlers(app)
-    serving = OpenAIServing(engine, config)
     started = int(time.time())
 
     @app.post("/v1/completions")

@@ -58,7 +58,8 @@ class ChatMessage(_Strict):
 
 class _GenerationRequest(_Strict):
     """Fields shared by /v1/completions and /v1/chat/completions.  None means "the server's
-    default", i.e. the `sampling` config group."""
+    default": the `sampling` config group, except max_tokens, whose default is the room the
+    request has left after its prompt (the server decides it: graphexec/server/limits.py)."""
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
@@ -107,9 +108,9 @@ class _GenerationRequest(_Strict):
             raise ValueError("penalties are not supported; only 0 is accepted")
         return value
 
-    def sampling_params(self, defaults: SamplingParams, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, defaults: SamplingParams, max_new_tokens: int, logprobs: int | None) -> SamplingParams:
         changes = {
-            "max_new_tokens": max_tokens,
+            "max_new_tokens": max_new_tokens,
             "temperature": self.temperature,
             "top_p": self.top_p,
             "top_k": self.top_k,
@@ -131,8 +132,12 @@ class CompletionRequest(_GenerationRequest):
     logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     echo: Literal[False] = False
 
-    def to_sampling_params(self, defaults: SamplingParams) -> SamplingParams:
-        return self.sampling_params(defaults, self.max_tokens, self.logprobs)
+    def requested_max_tokens(self) -> tuple[str, int | None]:
+        """The field that sets the completion's length, and its value (None: omitted)."""
+        return "max_tokens", self.max_tokens
+
+    def to_sampling_params(self, defaults: SamplingParams, max_new_tokens: int) -> SamplingParams:
+        return self.sampling_params(defaults, max_new_tokens, self.logprobs)
 
 
 class ChatCompletionRequest(_GenerationRequest):
@@ -149,10 +154,15 @@ class ChatCompletionRequest(_GenerationRequest):
             raise ValueError("requires logprobs=true")
         return value
 
-    def to_sampling_params(self, defaults: SamplingParams) -> SamplingParams:
-        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+    def requested_max_tokens(self) -> tuple[str, int | None]:
+        """max_completion_tokens (OpenAI's newer name) wins over max_tokens when both are set."""
+        if self.max_completion_tokens is not None:
+            return "max_completion_tokens", self.max_completion_tokens
+        return "max_tokens", self.max_tokens
+
+    def to_sampling_params(self, defaults: SamplingParams, max_new_tokens: int) -> SamplingParams:
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self.sampling_params(defaults, max_tokens, logprobs)
+        return self.sampling_params(defaults, max_new_tokens, logprobs)
 
     def chat_messages(self) -> list[dict[str, str]]:
         return [{"role": m.role, "content": m.content} for m in self.messages]
