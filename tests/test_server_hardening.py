@@ -515,3 +515,30 @@ def test_shipped_defaults_parse_and_reach_uvicorn():
     assert options["limit_concurrency"] == config.limit_concurrency
     assert issubclass(options["http"], ReadTimeoutH11Protocol) and options["http"].read_timeout_s == 30
 
+
+# --- the measurement script ------------------------------------------------------------------
+
+
+def test_overload_bench_runs_every_scenario(tiny_server, tiny):
+    """bench/overload.py end to end, shrunk to seconds: it runs, and reads this server right."""
+    import asyncio
+    import os
+
+    from bench.overload import markdown, parse_args, run
+
+    args = parse_args([
+        "--url", tiny_server.url, "--pid", str(os.getpid()), "--huge", "1", "--normal", "4", "--head-start-s", "0.1",
+        "--deadline-s", "120", "--big-body-mb", "5", "--health-prompt-mb", "1", "--settle-s", "0", "--users", "4",
+        "--duration-s", "2", "--hostile-fraction", "0.5", "--oversize-mb", "5", "--think-s", "0.05",
+        "--request-timeout-s", "120",  # deadlines only a hung server would reach, on a loaded machine too
+    ])
+    results = asyncio.run(run(args))
+    print(json.dumps({k: v for k, v in results.items() if k != "args"}, indent=1))  # shown if an assertion fails
+    assert results["fairness"]["huge_outcomes"] == {"400": 1} and results["fairness"]["normal_finished"] == 4
+    assert results["big-body"]["status"] == "413" and results["big-body"]["rss_after_mb"] > 0
+    assert results["health"]["prompt_status"] == "400" and results["health"]["health"]["n"] >= 1
+    load = results["load"]
+    assert load["outcomes"]["normal"] == {"200": load["requests"]["normal"]}
+    assert set(load["outcomes"]["huge"]) <= {"400"} and set(load["outcomes"]["oversized-body"]) <= {"413"}
+    assert "### load: 4 users" in markdown(results)
+    _idle(tiny)
