@@ -1,8 +1,9 @@
 """`graphexec-serve [overrides]`: the configured model behind an OpenAI-compatible HTTP API.
 
 uvicorn runs with graphexec's protocol and connection options (graphexec/server/uvicorn_setup.py):
-a header-read timeout (`server.request_read_timeout_s`), `server.keep_alive_timeout_s`,
-`server.limit_concurrency`, and a log config that also shows graphexec's INFO lines.
+a read deadline for request headers and refused bodies (`server.request_read_timeout_s`),
+`server.keep_alive_timeout_s`, `server.limit_concurrency`, and a log config that also shows
+graphexec's INFO lines.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""How graphexec-serve runs uvicorn: the HTTP protocol (h11 with a header-read timeout), the
+"""How graphexec-serve runs uvicorn: the HTTP protocol (h11 with a read deadline), the
 connection options of `ServerConfig`, and a log config that shows graphexec's own INFO lines.
 
 uvicorn (h11 or httptools) has no timeout for reading a request's headers: a client that connects
