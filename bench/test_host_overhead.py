@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from capture.padding import PaddingPolicy, StaticInputs
+from capture.padding import StaticInputs
 from graphexec import SamplingParams
 from graphexec.config import SchedulerConfig
-from graphexec.forward_batch import ForwardBatch
+from graphexec.forward_batch import ForwardBatch, padding_policy
 from graphexec.kv_cache_manager import KVCacheManager
 from graphexec.kv_pool import TokenToKVPool
 from graphexec.model_runner import StepOutput
@@ -65,7 +65,7 @@ def test_pad_to_bucket(benchmark, batch_size, bucket):
     reqs, kv = _running(batch_size)
     fb = ForwardBatch.init_new(_decode(reqs, kv), "cpu", VOCAB)
     buffers = StaticInputs(32, torch.device("cpu"))
-    benchmark(buffers.load, fb, bucket, PaddingPolicy())
+    benchmark(buffers.load, fb, bucket, padding_policy(1))
 
 
 @pytest.mark.parametrize("batch_size", [1, 8, 32])

@@ -1,15 +1,21 @@
-"""Capture backends: how a ModelRunner executes one forward (eager, and the graph backends).
+"""Capture backends: how a caller executes one forward (eager, and the graph backends).
 
-This package knows ForwardBatch and the model's callable; it knows nothing of the scheduler or of
-requests.
+A library: it imports nothing from graphexec (tests/test_layering.py enforces it).  It knows a
+batch through the small protocol in batch.py and the model as a callable; the caller declares
+the padding fill values, an empty batch per phase and its break-point ops (CaptureEnv).
 """
 
 from capture.backend import BackendStats, CaptureBackend, CaptureEnv, ModelCallable
+from capture.batch import BucketableBatch, Phase
+from capture.errors import CaptureConfigError
 from capture.padding import PaddingPolicy
 from capture.registry import available_backends, create_backend
 
 __all__ = [
     "BackendStats",
+    "BucketableBatch",
+    "CaptureConfigError",
+    "Phase",
     "CaptureBackend",
     "CaptureEnv",
     "ModelCallable",

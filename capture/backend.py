@@ -5,18 +5,17 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 import time
-from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterable, Mapping, TypeVar
+from typing import Any, Callable, ContextManager, Iterable, Mapping, TypeVar
 
 import torch
 from tqdm import tqdm
 
+from capture.batch import BucketableBatch, Phase
 from capture.memory import memory_in_use
 from capture.padding import PaddingPolicy
 
 T = TypeVar("T")
 
-if TYPE_CHECKING:
-    from graphexec.forward_batch import ForwardBatch
 
 # (input_ids, positions) -> final hidden rows.  Attention metadata reaches the model through the
 # forward context, so this is the whole signature a graph needs to capture.  The model also takes
@@ -26,17 +25,23 @@ ModelCallable = Callable[..., torch.Tensor]
 
 @dataclass(frozen=True)
 class CaptureEnv:
-    """What the ModelRunner hands a backend.  No scheduler, no requests, no attention internals."""
+    """What the caller (graphexec's ModelRunner) hands a backend.  No scheduler, no requests, no
+    attention internals."""
 
     model: ModelCallable
     device: torch.device
     # Enter to run a forward over this batch: sets the forward context and prepares the attention
     # backend's metadata for it (outside any graph).
-    forward_scope: Callable[["ForwardBatch"], ContextManager[None]]
+    forward_scope: Callable[[BucketableBatch], ContextManager[None]]
     padding: PaddingPolicy
+    # A batch with no rows in the given phase: what padding fills up into a capture batch.
+    empty_batch: Callable[[Phase], BucketableBatch]
     # Switch the attention backend to fixed-address, fixed-shape decode metadata for batches of up
     # to this many rows: what a CUDA graph replays against.
     enable_static_metadata: Callable[[int], None]
+    # Qualified names of the ops a traced forward is cut at (tc_piecewise's default split_ops):
+    # the caller's break-point ops, registered by the caller.
+    split_ops: tuple[str, ...] = ()
 
 
 @dataclass
@@ -97,8 +102,8 @@ class CaptureBackend(ABC):
         return result
 
     @abstractmethod
-    def can_run(self, fb: "ForwardBatch") -> bool: ...
+    def can_run(self, fb: BucketableBatch) -> bool: ...
 
     @abstractmethod
-    def execute(self, fb: "ForwardBatch") -> torch.Tensor:
+    def execute(self, fb: BucketableBatch) -> torch.Tensor:
         """Hidden rows for fb: its fb.num_token_non_padded real rows first (padding, if any, after)."""

@@ -24,8 +24,8 @@ import torch
 from capture.backend import CaptureEnv
 from capture.break_points import ATTENTION, DEBUG, break_point, breaking
 from capture.piecewise import PieceForward, PiecewiseBackend
-from graphexec.errors import ConfigError
-from graphexec.forward_batch import ForwardBatch
+from capture.errors import CaptureConfigError
+from capture.batch import BucketableBatch
 
 
 class BreakableBackend(PiecewiseBackend):
@@ -36,7 +36,7 @@ class BreakableBackend(PiecewiseBackend):
         super().__init__(env, options, config_path)
         breaks = self.options.get("breaks", [ATTENTION])
         if not breaks or not all(isinstance(b, str) for b in breaks):
-            raise ConfigError(f"{config_path}.breaks must be a non-empty list of break-point names, got {breaks}")
+            raise CaptureConfigError(f"{config_path}.breaks must be a non-empty list of break-point names, got {breaks}")
         self.breaks = frozenset(breaks)
         self.segments_compiled = 0  # graphs handed to inductor, all buckets together
         # When a list, every compiled graph appends "segment" each time it runs (tests, debugging).
@@ -73,6 +73,6 @@ class BreakableBackend(PiecewiseBackend):
 
         return torch.compile(segmented_forward, backend=count_and_compile, fullgraph=False, dynamic=False)
 
-    def _run_pieces(self, fb: ForwardBatch) -> torch.Tensor:
+    def _run_pieces(self, fb: BucketableBatch) -> torch.Tensor:
         with breaking(self.breaks):
             return self._forward(fb.input_ids, fb.positions)

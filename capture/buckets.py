@@ -5,18 +5,18 @@ from __future__ import annotations
 import bisect
 from typing import Sequence
 
-from graphexec.errors import ConfigError
+from capture.errors import CaptureConfigError
 
 
 def validate_buckets(buckets: Sequence[int], option: str) -> tuple[int, ...]:
-    """A non-empty, strictly increasing list of positive ints, or a ConfigError naming `option`."""
+    """A non-empty, strictly increasing list of positive ints, or a CaptureConfigError naming `option`."""
     values = list(buckets) if buckets is not None else []
     if not values:
-        raise ConfigError(f"{option} must be a non-empty list of sizes, got {values}")
+        raise CaptureConfigError(f"{option} must be a non-empty list of sizes, got {values}")
     if any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in values):
-        raise ConfigError(f"{option} must hold integers >= 1, got {values}")
+        raise CaptureConfigError(f"{option} must hold integers >= 1, got {values}")
     if any(a >= b for a, b in zip(values, values[1:])):
-        raise ConfigError(f"{option} must be sorted ascending without repeats, got {values}")
+        raise CaptureConfigError(f"{option} must be sorted ascending without repeats, got {values}")
     return tuple(values)
 
 

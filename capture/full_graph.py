@@ -22,15 +22,14 @@ import torch
 from capture.backend import CaptureBackend, CaptureEnv
 from capture.buckets import bucket_for, validate_buckets
 from capture.padding import StaticInputs
-from graphexec.errors import ConfigError
-from graphexec.forward_batch import ForwardBatch
-from graphexec.forward_mode import ForwardMode
+from capture.errors import CaptureConfigError
+from capture.batch import BucketableBatch, Phase
 
 GRAPH_KINDS = ("auto", "compile", "cuda_graph", "eager")
 _OPTIONS = {"buckets", "graph", "compile", "lazy", "progress"}
 _COMPILE_OPTIONS = {"enabled", "mode", "dynamic", "freezing", "cache_dir", "regional", "skip_module_guards", "cpp_wrapper"}
 
-BucketRunner = Callable[[ForwardBatch], torch.Tensor]
+BucketRunner = Callable[[BucketableBatch], torch.Tensor]
 
 
 class FullGraphBackend(CaptureBackend):
@@ -40,13 +39,13 @@ class FullGraphBackend(CaptureBackend):
         super().__init__(env, options, config_path)
         unknown = sorted(set(self.options) - _OPTIONS)
         if unknown:
-            raise ConfigError(f"{config_path}.{unknown[0]} is not a full_graph option; known: {sorted(_OPTIONS)}")
+            raise CaptureConfigError(f"{config_path}.{unknown[0]} is not a full_graph option; known: {sorted(_OPTIONS)}")
         self.buckets = validate_buckets(self.options.get("buckets"), f"{config_path}.buckets")
         self.graph_kind = _resolve_graph_kind(self.options.get("graph", "auto"), env.device, config_path)
         self.compile_options = dict(self.options.get("compile") or {})
         unknown = sorted(set(self.compile_options) - _COMPILE_OPTIONS)
         if unknown:
-            raise ConfigError(f"{config_path}.compile.{unknown[0]} is unknown; known: {sorted(_COMPILE_OPTIONS)}")
+            raise CaptureConfigError(f"{config_path}.compile.{unknown[0]} is unknown; known: {sorted(_COMPILE_OPTIONS)}")
         self.lazy = bool(self.options.get("lazy", False))
         self.buffers = StaticInputs(self.buckets[-1], env.device)
         self._runners: dict[int, BucketRunner] = {}
@@ -71,7 +70,7 @@ class FullGraphBackend(CaptureBackend):
         return runner
 
     def _capture_bucket(self, bucket: int) -> BucketRunner:
-        dummy = self.buffers.dummy_batch(bucket, self.env.padding, ForwardMode.DECODE)
+        dummy = self.buffers.dummy_batch(bucket, self.env.padding, Phase.ROWS, self.env.empty_batch(Phase.ROWS))
         if self.graph_kind == "eager":
             return self._run_model
         if self.graph_kind == "compile":
@@ -98,7 +97,7 @@ class FullGraphBackend(CaptureBackend):
                 options["guard_filter_fn"] = torch.compiler.skip_guard_on_all_nn_modules_unsafe
             mode = opts.get("mode", "default")
             if mode != "default" and options:
-                raise ConfigError(
+                raise CaptureConfigError(
                     f"{self.config_path}.compile.mode={mode!r} cannot be combined with freezing, skip_module_guards or cpp_wrapper"
                 )
             compile_kwargs = dict(
@@ -134,7 +133,7 @@ class FullGraphBackend(CaptureBackend):
                 self._compiled = torch.compile(_own_code(whole_forward), **compile_kwargs)
         return self._compiled
 
-    def _capture_cuda_graph(self, dummy: ForwardBatch) -> BucketRunner:
+    def _capture_cuda_graph(self, dummy: BucketableBatch) -> BucketRunner:
         use_compile = bool(self.compile_options.get("enabled", False))
         forward = self._compiled_forward() if use_compile else self.env.model
         with self.env.forward_scope(dummy):
@@ -146,24 +145,24 @@ class FullGraphBackend(CaptureBackend):
                 static_out = forward(dummy.input_ids, dummy.positions)
         self._cuda_pool = graph.pool()
 
-        def replay(fb: ForwardBatch) -> torch.Tensor:
+        def replay(fb: BucketableBatch) -> torch.Tensor:
             graph.replay()
             return static_out
 
         return replay
 
-    def _run_model(self, fb: ForwardBatch) -> torch.Tensor:
+    def _run_model(self, fb: BucketableBatch) -> torch.Tensor:
         return self.env.model(fb.input_ids, fb.positions)
 
     # -- serving -------------------------------------------------------------------------------
 
-    def can_run(self, fb: ForwardBatch) -> bool:
+    def can_run(self, fb: BucketableBatch) -> bool:
         if not fb.forward_mode.is_decode_or_idle():
             return False
         bucket = bucket_for(fb.batch_size, self.buckets)
         return bucket is not None and (self.lazy or bucket in self._runners)
 
-    def execute(self, fb: ForwardBatch) -> torch.Tensor:
+    def execute(self, fb: BucketableBatch) -> torch.Tensor:
         bucket = bucket_for(fb.batch_size, self.buckets)
         runner = self._runners.get(bucket) or self._capture_timed(bucket)
         padded = self.buffers.load(fb, bucket, self.env.padding)
@@ -188,9 +187,9 @@ def _own_code(fn: Callable) -> Callable:
 
 def _resolve_graph_kind(kind: str, device: torch.device, config_path: str) -> str:
     if kind not in GRAPH_KINDS:
-        raise ConfigError(f"{config_path}.graph={kind!r} is unknown; choose one of {list(GRAPH_KINDS)}")
+        raise CaptureConfigError(f"{config_path}.graph={kind!r} is unknown; choose one of {list(GRAPH_KINDS)}")
     if kind == "auto":
         return "cuda_graph" if device.type == "cuda" else "compile"
     if kind == "cuda_graph" and device.type != "cuda":
-        raise ConfigError(f"{config_path}.graph=cuda_graph needs device=cuda; this engine runs on {device.type}")
+        raise CaptureConfigError(f"{config_path}.graph=cuda_graph needs device=cuda; this engine runs on {device.type}")
     return kind

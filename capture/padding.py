@@ -1,30 +1,32 @@
-"""The padding policy: what every ForwardBatch field holds in rows added to reach a bucket.
+"""The padding policy: what every padded field holds in rows added to reach a bucket.
 
-Padded rows must be inert: they read the dummy request row (whose table entries all point at
-the dummy KV slot), write only the dummy slot, and sit after `num_token_non_padded`, so no
-consumer downstream ever reads them.
+Padded rows must be inert: the caller's policy points them at a request row and a KV slot that
+hold nothing live (graphexec: the dummy row and the dummy slot), and they sit after
+`num_token_non_padded`, so no consumer downstream ever reads them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
-from graphexec.forward_batch import ForwardBatch
-from graphexec.kv_pool import DUMMY_SLOT
-from graphexec.req_to_token_pool import DUMMY_REQ_ROW
+from capture.batch import BucketableBatch, Phase
+
+Batch = TypeVar("Batch", bound=BucketableBatch)
 
 
 @dataclass(frozen=True)
 class PaddingPolicy:
+    """Fill values of padded rows, declared by the caller (graphexec: forward_batch.padding_policy)."""
+
+    req_pool_index: int  # a request row whose table maps nothing live
+    out_cache_loc: int  # a KV slot nothing reads as live KV
+    seq_len: int  # a length the attention kernels accept for a padded row
     input_id: int = 0
     position: int = 0
-    req_pool_index: int = DUMMY_REQ_ROW
-    out_cache_loc: int = DUMMY_SLOT
-    # Declared by the attention backend: a length its kernels accept for a padded row.
-    seq_len: int = 1
 
 
 class StaticInputs:
@@ -44,7 +46,7 @@ class StaticInputs:
         self.input_ids, self.positions, self.req_pool_indices = buf(), buf(), buf()
         self.seq_lens, self.out_cache_loc = buf(), buf()
 
-    def load(self, fb: ForwardBatch, bucket: int, policy: PaddingPolicy) -> ForwardBatch:
+    def load(self, fb: Batch, bucket: int, policy: PaddingPolicy) -> Batch:
         """Copy fb's rows in, fill rows [n, bucket) by the policy, return the padded view."""
         n = fb.batch_size
         if not n <= bucket <= self.max_rows:
@@ -73,7 +75,7 @@ class StaticInputs:
             num_token_non_padded=fb.num_token_non_padded,
         )
 
-    def load_tokens(self, fb: ForwardBatch, bucket: int, policy: PaddingPolicy) -> ForwardBatch:
+    def load_tokens(self, fb: Batch, bucket: int, policy: PaddingPolicy) -> Batch:
         """Extend/mixed: pad the token rows only; the per-request layout (extend_* fields,
         seq_lens) stays that of the real requests, so attention never sees a padded token."""
         n = fb.num_tokens
@@ -94,10 +96,9 @@ class StaticInputs:
             num_token_non_padded=fb.num_token_non_padded,
         )
 
-    def dummy_batch(self, bucket: int, policy: PaddingPolicy, mode) -> ForwardBatch:
-        """A batch of `bucket` padding rows only: what capture and warm-up run on."""
-        empty = ForwardBatch.empty(mode, self.input_ids.device)
-        if mode.is_extend():
+    def dummy_batch(self, bucket: int, policy: PaddingPolicy, phase: Phase, empty: Batch) -> Batch:
+        """`empty` (a batch with no rows) padded to `bucket` rows: what capture and warm-up run on."""
+        if phase is Phase.TOKENS:
             return self.load_tokens(empty, bucket, policy)
         return self.load(empty, bucket, policy)
 

@@ -26,9 +26,8 @@ from capture.buckets import bucket_for, validate_buckets
 from capture.padding import StaticInputs
 from capture.recorders import create_recorder
 from capture.segments import GraphRecorder, SegmentedGraph, record_segments
-from graphexec.errors import ConfigError
-from graphexec.forward_batch import ForwardBatch
-from graphexec.forward_mode import ForwardMode
+from capture.errors import CaptureConfigError
+from capture.batch import BucketableBatch, Phase
 
 PieceForward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 _COMMON_OPTIONS = {"buckets", "progress", "lazy", "max_padding", "graph"}
@@ -46,7 +45,7 @@ class PiecewiseBackend(CaptureBackend):
         known = _COMMON_OPTIONS | self.extra_options
         unknown = sorted(set(self.options) - known)
         if unknown:
-            raise ConfigError(f"{config_path}.{unknown[0]} is not a {self.name} option; known: {sorted(known)}")
+            raise CaptureConfigError(f"{config_path}.{unknown[0]} is not a {self.name} option; known: {sorted(known)}")
         self.buckets = validate_buckets(self.options.get("buckets"), f"{config_path}.buckets")
         self.lazy = bool(self.options.get("lazy", False))
         self.max_padding = _padding_limit(self.options.get("max_padding", 1.0), f"{config_path}.max_padding")
@@ -64,7 +63,7 @@ class PiecewiseBackend(CaptureBackend):
     def _build_forward(self) -> PieceForward:
         """The cut-up forward: (input_ids, positions) -> hidden, pieces compiled, breaks eager."""
 
-    def _run_pieces(self, fb: ForwardBatch) -> torch.Tensor:
+    def _run_pieces(self, fb: BucketableBatch) -> torch.Tensor:
         """Run the pieced forward on a padded batch (subclasses wrap it in their break scope)."""
         return self._forward(fb.input_ids, fb.positions)
 
@@ -78,7 +77,7 @@ class PiecewiseBackend(CaptureBackend):
             self._capture_each(self.buckets, self.name, self._capture_timed)
 
     def _capture_timed(self, bucket: int) -> None:
-        dummy = self.buffers.dummy_batch(bucket, self.env.padding, ForwardMode.EXTEND)
+        dummy = self.buffers.dummy_batch(bucket, self.env.padding, Phase.TOKENS, self.env.empty_batch(Phase.TOKENS))
 
         def run_dummy() -> None:
             with self.env.forward_scope(dummy):
@@ -95,7 +94,7 @@ class PiecewiseBackend(CaptureBackend):
             self._measured(bucket, run_dummy)
         self._captured.add(bucket)
 
-    def can_run(self, fb: ForwardBatch) -> bool:
+    def can_run(self, fb: BucketableBatch) -> bool:
         if not fb.forward_mode.is_extend() or self._forward is None:
             return False
         bucket = bucket_for(fb.num_tokens, self.buckets)
@@ -103,7 +102,7 @@ class PiecewiseBackend(CaptureBackend):
             return False
         return self.lazy or bucket in self._captured
 
-    def execute(self, fb: ForwardBatch) -> torch.Tensor:
+    def execute(self, fb: BucketableBatch) -> torch.Tensor:
         bucket = bucket_for(fb.num_tokens, self.buckets)
         if bucket not in self._captured:
             self._capture_timed(bucket)
@@ -124,13 +123,13 @@ def _padding_limit(value: Any, option: str) -> float:
     graph saves; the ModelRunner counts such a batch as a fallback.
     """
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
-        raise ConfigError(f"{option} must be a fraction in [0, 1], got {value!r}")
+        raise CaptureConfigError(f"{option} must be a fraction in [0, 1], got {value!r}")
     return float(value)
 
 
 def _resolve_graph_kind(kind: Any, device: torch.device, option: str) -> str:
     if kind not in GRAPH_KINDS:
-        raise ConfigError(f"{option}={kind!r} is unknown; choose one of {list(GRAPH_KINDS)}")
+        raise CaptureConfigError(f"{option}={kind!r} is unknown; choose one of {list(GRAPH_KINDS)}")
     if kind == "auto":
         return "cuda_graph" if device.type == "cuda" else "compile"
     return kind

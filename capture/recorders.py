@@ -16,7 +16,7 @@ from typing import Iterator
 import torch
 
 from capture.segments import GraphRecorder, Replayable
-from graphexec.errors import ConfigError
+from capture.errors import CaptureConfigError
 
 RECORDERS = ("cuda_graph", "tape")
 
@@ -64,10 +64,10 @@ class CudaGraphRecorder(GraphRecorder):
 def create_recorder(name: str, device: torch.device, option: str) -> GraphRecorder:
     if name == "cuda_graph":
         if device.type != "cuda":
-            raise ConfigError(f"{option}=cuda_graph needs device=cuda; this engine runs on {device.type}")
+            raise CaptureConfigError(f"{option}=cuda_graph needs device=cuda; this engine runs on {device.type}")
         return CudaGraphRecorder(device)
     if name == "tape":
         from capture.op_tape import TapeRecorder
 
         return TapeRecorder()
-    raise ConfigError(f"{option}={name!r} is not a graph recorder; choose one of {list(RECORDERS)}")
+    raise CaptureConfigError(f"{option}={name!r} is not a graph recorder; choose one of {list(RECORDERS)}")

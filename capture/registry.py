@@ -6,7 +6,7 @@ import importlib
 from typing import Any, Mapping
 
 from capture.backend import CaptureBackend, CaptureEnv
-from graphexec.errors import ConfigError
+from capture.errors import CaptureConfigError
 
 _BACKENDS: Mapping[str, str] = {
     "eager": "capture.eager:EagerRunner",
@@ -47,7 +47,7 @@ def create_backend(
 def _resolve_piecewise(env: CaptureEnv, options: dict[str, Any], config_path: str) -> tuple[str, dict[str, Any]]:
     variant = options.pop("variant", "auto")
     if variant not in _PIECEWISE_VARIANTS:
-        raise ConfigError(f"{config_path}.variant={variant!r} is unknown; choose one of {list(_PIECEWISE_VARIANTS)}")
+        raise CaptureConfigError(f"{config_path}.variant={variant!r} is unknown; choose one of {list(_PIECEWISE_VARIANTS)}")
     if variant != "auto":
         return variant, options
     return ("breakable" if env.device.type == "cuda" else "tc_piecewise"), options

@@ -19,7 +19,8 @@ Options (under capture.extend / capture.mixed), besides buckets/progress/lazy:
              so it needs compiler=eager (inductor's kernels do not go through the dispatcher)
   compiler   inductor (default) | eager (the same pieces, uncompiled: debugging) | tensorrt
              (needs CUDA and torch_tensorrt; each piece goes to its Dynamo backend)
-  split_ops  qualified names of the ops the graph is cut at; default [graphexec::attention]
+  split_ops  qualified names of the ops the graph is cut at; default: the caller's
+             `CaptureEnv.split_ops` (graphexec: [graphexec::attention])
 """
 
 from __future__ import annotations
@@ -30,15 +31,13 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-import graphexec.attention.op  # noqa: F401  (registers graphexec::attention, the default split op)
 from capture.backend import CaptureEnv
+from capture.batch import BucketableBatch
 from capture.break_points import run_break, run_piece
+from capture.errors import CaptureConfigError
 from capture.graph_split import SplitGraph, split_at_ops, structure_key
 from capture.piecewise import PieceForward, PiecewiseBackend
-from graphexec.errors import ConfigError
-from graphexec.forward_batch import ForwardBatch
 
-ATTENTION_OP = "graphexec::attention"
 # The break-point name the split-op pieces answer to while a bucket is recorded.
 SPLIT = "tc_piecewise_split"
 COMPILERS = ("inductor", "eager", "tensorrt")
@@ -154,11 +153,11 @@ class TcPiecewiseBackend(PiecewiseBackend):
         self.compiler = _resolve_compiler(options.get("compiler", "inductor"), env.device, config_path)
         super().__init__(env, options, config_path)
         if self.graph_kind == "tape" and self.compiler != "eager":
-            raise ConfigError(
+            raise CaptureConfigError(
                 f"{config_path}.graph=tape records aten calls, which {self.compiler}'s compiled pieces do not make; "
                 f"set {config_path}.compiler=eager"
             )
-        self.split_ops = _resolve_split_ops(self.options.get("split_ops", [ATTENTION_OP]), config_path)
+        self.split_ops = _resolve_split_ops(self.options.get("split_ops", list(env.split_ops)), config_path)
         self.pieces_per_bucket: dict[int, int] = {}  # compiled (non-split) pieces in each bucket's graph
         self.splits_per_bucket: dict[int, int] = {}  # split-op calls in each bucket's graph
         self.piece_cache = PieceCache(PIECE_COMPILERS.get(self.compiler, compile_with_inductor))
@@ -178,7 +177,7 @@ class TcPiecewiseBackend(PiecewiseBackend):
 
         return torch.compile(whole_forward, backend=self._split_and_compile, fullgraph=True, dynamic=False)
 
-    def _run_pieces(self, fb: ForwardBatch) -> torch.Tensor:
+    def _run_pieces(self, fb: BucketableBatch) -> torch.Tensor:
         bucket = self._tracing_bucket = int(fb.input_ids.shape[0])
         try:
             hidden = self._forward(fb.input_ids, fb.positions)
@@ -211,9 +210,9 @@ class TcPiecewiseBackend(PiecewiseBackend):
 def _resolve_compiler(compiler: Any, device: torch.device, config_path: str) -> str:
     option = f"{config_path}.compiler"
     if compiler not in COMPILERS:
-        raise ConfigError(f"{option}={compiler!r} is unknown; choose one of {list(COMPILERS)}")
+        raise CaptureConfigError(f"{option}={compiler!r} is unknown; choose one of {list(COMPILERS)}")
     if compiler == "tensorrt" and (device.type != "cuda" or importlib.util.find_spec("torch_tensorrt") is None):
-        raise ConfigError(
+        raise CaptureConfigError(
             f"{option}=tensorrt needs device=cuda and torch_tensorrt installed (the `gpu` extra); "
             f"this engine runs on {device.type}"
         )
@@ -221,14 +220,14 @@ def _resolve_compiler(compiler: Any, device: torch.device, config_path: str) -> 
 
 
 def _resolve_split_ops(split_ops: Any, config_path: str) -> frozenset[str]:
-    """Qualified names ('namespace::name') of registered ops, or a ConfigError naming the option."""
+    """Qualified names ('namespace::name') of registered ops, or a CaptureConfigError naming the option."""
     option = f"{config_path}.split_ops"
     if isinstance(split_ops, str) or not split_ops or not all(isinstance(op, str) for op in split_ops):
-        raise ConfigError(f"{option} must be a non-empty list of op names like [{ATTENTION_OP}], got {split_ops!r}")
+        raise CaptureConfigError(f"{option} must be a non-empty list of op names like [namespace::attention], got {split_ops!r}")
     for op in split_ops:
         namespace, _, name = op.partition("::")
         if not (namespace and name and _is_registered(namespace, name)):
-            raise ConfigError(f"{option}: {op!r} is not a registered op ('namespace::name', e.g. {ATTENTION_OP})")
+            raise CaptureConfigError(f"{option}: {op!r} is not a registered op ('namespace::name')")
     return frozenset(split_ops)
 
 

@@ -7,7 +7,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from capture import PaddingPolicy, Phase
 from graphexec.forward_mode import ForwardMode
+from graphexec.kv_pool import DUMMY_SLOT
+from graphexec.req_to_token_pool import DUMMY_REQ_ROW
 from graphexec.sampler import SamplingBatchInfo
 from graphexec.sampling_params import SamplingParams
 
@@ -142,8 +145,22 @@ class ForwardBatch:
             **extend,
         )
 
+    @classmethod
+    def empty_for(cls, phase: Phase, device: torch.device | str) -> "ForwardBatch":
+        """The empty batch a capture backend of this phase pads into its capture batches."""
+        return cls.empty(ForwardMode.DECODE if phase is Phase.ROWS else ForwardMode.EXTEND, device)
+
     def sample_row_indices(self) -> torch.Tensor:
         """Hidden rows that produce a next token: each request's last new token."""
         if self.forward_mode.is_extend():
             return self.extend_start_loc + self.extend_seq_lens - 1
         return torch.arange(self.batch_size, device=self.input_ids.device)
+
+
+def padding_policy(attention_seq_len: int) -> PaddingPolicy:
+    """What every padded row holds, declared once: the dummy request row (whose table entries all
+    point at the dummy slot), the dummy KV slot, token 0 at position 0, and a sequence length the
+    attention backend accepts (`AttentionBackend.padded_seq_len`)."""
+    return PaddingPolicy(
+        req_pool_index=DUMMY_REQ_ROW, out_cache_loc=DUMMY_SLOT, seq_len=attention_seq_len, input_id=0, position=0
+    )

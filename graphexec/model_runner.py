@@ -11,11 +11,13 @@ from typing import Iterator
 
 import torch
 
-from capture import CaptureBackend, CaptureEnv, PaddingPolicy, create_backend
+from capture import CaptureBackend, CaptureConfigError, CaptureEnv, create_backend
 from capture.eager import EagerRunner
 from graphexec.attention.backend import create_attention_backend
 from graphexec.config import EngineConfig
-from graphexec.forward_batch import ForwardBatch
+from graphexec.attention.op import ATTENTION_OP
+from graphexec.errors import ConfigError
+from graphexec.forward_batch import ForwardBatch, padding_policy
 from graphexec.forward_context import ForwardContext, forward_context
 from graphexec.forward_mode import ForwardMode
 from graphexec.kv_cache_manager import KVCacheManager
@@ -60,10 +62,12 @@ class ModelRunner:
             model=self.model,
             device=self.device,
             forward_scope=self._forward_scope,
-            padding=PaddingPolicy(seq_len=self.attn_backend.padded_seq_len),
+            padding=padding_policy(self.attn_backend.padded_seq_len),
+            empty_batch=lambda phase: ForwardBatch.empty_for(phase, self.device),
             enable_static_metadata=lambda max_rows: self.attn_backend.enable_static_decode_metadata(
                 max_rows, self.max_context, self.device
             ),
+            split_ops=(ATTENTION_OP,),
         )
         self.eager = EagerRunner(env, {}, "capture.eager")
         # One instance per distinct spec, so modes that share a spec share its graphs.
@@ -73,14 +77,16 @@ class ModelRunner:
             spec = config.capture.for_mode(mode)
             key = repr((spec.backend, dict(spec.options)))
             if key not in instances:
-                instances[key] = create_backend(spec.backend, env, spec.options, f"capture.{mode.config_key}")
+                with _config_errors():
+                    instances[key] = create_backend(spec.backend, env, spec.options, f"capture.{mode.config_key}")
             self.backends[mode] = instances[key]
 
     @torch.inference_mode()
     def capture(self) -> None:
         """Build every backend's graphs once, before serving (in the inference mode they replay in)."""
         for backend in {id(b): b for b in self.backends.values()}.values():
-            backend.capture()
+            with _config_errors():
+                backend.capture()
 
     @contextlib.contextmanager
     def _forward_scope(self, fb: ForwardBatch) -> Iterator[None]:
@@ -123,3 +129,13 @@ class ModelRunner:
 
     def init_forward_batch(self, schedule_batch) -> ForwardBatch:
         return ForwardBatch.init_new(schedule_batch, self.device, self.model_config.vocab_size)
+
+
+@contextlib.contextmanager
+def _config_errors() -> Iterator[None]:
+    """capture/ is a library with its own error type; to engine users a bad capture option is a
+    ConfigError like any other (its message already names the option)."""
+    try:
+        yield
+    except CaptureConfigError as error:
+        raise ConfigError(str(error)) from error

@@ -5,7 +5,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from capture.buckets import bucket_for, padded_rows, validate_buckets
-from graphexec.errors import ConfigError
+from capture.errors import CaptureConfigError
 
 
 def test_bucket_for_picks_smallest_that_fits():
@@ -36,6 +36,6 @@ def test_bucket_is_minimal_and_sufficient(raw, size):
     ],
 )
 def test_invalid_bucket_lists_name_the_option(buckets, message):
-    with pytest.raises(ConfigError) as err:
+    with pytest.raises(CaptureConfigError) as err:
         validate_buckets(buckets, "capture.decode.buckets")
     assert "capture.decode.buckets" in str(err.value) and message in str(err.value)

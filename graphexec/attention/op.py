@@ -25,6 +25,9 @@ import torch
 from capture.break_points import ATTENTION, break_point
 from graphexec.forward_context import get_forward_context
 
+# The op a traced forward is cut at (tc_piecewise's split op; ModelRunner declares it to capture/).
+ATTENTION_OP = "graphexec::attention"
+
 _LIB = torch.library.Library("graphexec", "FRAGMENT")  # noqa: the library object keeps the ops alive
 _LIB.define("attention(Tensor q, Tensor k, Tensor v, Tensor(a!) out, SymInt layer_id) -> ()")
 # The Python route of `attention` (the C++ kernel redispatches to it when nothing is bound).

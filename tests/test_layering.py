@@ -1,0 +1,106 @@
+"""The import graph: capture/ is a library (nothing from graphexec), and no package has import
+cycles among its modules' top-level imports (imports inside functions or under TYPE_CHECKING are
+deliberate late bindings and are not edges)."""
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("capture", "graphexec")
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _top_level_imports(path: Path) -> set[str]:
+    """Modules imported at module level (not in functions, not under `if TYPE_CHECKING`)."""
+    tree = ast.parse(path.read_text(), str(path))
+    found: set[str] = set()
+    package = _module_name(path) if path.name == "__init__.py" else _module_name(path).rpartition(".")[0]
+
+    def visit(nodes) -> None:
+        for node in nodes:
+            if isinstance(node, ast.Import):
+                found.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(anchor + ([base] if base else []))
+                found.add(base)
+                found.update(f"{base}.{alias.name}" for alias in node.names)
+            elif isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                visit(node.orelse)
+            elif isinstance(node, (ast.If, ast.Try, ast.With)):
+                visit(getattr(node, "body", []))
+                visit(getattr(node, "orelse", []))
+                visit(getattr(node, "finalbody", []))
+                for handler in getattr(node, "handlers", []):
+                    visit(handler.body)
+
+    visit(tree.body)
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    files = [p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")]
+    modules = {_module_name(p): p for p in files}
+    graph = {}
+    for name, path in modules.items():
+        graph[name] = {m for m in _top_level_imports(path) if m in modules and m != name}
+    return graph
+
+
+def test_capture_imports_nothing_from_graphexec():
+    arrows = sorted(
+        (name, target) for name, targets in _graph().items() if name.startswith("capture")
+        for target in targets if target.split(".")[0] == "graphexec"
+    )
+    assert arrows == []
+    # Function-level imports count here too: a library does not reach back into its caller.
+    for path in (ROOT / "capture").rglob("*.py"):
+        assert "graphexec" not in {
+            n.module.split(".")[0] for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ImportFrom) and n.module
+        }, path
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def connect(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in graph[node]:
+            if target not in index:
+                connect(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in graph:
+        if node not in index:
+            connect(node)
+    return found
+
+
+def test_no_import_cycles():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]  # the detector works
+    assert _cycles(_graph()) == []
