@@ -12,8 +12,8 @@ from tqdm import tqdm
 
 from bench.plots import grouped_bars
 from bench.timing import device_sync, paired_ms
-from graphexec.forward_mode import ForwardMode
-from graphexec.threads import call_in_thread
+from graphexec.runner.forward_mode import ForwardMode
+from graphexec.engine.threads import call_in_thread
 
 
 def run(cfg, ctx) -> dict[str, Any]:
@@ -24,7 +24,7 @@ def run(cfg, ctx) -> dict[str, Any]:
     graph = runner.backends[ForwardMode.DECODE]
     buckets = list(getattr(graph, "buckets", [1, 8]))
     # Timed on a thread that ends, so the engine loop measured below is the only OpenMP master
-    # (graphexec/threads.py).
+    # (graphexec/engine/threads.py).
     rows = call_in_thread(lambda: _paired_buckets(engine, graph, buckets, cfg, ctx.progress))
     result = {"backend": graph.name, "context_len": cfg.bench.context_len, "buckets": rows}
     if cfg.bench.host_batch:
@@ -77,7 +77,7 @@ def _host_overhead(engine, batch_size: int, context_len: int, new_tokens: int) -
 def decode_batch(engine, batch_size: int, context_len: int):
     """`batch_size` requests whose KV holds `context_len` tokens, ready for one decode step."""
     from graphexec import SamplingParams
-    from graphexec.request import Req
+    from graphexec.scheduler.request import Req
 
     runner = engine.runner
     gen = torch.Generator().manual_seed(batch_size)

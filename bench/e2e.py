@@ -14,7 +14,7 @@ from tqdm import tqdm
 
 from bench.plots import grouped_bars
 from bench.workload import WorkItem, WorkloadSpec, make_workload, ordinary_token_range
-from graphexec.threads import call_in_thread
+from graphexec.engine.threads import call_in_thread
 
 COMPARE_UNIT = "tok/s"  # which summary numbers a multirun comparison plots
 PERCENTILES = (50, 90, 99)
@@ -32,7 +32,7 @@ def run(cfg, ctx) -> dict[str, Any]:
     sides: dict[str, list[dict[str, Any]]] = {"graphexec": []}
     hf_cfg = cfg.bench.hf
     single = items[: hf_cfg.single_requests] if hf_cfg.enabled else []
-    # Each side runs while its thread is the process's only OpenMP master (graphexec/threads.py):
+    # Each side runs while its thread is the process's only OpenMP master (graphexec/engine/threads.py):
     # HF on threads that end, before the engine loop's thread exists and after it has stopped.
     # So the sides take turns by block, HF groups first, rather than alternating round by round.
     try:

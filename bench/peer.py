@@ -150,10 +150,10 @@ def _tokenizer(source, gguf: Path | None):
 
         return load_gguf_tokenizer(gguf)
     if source.source == "random":
-        from graphexec.tokenizer import ByteTokenizer
+        from graphexec.text.tokenizer import ByteTokenizer
 
         return ByteTokenizer(vocab_size=source.architecture.get("vocab_size", 258))
-    from graphexec.tokenizer import Tokenizer
+    from graphexec.text.tokenizer import Tokenizer
 
     if not (Path(source.path) / "tokenizer.json").is_file():
         raise ValueError(f"model.path={source.path} has no tokenizer.json: the peer suite builds its prompts from text")

@@ -51,7 +51,7 @@ def run(cfg, ctx) -> dict[str, Any]:
 def _extend_batch(engine, tokens: int):
     """One prefill batch of exactly `tokens` new tokens (two requests), and how to free it."""
     from graphexec import SamplingParams
-    from graphexec.request import Req
+    from graphexec.scheduler.request import Req
 
     runner = engine.runner
     gen = torch.Generator().manual_seed(tokens)

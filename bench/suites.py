@@ -43,6 +43,6 @@ def load_suite(name: str) -> ModuleType:
 def build_engine(cfg):
     """The engine a suite measures, from the composed Hydra config (captures at start-up)."""
     from graphexec.config import EngineConfig
-    from graphexec.engine import Engine
+    from graphexec.engine.engine import Engine
 
     return Engine(config=EngineConfig.from_dictconfig(cfg))

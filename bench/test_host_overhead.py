@@ -14,15 +14,15 @@ import torch
 from capture.padding import StaticInputs
 from graphexec import SamplingParams
 from graphexec.config import SchedulerConfig
-from graphexec.forward_batch import ForwardBatch, padding_policy
-from graphexec.kv_cache_manager import KVCacheManager
-from graphexec.kv_pool import TokenToKVPool
-from graphexec.model_runner import StepOutput
-from graphexec.req_to_token_pool import ReqToTokenPool
-from graphexec.request import Req
-from graphexec.sampler import Sampler, SamplerOutput, SamplingBatchInfo
-from graphexec.schedule_batch import ScheduleBatch
-from graphexec.scheduler import Scheduler
+from graphexec.runner.forward_batch import ForwardBatch, padding_policy
+from graphexec.cache.manager import KVCacheManager
+from graphexec.cache.kv_pool import TokenToKVPool
+from graphexec.runner.model_runner import StepOutput
+from graphexec.cache.req_to_token_pool import ReqToTokenPool
+from graphexec.scheduler.request import Req
+from graphexec.runner.sampler import Sampler, SamplerOutput, SamplingBatchInfo
+from graphexec.scheduler.schedule_batch import ScheduleBatch
+from graphexec.scheduler.scheduler import Scheduler
 
 VOCAB = 49152
 

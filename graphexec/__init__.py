@@ -8,9 +8,9 @@ from __future__ import annotations
 import importlib
 
 _PUBLIC = {
-    "Engine": "graphexec.engine",
-    "RequestOutput": "graphexec.request_output",
-    "RequestDelta": "graphexec.request_output",
+    "Engine": "graphexec.engine.engine",
+    "RequestOutput": "graphexec.engine.request_output",
+    "RequestDelta": "graphexec.engine.request_output",
     "SamplingParams": "graphexec.sampling_params",
     "GraphexecError": "graphexec.errors",
     "InvalidRequestError": "graphexec.errors",

@@ -16,7 +16,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from graphexec.errors import ConfigError
-from graphexec.forward_mode import ForwardMode
+from graphexec.runner.forward_mode import ForwardMode
 from graphexec.sampling_params import SamplingParams
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -125,7 +125,7 @@ class SchedulerConfig:
 class CacheConfig:
     num_slots: int
     max_context: int | None  # None: the model's own context length
-    prefix_cache: bool = True  # reuse the KV of cached prompt prefixes (graphexec/prefix_cache.py)
+    prefix_cache: bool = True  # reuse the KV of cached prompt prefixes (graphexec/cache/prefix_cache.py)
     dtype: str | None = None  # KV element type; None follows model.dtype
 
     @property

@@ -15,7 +15,7 @@ from bench import peer, peer_worker
 from bench.report import run_suite
 from bench.suites import SuiteContext
 from graphexec.config import compose
-from graphexec.tokenizer import ByteTokenizer
+from graphexec.text.tokenizer import ByteTokenizer
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 SMALL = [

@@ -4,10 +4,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from graphexec.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
+from graphexec.text.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
 from graphexec.loader import default_smollm2_gguf, load_gguf_tokenizer
-from graphexec.stop_strings import StopStringMatcher
-from graphexec.tokenizer import ByteTokenizer
+from graphexec.text.stop_strings import StopStringMatcher
+from graphexec.text.tokenizer import ByteTokenizer
 
 MIXED_TEXT = "Hello 👋🏽 世界! 你好, 🤖 café — 日本語 😀 naïve"
 

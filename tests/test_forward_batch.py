@@ -3,14 +3,14 @@
 import torch
 
 from graphexec import SamplingParams
-from graphexec.forward_batch import ForwardBatch
-from graphexec.forward_mode import ForwardMode
-from graphexec.kv_cache_manager import KVCacheManager
-from graphexec.kv_pool import DUMMY_SLOT, TokenToKVPool
-from graphexec.logits_processor import LogitsProcessor
-from graphexec.req_to_token_pool import DUMMY_REQ_ROW, ReqToTokenPool
-from graphexec.request import Req
-from graphexec.schedule_batch import ScheduleBatch
+from graphexec.runner.forward_batch import ForwardBatch
+from graphexec.runner.forward_mode import ForwardMode
+from graphexec.cache.manager import KVCacheManager
+from graphexec.cache.kv_pool import DUMMY_SLOT, TokenToKVPool
+from graphexec.runner.logits_processor import LogitsProcessor
+from graphexec.cache.req_to_token_pool import DUMMY_REQ_ROW, ReqToTokenPool
+from graphexec.scheduler.request import Req
+from graphexec.scheduler.schedule_batch import ScheduleBatch
 
 VOCAB = 64
 

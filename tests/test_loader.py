@@ -10,7 +10,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from graphexec.errors import CheckpointError  # noqa: E402
 from graphexec.loader import LoadedCheckpoint, default_smollm2_gguf, load_gguf, load_hf_dir  # noqa: E402
 from graphexec.loader.gguf import unpermute_rotary_rows  # noqa: E402
-from graphexec.tokenizer import Tokenizer  # noqa: E402
+from graphexec.text.tokenizer import Tokenizer  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from graphexec import Engine, SamplingParams
-from graphexec.prefix_cache import RadixCache
+from graphexec.cache.prefix_cache import RadixCache
 from tests.helpers import recorded_batches, slowed
 from tests.invariants import assert_no_leak
 

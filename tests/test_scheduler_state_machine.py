@@ -24,13 +24,13 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from graphexec import SamplingParams
 from graphexec.config import SchedulerConfig
-from graphexec.kv_cache_manager import KVCacheManager
-from graphexec.kv_pool import TokenToKVPool
-from graphexec.model_runner import StepOutput
-from graphexec.req_to_token_pool import ReqToTokenPool
-from graphexec.request import Req
-from graphexec.sampler import SamplerOutput
-from graphexec.scheduler import Scheduler
+from graphexec.cache.manager import KVCacheManager
+from graphexec.cache.kv_pool import TokenToKVPool
+from graphexec.runner.model_runner import StepOutput
+from graphexec.cache.req_to_token_pool import ReqToTokenPool
+from graphexec.scheduler.request import Req
+from graphexec.runner.sampler import SamplerOutput
+from graphexec.scheduler.scheduler import Scheduler
 
 EOS = 3
 MAX_CONTEXT = 32

@@ -1,10 +1,10 @@
-"""call_in_thread: heavy one-off torch work on a thread that ends (see graphexec/threads.py)."""
+"""call_in_thread: heavy one-off torch work on a thread that ends (see graphexec/engine/threads.py)."""
 
 import threading
 
 import pytest
 
-from graphexec.threads import call_in_thread
+from graphexec.engine.threads import call_in_thread
 from tests.conftest import TINY_OVERRIDES
 
 
@@ -24,7 +24,7 @@ def test_reraises_the_error_on_the_caller():
 
 def test_engine_loads_and_captures_off_the_calling_thread(monkeypatch):
     """So the engine loop's thread can be the process's only OpenMP master."""
-    import graphexec.engine as engine_module
+    import graphexec.engine.engine as engine_module
 
     seen = []
     real_load = engine_module.load_checkpoint

@@ -7,7 +7,7 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from graphexec.loader import default_smollm2_gguf, load_gguf_tokenizer  # noqa: E402
-from graphexec.tokenizer import ByteTokenizer, Tokenizer  # noqa: E402
+from graphexec.text.tokenizer import ByteTokenizer, Tokenizer  # noqa: E402
 
 TEXTS = [
     "Hello, world!",

@@ -11,8 +11,8 @@ import torch
 from graphexec.errors import ConfigError
 
 if TYPE_CHECKING:
-    from graphexec.forward_batch import ForwardBatch
-    from graphexec.forward_context import ForwardContext
+    from graphexec.runner.forward_batch import ForwardBatch
+    from graphexec.runner.forward_context import ForwardContext
 
 
 class AttentionBackend(ABC):

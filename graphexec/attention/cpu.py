@@ -21,11 +21,11 @@ import torch
 from graphexec.attention.op import bind_cpu_kernels, unbind_cpu_kernels
 from graphexec.attention.torch_native import TorchNativeAttnBackend
 from graphexec.errors import CheckpointError, ConfigError
-from graphexec.forward_context import get_forward_context
+from graphexec.runner.forward_context import get_forward_context
 
 if TYPE_CHECKING:
-    from graphexec.forward_batch import ForwardBatch
-    from graphexec.forward_context import ForwardContext
+    from graphexec.runner.forward_batch import ForwardBatch
+    from graphexec.runner.forward_context import ForwardContext
 
 
 def load_kernels() -> None:

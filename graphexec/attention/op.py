@@ -23,7 +23,7 @@ import threading
 import torch
 
 from capture.break_points import ATTENTION, break_point
-from graphexec.forward_context import get_forward_context
+from graphexec.runner.forward_context import get_forward_context
 
 # The op a traced forward is cut at (tc_piecewise's split op; ModelRunner declares it to capture/).
 ATTENTION_OP = "graphexec::attention"

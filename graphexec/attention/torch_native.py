@@ -12,8 +12,8 @@ from graphexec.attention.backend import AttentionBackend
 from graphexec.attention.op import unbind_cpu_kernels
 
 if TYPE_CHECKING:
-    from graphexec.forward_batch import ForwardBatch
-    from graphexec.forward_context import ForwardContext
+    from graphexec.runner.forward_batch import ForwardBatch
+    from graphexec.runner.forward_context import ForwardContext
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from graphexec.errors import GraphexecError
 
 
 def _run(cfg: DictConfig) -> None:
-    from graphexec.engine import Engine
+    from graphexec.engine.engine import Engine
 
     prompts = list(cfg.prompts) if cfg.prompts else [cfg.prompt]
     try:

@@ -19,7 +19,7 @@ from graphexec.errors import GraphexecError
 def _run(cfg: DictConfig) -> None:
     import uvicorn
 
-    from graphexec.engine import Engine
+    from graphexec.engine.engine import Engine
     from graphexec.server.app import create_app
     from graphexec.server.config import ServerConfig
     from graphexec.server.uvicorn_setup import log_config, uvicorn_options

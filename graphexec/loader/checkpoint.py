@@ -9,7 +9,7 @@ import torch
 
 from graphexec.errors import CheckpointError
 from graphexec.models.config import ModelConfig
-from graphexec.tokenizer import Tokenizer
+from graphexec.text.tokenizer import Tokenizer
 
 
 # eq=False: comparing dicts of tensors with == raises, and identity is what callers mean anyway.

@@ -17,7 +17,7 @@ from graphexec.errors import CheckpointError
 from graphexec.loader.checkpoint import LoadedCheckpoint, check_state_dict
 from graphexec.models.config import ModelConfig
 from graphexec.quant import SUPPORTED_GGUF_TYPES, QuantizedWeight, from_gguf_blocks
-from graphexec.tokenizer import Tokenizer
+from graphexec.text.tokenizer import Tokenizer
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 WEIGHT_MODES = ("native", "dequantize")

@@ -11,7 +11,7 @@ import torch
 from graphexec.errors import CheckpointError
 from graphexec.loader.checkpoint import LoadedCheckpoint, check_state_dict
 from graphexec.models.config import ModelConfig
-from graphexec.tokenizer import Tokenizer
+from graphexec.text.tokenizer import Tokenizer
 
 _ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
 _MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2"}

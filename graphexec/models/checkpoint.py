@@ -9,7 +9,7 @@ from graphexec.errors import ConfigError
 from graphexec.loader import LoadedCheckpoint, default_smollm2_gguf, load_gguf, load_hf_dir
 from graphexec.models.config import ModelConfig
 from graphexec.models.random_weights import random_state_dict
-from graphexec.tokenizer import ByteTokenizer
+from graphexec.text.tokenizer import ByteTokenizer
 
 
 def load_checkpoint(source: ModelSourceConfig, dtype: torch.dtype) -> LoadedCheckpoint:

@@ -19,7 +19,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from graphexec.engine import Engine
+from graphexec.engine.engine import Engine
 from graphexec.server.config import ServerConfig
 from graphexec.server.errors import APIError, install_error_handlers
 from graphexec.server.serving import OpenAIServing

@@ -10,7 +10,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from graphexec.request_output import RequestOutput
+from graphexec.engine.request_output import RequestOutput
 
 
 def sse(payload: dict | str) -> str:

@@ -24,10 +24,10 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
-from graphexec.engine import Engine
+from graphexec.engine.engine import Engine
 from graphexec.errors import EngineClosedError, InvalidRequestError, RequestFailedError
-from graphexec.request_output import RequestDelta, RequestOutput
-from graphexec.request_stream import AsyncRequestStream
+from graphexec.engine.request_output import RequestDelta, RequestOutput
+from graphexec.engine.request_stream import AsyncRequestStream
 from graphexec.server.config import ServerConfig
 from graphexec.sampling_params import SamplingParams
 from graphexec.server.errors import (

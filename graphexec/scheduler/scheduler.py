@@ -1,7 +1,7 @@
 """A continuous-batching scheduler: prefill first under a token budget, then decode.
 
-It decides what runs; the KV cache manager (graphexec/kv_cache_manager.py) does the accounting
-and the admission policy (graphexec/admission.py) says whether the head of the queue may start.
+It decides what runs; the KV cache manager (graphexec/cache/manager.py) does the accounting
+and the admission policy (graphexec/scheduler/admission.py) says whether the head of the queue may start.
 One step:
 
 1. Admit waiting requests in order while the policy agrees, the prefill token budget lasts and
@@ -20,13 +20,13 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 
-from graphexec.admission import create_admission
+from graphexec.scheduler.admission import create_admission
 from graphexec.config import SchedulerConfig
-from graphexec.kv_cache_manager import KVCacheManager
-from graphexec.model_runner import ModelRunner, StepOutput
-from graphexec.request import FinishReason, Req
-from graphexec.sampler import make_generator
-from graphexec.schedule_batch import ScheduleBatch
+from graphexec.cache.manager import KVCacheManager
+from graphexec.runner.model_runner import ModelRunner, StepOutput
+from graphexec.scheduler.request import FinishReason, Req
+from graphexec.runner.sampler import make_generator
+from graphexec.scheduler.schedule_batch import ScheduleBatch
 
 
 class Scheduler:

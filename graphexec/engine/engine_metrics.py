@@ -11,9 +11,9 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 if TYPE_CHECKING:
-    from graphexec.engine_loop import EngineLoop
-    from graphexec.model_runner import ModelRunner
-    from graphexec.scheduler import Scheduler
+    from graphexec.engine.engine_loop import EngineLoop
+    from graphexec.runner.model_runner import ModelRunner
+    from graphexec.scheduler.scheduler import Scheduler
 
 
 @dataclass(frozen=True)

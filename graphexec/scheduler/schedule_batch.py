@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from graphexec.forward_mode import ForwardMode
-from graphexec.request import Req
+from graphexec.runner.forward_mode import ForwardMode
+from graphexec.scheduler.request import Req
 
 
 @dataclass(frozen=True)

@@ -18,14 +18,14 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 import torch
 
-from graphexec.kv_pool import TokenToKVPool
-from graphexec.prefix_cache import RadixCache
-from graphexec.req_to_token_pool import ReqToTokenPool
+from graphexec.cache.kv_pool import TokenToKVPool
+from graphexec.cache.prefix_cache import RadixCache
+from graphexec.cache.req_to_token_pool import ReqToTokenPool
 
 if TYPE_CHECKING:
     from graphexec.config import EngineConfig
     from graphexec.models.config import ModelConfig
-    from graphexec.request import Req
+    from graphexec.scheduler.request import Req
 
 
 class KVCacheFullError(RuntimeError):

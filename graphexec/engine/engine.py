@@ -15,20 +15,20 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 
 from graphexec.config import EngineConfig
-from graphexec.engine_loop import EngineLoop
-from graphexec.engine_metrics import EngineMetrics
+from graphexec.engine.engine_loop import EngineLoop
+from graphexec.engine.engine_metrics import EngineMetrics
 from graphexec.errors import InvalidRequestError, RequestFailedError
-from graphexec.kv_cache_manager import KVCacheManager
-from graphexec.model_runner import ModelRunner
+from graphexec.cache.manager import KVCacheManager
+from graphexec.runner.model_runner import ModelRunner
 from graphexec.models.checkpoint import LoadedCheckpoint, load_checkpoint
-from graphexec.prompt_encoder import Prompt, PromptEncoder
-from graphexec.request import Req
-from graphexec.request_output import RequestDelta, RequestOutput
-from graphexec.request_stream import AsyncRequestStream, RequestStream
-from graphexec.request_tracker import RequestTracker
+from graphexec.text.prompt_encoder import Prompt, PromptEncoder
+from graphexec.scheduler.request import Req
+from graphexec.engine.request_output import RequestDelta, RequestOutput
+from graphexec.engine.request_stream import AsyncRequestStream, RequestStream
+from graphexec.engine.request_tracker import RequestTracker
 from graphexec.sampling_params import SamplingParams
-from graphexec.scheduler import Scheduler
-from graphexec.threads import call_in_thread
+from graphexec.scheduler.scheduler import Scheduler
+from graphexec.engine.threads import call_in_thread
 
 __all__ = ["Engine", "Prompt", "RequestDelta", "RequestOutput"]
 
@@ -45,7 +45,7 @@ class Engine:
         self.config = config if config is not None else EngineConfig.from_overrides(overrides)
         torch.manual_seed(self.config.seed)
         # Loading and capture run on a thread that then exits, so the engine loop's thread is the
-        # only one holding an OpenMP team (graphexec/threads.py: two teams cost ~40 % per step).
+        # only one holding an OpenMP team (graphexec/engine/threads.py: two teams cost ~40 % per step).
         checkpoint, self.runner = call_in_thread(self._load_and_capture)
         self.model_config = checkpoint.config
         self.tokenizer = checkpoint.tokenizer

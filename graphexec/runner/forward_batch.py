@@ -8,14 +8,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from capture import PaddingPolicy, Phase
-from graphexec.forward_mode import ForwardMode
-from graphexec.kv_pool import DUMMY_SLOT
-from graphexec.req_to_token_pool import DUMMY_REQ_ROW
-from graphexec.sampler import SamplingBatchInfo
+from graphexec.runner.forward_mode import ForwardMode
+from graphexec.cache.kv_pool import DUMMY_SLOT
+from graphexec.cache.req_to_token_pool import DUMMY_REQ_ROW
+from graphexec.runner.sampler import SamplingBatchInfo
 from graphexec.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from graphexec.schedule_batch import ScheduleBatch
+    from graphexec.scheduler.schedule_batch import ScheduleBatch
 
 
 _NO_SAMPLING = SamplingParams(temperature=0.0)

@@ -17,16 +17,16 @@ from graphexec.attention.backend import create_attention_backend
 from graphexec.config import EngineConfig
 from graphexec.attention.op import ATTENTION_OP
 from graphexec.errors import ConfigError
-from graphexec.forward_batch import ForwardBatch, padding_policy
-from graphexec.forward_context import ForwardContext, forward_context
-from graphexec.forward_mode import ForwardMode
-from graphexec.kv_cache_manager import KVCacheManager
+from graphexec.runner.forward_batch import ForwardBatch, padding_policy
+from graphexec.runner.forward_context import ForwardContext, forward_context
+from graphexec.runner.forward_mode import ForwardMode
+from graphexec.cache.manager import KVCacheManager
 from graphexec.loader import LoadedCheckpoint
-from graphexec.logits_processor import LogitsProcessor
+from graphexec.runner.logits_processor import LogitsProcessor
 from graphexec.models.config import ModelConfig
 from graphexec.models.llama import LlamaForCausalLM
 from graphexec.quant import QuantEmbedding, QuantLinear, ensure_kernels
-from graphexec.sampler import Sampler, SamplerOutput
+from graphexec.runner.sampler import Sampler, SamplerOutput
 
 
 @dataclass(frozen=True)

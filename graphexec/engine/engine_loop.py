@@ -11,7 +11,7 @@ the loop keeps serving the rest.  The thread starts on the first submission, so 
 
 On a CPU this thread must be the process's only OpenMP master, or every parallel region pays
 a futex wake-up (~40 % of a decode step on 2 cores): Engine loads and captures on a thread that
-ends (graphexec/threads.py), so keep other torch work off long-lived threads too.
+ends (graphexec/engine/threads.py), so keep other torch work off long-lived threads too.
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from dataclasses import dataclass
 import torch
 
 from graphexec.errors import EngineClosedError
-from graphexec.request import FinishReason
-from graphexec.request_tracker import RequestTracker
-from graphexec.scheduler import Scheduler
-from graphexec.serving_stats import ServingStats
+from graphexec.scheduler.request import FinishReason
+from graphexec.engine.request_tracker import RequestTracker
+from graphexec.scheduler.scheduler import Scheduler
+from graphexec.engine.serving_stats import ServingStats
 
 _log = logging.getLogger(__name__)
 

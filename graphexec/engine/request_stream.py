@@ -14,7 +14,7 @@ import weakref
 from collections.abc import Callable
 
 from graphexec.errors import RequestFailedError
-from graphexec.request_output import RequestDelta, RequestOutput
+from graphexec.engine.request_output import RequestDelta, RequestOutput
 
 Item = RequestDelta | BaseException
 

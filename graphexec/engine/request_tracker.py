@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from graphexec.detokenizer import Decoder, IncrementalDetokenizer
-from graphexec.request import FinishReason, Req
-from graphexec.request_output import RequestDelta, RequestOutput
-from graphexec.stop_strings import StopStringMatcher
+from graphexec.text.detokenizer import Decoder, IncrementalDetokenizer
+from graphexec.scheduler.request import FinishReason, Req
+from graphexec.engine.request_output import RequestDelta, RequestOutput
+from graphexec.text.stop_strings import StopStringMatcher
 
 # Receives each delta, or the exception that ended the request; False when nobody will read it.
 Sink = Callable[[RequestDelta | BaseException], bool]
