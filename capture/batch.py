@@ -35,3 +35,8 @@ class BucketableBatch(Protocol):
 
     @property
     def num_tokens(self) -> int: ...
+
+    @property
+    def phase(self) -> Phase:
+        """How a backend buckets this batch (graphexec: ROWS for decode/idle, TOKENS for extend/mixed)."""
+        ...

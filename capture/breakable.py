@@ -30,7 +30,7 @@ from capture.batch import BucketableBatch
 
 class BreakableBackend(PiecewiseBackend):
     name = "breakable"
-    extra_options = frozenset({"breaks"})
+    extra_options = PiecewiseBackend.extra_options | {"breaks"}
 
     def __init__(self, env: CaptureEnv, options: Mapping[str, Any], config_path: str = "capture.extend"):
         super().__init__(env, options, config_path)

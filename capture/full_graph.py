@@ -1,8 +1,7 @@
 """Full-graph decode: the whole decode forward as one graph per batch-size bucket.
 
-The live batch is padded up to the smallest bucket that holds it (capture/padding.py), run
-through that bucket's graph, and sliced back to its real rows.  What "graph" means depends on
-the `graph` option:
+Built on the bucketed core (capture/bucketed.py: pad to the smallest bucket that holds the
+batch, run, slice back).  What "graph" means depends on the `graph` option:
   compile     torch.compile(fullgraph=True) with static shapes per bucket (inductor); the
               attention op stays opaque inside, its metadata prepared outside.  The CPU default.
   cuda_graph  one torch.cuda.CUDAGraph per bucket, captured largest first into one shared memory
@@ -19,58 +18,37 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from capture.backend import CaptureBackend, CaptureEnv
-from capture.buckets import bucket_for, validate_buckets
-from capture.padding import StaticInputs
-from capture.errors import CaptureConfigError
+from capture.backend import CaptureEnv
 from capture.batch import BucketableBatch, Phase
+from capture.bucketed import BucketedBackend, BucketRunner
+from capture.errors import CaptureConfigError
 
 GRAPH_KINDS = ("auto", "compile", "cuda_graph", "eager")
-_OPTIONS = {"buckets", "graph", "compile", "lazy", "progress"}
 _COMPILE_OPTIONS = {"enabled", "mode", "dynamic", "freezing", "cache_dir", "regional", "skip_module_guards", "cpp_wrapper"}
 
-BucketRunner = Callable[[BucketableBatch], torch.Tensor]
 
+class FullGraphBackend(BucketedBackend):
+    """The ROWS phase with the whole forward as one graph per bucket (a graph with zero breaks)."""
 
-class FullGraphBackend(CaptureBackend):
     name = "full_graph"
+    phase = Phase.ROWS
+    extra_options = frozenset({"graph", "compile"})
 
     def __init__(self, env: CaptureEnv, options: Mapping[str, Any], config_path: str = "capture.decode"):
         super().__init__(env, options, config_path)
-        unknown = sorted(set(self.options) - _OPTIONS)
-        if unknown:
-            raise CaptureConfigError(f"{config_path}.{unknown[0]} is not a full_graph option; known: {sorted(_OPTIONS)}")
-        self.buckets = validate_buckets(self.options.get("buckets"), f"{config_path}.buckets")
         self.graph_kind = _resolve_graph_kind(self.options.get("graph", "auto"), env.device, config_path)
         self.compile_options = dict(self.options.get("compile") or {})
         unknown = sorted(set(self.compile_options) - _COMPILE_OPTIONS)
         if unknown:
             raise CaptureConfigError(f"{config_path}.compile.{unknown[0]} is unknown; known: {sorted(_COMPILE_OPTIONS)}")
-        self.lazy = bool(self.options.get("lazy", False))
-        self.buffers = StaticInputs(self.buckets[-1], env.device)
-        self._runners: dict[int, BucketRunner] = {}
         self._compiled: Callable | None = None
         self._cuda_pool = None
 
-    # -- capture -------------------------------------------------------------------------------
-
-    def capture(self) -> None:
+    def _before_capture(self) -> None:
         if self.graph_kind == "cuda_graph":
             self.env.enable_static_metadata(self.buckets[-1])
-        if not self.lazy:
-            self._capture_each(self.buckets, f"{self.name} ({self.graph_kind})", self._capture_timed)
 
-    def _capture_timed(self, bucket: int) -> BucketRunner:
-        # Each bucket is a legitimate compile of the same code (two with regional compilation: the
-        # first specializes layer_id), so lift Dynamo's recompile limit while capturing.
-        limit = 2 * len(self.buckets) + 8
-        with torch._dynamo.config.patch(recompile_limit=limit, accumulated_recompile_limit=max(256, limit)):
-            runner = self._measured(bucket, lambda: self._capture_bucket(bucket))
-        self._runners[bucket] = runner
-        return runner
-
-    def _capture_bucket(self, bucket: int) -> BucketRunner:
-        dummy = self.buffers.dummy_batch(bucket, self.env.padding, Phase.ROWS, self.env.empty_batch(Phase.ROWS))
+    def _capture_bucket(self, bucket: int, dummy: BucketableBatch) -> BucketRunner:
         if self.graph_kind == "eager":
             return self._run_model
         if self.graph_kind == "compile":
@@ -153,24 +131,6 @@ class FullGraphBackend(CaptureBackend):
 
     def _run_model(self, fb: BucketableBatch) -> torch.Tensor:
         return self.env.model(fb.input_ids, fb.positions)
-
-    # -- serving -------------------------------------------------------------------------------
-
-    def can_run(self, fb: BucketableBatch) -> bool:
-        if not fb.forward_mode.is_decode_or_idle():
-            return False
-        bucket = bucket_for(fb.batch_size, self.buckets)
-        return bucket is not None and (self.lazy or bucket in self._runners)
-
-    def execute(self, fb: BucketableBatch) -> torch.Tensor:
-        bucket = bucket_for(fb.batch_size, self.buckets)
-        runner = self._runners.get(bucket) or self._capture_timed(bucket)
-        padded = self.buffers.load(fb, bucket, self.env.padding)
-        with self.env.forward_scope(padded):
-            hidden = runner(padded)
-        self.stats.executions += 1
-        self.stats.padded_rows += bucket - fb.batch_size
-        return hidden[: fb.num_token_non_padded]
 
 
 def _call_layer(layer, positions, x, rotary, layer_id):

@@ -147,7 +147,7 @@ class _GraphedPiece:
 class TcPiecewiseBackend(PiecewiseBackend):
     name = "tc_piecewise"
     implicit_segments = False  # the split module hands over its pieces: each recorded alone
-    extra_options = frozenset({"compiler", "split_ops"})
+    extra_options = PiecewiseBackend.extra_options | {"compiler", "split_ops"}
 
     def __init__(self, env: CaptureEnv, options: Mapping[str, Any], config_path: str = "capture.extend"):
         self.compiler = _resolve_compiler(options.get("compiler", "inductor"), env.device, config_path)

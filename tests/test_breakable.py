@@ -19,7 +19,7 @@ def _plan(breaks="[attention]", buckets="[16,32,64]", prefill_tokens=128):
     return TINY + [
         f"scheduler.max_prefill_tokens={prefill_tokens}",
         "capture=eager",
-        f"+capture.extend={{backend:breakable,buckets:{buckets},breaks:{breaks},progress:false}}",
+        f"+capture.extend={{backend:breakable,buckets:{buckets},breaks:{breaks},progress:false,max_padding:1.0}}",  # pad any batch
         "capture.mixed=${capture.extend}",
     ]
 

@@ -41,7 +41,7 @@ def _plan(variant, buckets="[16,32,64]", prefill_tokens=128, extra="", device="c
         f"device={device}",
         f"scheduler.max_prefill_tokens={prefill_tokens}",
         "capture=eager",
-        f"+capture.extend={{{spec},buckets:{buckets},progress:false{extra}}}",
+        f"+capture.extend={{{spec},buckets:{buckets},progress:false,max_padding:1.0{extra}}}",  # pad any batch
         "capture.mixed=${capture.extend}",
     ]
 
@@ -259,7 +259,7 @@ def test_smollm2_breakable_recorded_path_equals_eager(smollm2_engine):
             "model=smollm2-135m",
             "cache.num_slots=4096",
             "capture=eager",
-            "+capture.extend={backend:breakable,graph:tape,buckets:[64],progress:false}",
+            "+capture.extend={backend:breakable,graph:tape,buckets:[64],progress:false,max_padding:1.0}",
             "capture.mixed=${capture.extend}",
         ]
     )

@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import fx
 
+from capture import Phase
 from capture.buckets import bucket_for
 from capture.graph_split import split_at_ops, structure_key
 from capture.tc_piecewise import TcPiecewiseBackend
@@ -20,10 +21,15 @@ BUDGET = ["scheduler.max_prefill_tokens=256"]
 ATTENTION = "graphexec::attention"
 
 
+def _pad_all(extra):
+    """These tests pad any batch unless they set max_padding themselves (the default is 0.05)."""
+    return "" if "max_padding" in extra else ",max_padding:1.0"
+
+
 def _plan(extra="", buckets="[16,32,64]", budget=BUDGET):
     return TINY + budget + [
         "capture=eager",
-        f"+capture.extend={{backend:tc_piecewise,buckets:{buckets},progress:false{extra}}}",
+        f"+capture.extend={{backend:tc_piecewise,buckets:{buckets},progress:false{_pad_all(extra)}{extra}}}",
         "capture.mixed=${capture.extend}",
     ]
 
@@ -295,10 +301,11 @@ def test_a_batch_that_would_be_mostly_padding_runs_eager(eager_engine):
     backend.capture()  # lazy: builds the pieced forward, compiles nothing yet
 
     def batch(tokens):
-        return dataclasses.make_dataclass("Batch", ["forward_mode", "num_tokens"])(ForwardMode.EXTEND, tokens)
+        return dataclasses.make_dataclass("Batch", ["phase", "num_tokens"])(Phase.TOKENS, tokens)
 
     assert [backend.can_run(batch(n)) for n in (12, 16, 17, 23, 24, 32, 33)] == [True, True, False, False, True, True, False]
-    assert TcPiecewiseBackend(eager_engine.runner.eager.env, {"buckets": [16]}).max_padding == 1.0  # default: always pad
+    # One default, in capture/bucketed.py, the same as configs/capture/graph_first.yaml.
+    assert TcPiecewiseBackend(eager_engine.runner.eager.env, {"buckets": [16]}).max_padding == 0.05
 
 
 # -- the real model ------------------------------------------------------------------------------
@@ -313,7 +320,7 @@ def test_smollm2_tc_piecewise_equals_eager(smollm2_engine):
             "model=smollm2-135m",
             "cache.num_slots=4096",
             "capture=eager",
-            "+capture.extend={backend:tc_piecewise,buckets:[64,128],progress:false}",
+            "+capture.extend={backend:tc_piecewise,buckets:[64,128],progress:false,max_padding:1.0}",
             "capture.mixed=${capture.extend}",
         ]
     )

@@ -59,6 +59,10 @@ class ForwardBatch:
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
 
+    @property
+    def phase(self) -> Phase:
+        return Phase.TOKENS if self.forward_mode.is_extend() else Phase.ROWS
+
     @classmethod
     def init_new(cls, batch: "ScheduleBatch", device: torch.device | str, vocab_size: int) -> "ForwardBatch":
         """Build the device tensors of one forward.  Never mutates `batch`."""
