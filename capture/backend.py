@@ -106,4 +106,5 @@ class CaptureBackend(ABC):
 
     @abstractmethod
     def execute(self, fb: BucketableBatch) -> torch.Tensor:
-        """Hidden rows for fb: its fb.num_token_non_padded real rows first (padding, if any, after)."""
+        """Hidden rows of fb's fb.num_token_non_padded real tokens, and nothing else: a backend that
+        pads slices its padding off before returning (capture/bucketed.py does it, once)."""

@@ -18,6 +18,5 @@ class LogitsProcessor:
         self.compute_logits = compute_logits
 
     def __call__(self, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        # Padding rows (if a backend added any) sit after num_token_non_padded and are never selected.
-        real = hidden[: fb.num_token_non_padded]
-        return self.compute_logits(real[fb.sample_row_indices()])
+        # `hidden` holds real rows only: capture backends slice their padding off (capture/bucketed.py).
+        return self.compute_logits(hidden[fb.sample_row_indices()])

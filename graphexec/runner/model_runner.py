@@ -103,7 +103,7 @@ class ModelRunner:
         if not backend.can_run(fb):
             backend.stats.fallbacks += 1
             backend = self.eager
-        return backend.execute(fb)[: fb.num_token_non_padded]
+        return backend.execute(fb)
 
     @torch.inference_mode()
     def forward_and_sample(self, fb: ForwardBatch) -> StepOutput:
