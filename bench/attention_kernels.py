@@ -38,10 +38,10 @@ def case_names() -> list[str]:
 
 
 def _worker(impl: str, case: str, dtype_name: str, seconds: float) -> dict:
+    from graphexec.cache.kv_pool import TokenToKVPool
     from graphexec.runner.forward_batch import ForwardBatch
     from graphexec.runner.forward_context import ForwardContext, forward_context
     from graphexec.runner.forward_mode import ForwardMode
-    from graphexec.cache.kv_pool import TokenToKVPool
 
     dtype = getattr(torch, dtype_name)
     torch.manual_seed(0)

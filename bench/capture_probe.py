@@ -17,7 +17,6 @@ import traceback
 from typing import Any
 
 
-
 def config_without_progress_bars(overrides: list[str]):
     """The engine config for `overrides`, with capture progress bars off: they would bury the
     error line on stderr.  Modes that alias another mode's spec (`mixed: ${.extend}`) are left

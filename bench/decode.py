@@ -12,8 +12,8 @@ from tqdm import tqdm
 
 from bench.plots import grouped_bars
 from bench.timing import device_sync, paired_ms
-from graphexec.runner.forward_mode import ForwardMode
 from graphexec.engine.threads import call_in_thread
+from graphexec.runner.forward_mode import ForwardMode
 
 
 def run(cfg, ctx) -> dict[str, Any]:

@@ -13,14 +13,14 @@ import torch
 
 from capture.padding import StaticInputs
 from graphexec import SamplingParams
+from graphexec.cache.kv_pool import TokenToKVPool
+from graphexec.cache.manager import KVCacheManager
+from graphexec.cache.req_to_token_pool import ReqToTokenPool
 from graphexec.config import SchedulerConfig
 from graphexec.runner.forward_batch import ForwardBatch, padding_policy
-from graphexec.cache.manager import KVCacheManager
-from graphexec.cache.kv_pool import TokenToKVPool
 from graphexec.runner.model_runner import StepOutput
-from graphexec.cache.req_to_token_pool import ReqToTokenPool
-from graphexec.scheduler.request import Req
 from graphexec.runner.sampler import Sampler, SamplerOutput, SamplingBatchInfo
+from graphexec.scheduler.request import Req
 from graphexec.scheduler.schedule_batch import ScheduleBatch
 from graphexec.scheduler.scheduler import Scheduler
 

@@ -22,10 +22,10 @@ from typing import Any, Mapping
 import torch
 
 from capture.backend import CaptureEnv
-from capture.break_points import ATTENTION, DEBUG, break_point, breaking
-from capture.piecewise import PieceForward, PiecewiseBackend
-from capture.errors import CaptureConfigError
 from capture.batch import BucketableBatch
+from capture.break_points import ATTENTION, DEBUG, break_point, breaking
+from capture.errors import CaptureConfigError
+from capture.piecewise import PieceForward, PiecewiseBackend
 
 
 class BreakableBackend(PiecewiseBackend):

@@ -15,8 +15,8 @@ from typing import Iterator
 
 import torch
 
-from capture.segments import GraphRecorder, Replayable
 from capture.errors import CaptureConfigError
+from capture.segments import GraphRecorder, Replayable
 
 RECORDERS = ("cuda_graph", "tape")
 

@@ -11,10 +11,10 @@ from graphexec import Engine, SamplingParams
 from graphexec.attention.cpu import CpuAttnBackend, load_kernels
 from graphexec.attention.op import unified_attention
 from graphexec.attention.torch_native import TorchNativeAttnBackend
+from graphexec.cache.kv_pool import TokenToKVPool
 from graphexec.runner.forward_batch import ForwardBatch
 from graphexec.runner.forward_context import ForwardContext, forward_context
 from graphexec.runner.forward_mode import ForwardMode
-from graphexec.cache.kv_pool import TokenToKVPool
 
 
 @pytest.fixture(scope="module", autouse=True)

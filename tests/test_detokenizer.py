@@ -4,8 +4,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from graphexec.text.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
 from graphexec.loader import default_smollm2_gguf, load_gguf_tokenizer
+from graphexec.text.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
 from graphexec.text.stop_strings import StopStringMatcher
 from graphexec.text.tokenizer import ByteTokenizer
 

@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from graphexec import EngineClosedError, Engine, InvalidRequestError, RequestFailedError, SamplingParams
+from graphexec import Engine, EngineClosedError, InvalidRequestError, RequestFailedError, SamplingParams
 from graphexec.runner.forward_mode import ForwardMode
 from tests.conftest import TINY_OVERRIDES
 from tests.helpers import slowed, wait_until

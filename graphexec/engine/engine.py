@@ -14,21 +14,21 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
+from graphexec.cache.manager import KVCacheManager
 from graphexec.config import EngineConfig
 from graphexec.engine.engine_loop import EngineLoop
 from graphexec.engine.engine_metrics import EngineMetrics
-from graphexec.errors import InvalidRequestError, RequestFailedError
-from graphexec.cache.manager import KVCacheManager
-from graphexec.runner.model_runner import ModelRunner
-from graphexec.models.checkpoint import LoadedCheckpoint, load_checkpoint
-from graphexec.text.prompt_encoder import Prompt, PromptEncoder
-from graphexec.scheduler.request import Req
 from graphexec.engine.request_output import RequestDelta, RequestOutput
 from graphexec.engine.request_stream import AsyncRequestStream, RequestStream
 from graphexec.engine.request_tracker import RequestTracker
-from graphexec.sampling_params import SamplingParams
-from graphexec.scheduler.scheduler import Scheduler
 from graphexec.engine.threads import call_in_thread
+from graphexec.errors import InvalidRequestError, RequestFailedError
+from graphexec.models.checkpoint import LoadedCheckpoint, load_checkpoint
+from graphexec.runner.model_runner import ModelRunner
+from graphexec.sampling_params import SamplingParams
+from graphexec.scheduler.request import Req
+from graphexec.scheduler.scheduler import Scheduler
+from graphexec.text.prompt_encoder import Prompt, PromptEncoder
 
 __all__ = ["Engine", "Prompt", "RequestDelta", "RequestOutput"]
 

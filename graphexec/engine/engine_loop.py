@@ -24,11 +24,11 @@ from dataclasses import dataclass
 
 import torch
 
+from graphexec.engine.request_tracker import RequestTracker
+from graphexec.engine.serving_stats import ServingStats
 from graphexec.errors import EngineClosedError
 from graphexec.scheduler.request import FinishReason
-from graphexec.engine.request_tracker import RequestTracker
 from graphexec.scheduler.scheduler import Scheduler
-from graphexec.engine.serving_stats import ServingStats
 
 _log = logging.getLogger(__name__)
 

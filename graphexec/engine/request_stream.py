@@ -13,8 +13,8 @@ import queue
 import weakref
 from collections.abc import Callable
 
-from graphexec.errors import RequestFailedError
 from graphexec.engine.request_output import RequestDelta, RequestOutput
+from graphexec.errors import RequestFailedError
 
 Item = RequestDelta | BaseException
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from graphexec.text.detokenizer import Decoder, IncrementalDetokenizer
-from graphexec.scheduler.request import FinishReason, Req
 from graphexec.engine.request_output import RequestDelta, RequestOutput
+from graphexec.scheduler.request import FinishReason, Req
+from graphexec.text.detokenizer import Decoder, IncrementalDetokenizer
 from graphexec.text.stop_strings import StopStringMatcher
 
 # Receives each delta, or the exception that ended the request; False when nobody will read it.

@@ -8,9 +8,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from capture import PaddingPolicy, Phase
-from graphexec.runner.forward_mode import ForwardMode
 from graphexec.cache.kv_pool import DUMMY_SLOT
 from graphexec.cache.req_to_token_pool import DUMMY_REQ_ROW
+from graphexec.runner.forward_mode import ForwardMode
 from graphexec.runner.sampler import SamplingBatchInfo
 from graphexec.sampling_params import SamplingParams
 

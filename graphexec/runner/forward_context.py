@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING, Iterator
 
 if TYPE_CHECKING:
     from graphexec.attention.backend import AttentionBackend
-    from graphexec.runner.forward_batch import ForwardBatch
     from graphexec.cache.kv_pool import TokenToKVPool
     from graphexec.cache.req_to_token_pool import ReqToTokenPool
+    from graphexec.runner.forward_batch import ForwardBatch
 
 
 @dataclass(frozen=True)

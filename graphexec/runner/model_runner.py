@@ -14,18 +14,18 @@ import torch
 from capture import CaptureBackend, CaptureConfigError, CaptureEnv, create_backend
 from capture.eager import EagerRunner
 from graphexec.attention.backend import create_attention_backend
-from graphexec.config import EngineConfig
 from graphexec.attention.op import ATTENTION_OP
-from graphexec.errors import ConfigError
-from graphexec.runner.forward_batch import ForwardBatch, padding_policy
-from graphexec.runner.forward_context import ForwardContext, forward_context
-from graphexec.runner.forward_mode import ForwardMode
 from graphexec.cache.manager import KVCacheManager
+from graphexec.config import EngineConfig
+from graphexec.errors import ConfigError
 from graphexec.loader import LoadedCheckpoint
-from graphexec.runner.logits_processor import LogitsProcessor
 from graphexec.models.config import ModelConfig
 from graphexec.models.llama import LlamaForCausalLM
 from graphexec.quant import QuantEmbedding, QuantLinear, ensure_kernels
+from graphexec.runner.forward_batch import ForwardBatch, padding_policy
+from graphexec.runner.forward_context import ForwardContext, forward_context
+from graphexec.runner.forward_mode import ForwardMode
+from graphexec.runner.logits_processor import LogitsProcessor
 from graphexec.runner.sampler import Sampler, SamplerOutput
 
 

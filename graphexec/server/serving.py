@@ -25,11 +25,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 from graphexec.engine.engine import Engine
-from graphexec.errors import EngineClosedError, InvalidRequestError, RequestFailedError
 from graphexec.engine.request_output import RequestDelta, RequestOutput
 from graphexec.engine.request_stream import AsyncRequestStream
-from graphexec.server.config import ServerConfig
+from graphexec.errors import EngineClosedError, InvalidRequestError, RequestFailedError
 from graphexec.sampling_params import SamplingParams
+from graphexec.server.config import ServerConfig
 from graphexec.server.errors import (
     CLIENT_CLOSED_REQUEST,
     APIError,

@@ -77,8 +77,8 @@ def _gguf_byte_level_backend(metadata: Mapping[str, Any]) -> tokenizers.Tokenize
 
 def _compile_chat_template(template: str):
     """Compile the way transformers does, so prompts come out byte-identical to its apply_chat_template."""
-    from jinja2.ext import loopcontrols
     from jinja2.exceptions import TemplateError
+    from jinja2.ext import loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def raise_exception(message: str):
