@@ -4,8 +4,9 @@ Built on the bucketed core (capture/bucketed.py: pad to the smallest bucket that
 batch, run, slice back).  What "graph" means depends on the `graph` option:
   compile     torch.compile(fullgraph=True) with static shapes per bucket (inductor); the
               attention op stays opaque inside, its metadata prepared outside.  The CPU default.
-  cuda_graph  one torch.cuda.CUDAGraph per bucket, captured largest first into one shared memory
-              pool, optionally over the compiled forward.  The CUDA default.
+  cuda_graph  one CUDA graph per bucket (a segmented recording with zero breaks, through
+              capture/recorders.py), captured largest first into one shared memory pool,
+              optionally over the compiled forward.  The CUDA default.
   eager       debug: the same padding and static buffers, plain module calls inside, so "is it
               the capture or the model?" is one override away.
 """
@@ -22,6 +23,8 @@ from capture.backend import CaptureEnv
 from capture.batch import BucketableBatch, Phase
 from capture.bucketed import BucketedBackend, BucketRunner
 from capture.errors import CaptureConfigError
+from capture.recorders import create_recorder
+from capture.segments import GraphRecorder, record_segments
 
 GRAPH_KINDS = ("auto", "compile", "cuda_graph", "eager")
 _COMPILE_OPTIONS = {"enabled", "mode", "dynamic", "freezing", "cache_dir", "regional", "skip_module_guards", "cpp_wrapper"}
@@ -42,7 +45,7 @@ class FullGraphBackend(BucketedBackend):
         if unknown:
             raise CaptureConfigError(f"{config_path}.compile.{unknown[0]} is unknown; known: {sorted(_COMPILE_OPTIONS)}")
         self._compiled: Callable | None = None
-        self._cuda_pool = None
+        self._recorder: GraphRecorder | None = None  # cuda_graph: created at the first capture
 
     def _before_capture(self) -> None:
         if self.graph_kind == "cuda_graph":
@@ -112,22 +115,18 @@ class FullGraphBackend(BucketedBackend):
         return self._compiled
 
     def _capture_cuda_graph(self, dummy: BucketableBatch) -> BucketRunner:
+        """A segmented recording with zero breaks (break points are plain calls outside
+        `breaking()`): one CUDA graph per bucket through capture/recorders.py, the same recorder
+        type the piecewise backends use, every bucket in its one memory pool."""
         use_compile = bool(self.compile_options.get("enabled", False))
         forward = self._compiled_forward() if use_compile else self.env.model
+        if self._recorder is None:
+            self._recorder = create_recorder("cuda_graph", self.env.device, f"{self.config_path}.graph")
         with self.env.forward_scope(dummy):
             for _ in range(2):  # warm-up: lazy inits, allocator, compilation happen outside capture
                 forward(dummy.input_ids, dummy.positions)
-            torch.cuda.synchronize(self.env.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._cuda_pool):
-                static_out = forward(dummy.input_ids, dummy.positions)
-        self._cuda_pool = graph.pool()
-
-        def replay(fb: BucketableBatch) -> torch.Tensor:
-            graph.replay()
-            return static_out
-
-        return replay
+            recorded = record_segments(self._recorder, lambda: forward(dummy.input_ids, dummy.positions))
+        return lambda fb: recorded.replay()
 
     def _run_model(self, fb: BucketableBatch) -> torch.Tensor:
         return self.env.model(fb.input_ids, fb.positions)
