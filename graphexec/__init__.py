@@ -5,7 +5,7 @@ Public names are resolved on first access, so importing one submodule does not l
 
 from __future__ import annotations
 
-import importlib
+from graphexec.lazy_exports import lazy_getattr
 
 _PUBLIC = {
     "Engine": "graphexec.engine.engine",
@@ -22,8 +22,4 @@ _PUBLIC = {
 
 __all__ = sorted(_PUBLIC)
 
-
-def __getattr__(name: str):
-    if name in _PUBLIC:
-        return getattr(importlib.import_module(_PUBLIC[name]), name)
-    raise AttributeError(f"module 'graphexec' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _PUBLIC)

@@ -4,10 +4,8 @@ metrics and serving statistics.  Builds the KV cache manager, the runner and the
 calls down into them; the HTTP server (graphexec/server/) sits on top of it.
 """
 
-import importlib
+from graphexec.lazy_exports import lazy_getattr
 
-# Resolved on first access, so importing one module of the package does not load the others
-# (and lower layers can import a module here without a cycle through this file).
 _PUBLIC = {
     "Engine": "graphexec.engine.engine",
     "RequestOutput": "graphexec.engine.request_output",
@@ -15,8 +13,4 @@ _PUBLIC = {
 }
 __all__ = sorted(_PUBLIC)
 
-
-def __getattr__(name: str):
-    if name in _PUBLIC:
-        return getattr(importlib.import_module(_PUBLIC[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _PUBLIC)

@@ -6,10 +6,8 @@ step, record).  Asks the KV cache manager (graphexec/cache/) for memory and the 
 (graphexec/runner/) for forwards; never touches a pool itself.
 """
 
-import importlib
+from graphexec.lazy_exports import lazy_getattr
 
-# Resolved on first access, so importing one module of the package does not load the others
-# (and lower layers can import a module here without a cycle through this file).
 _PUBLIC = {
     "Scheduler": "graphexec.scheduler.scheduler",
     "Req": "graphexec.scheduler.request",
@@ -17,8 +15,4 @@ _PUBLIC = {
 }
 __all__ = sorted(_PUBLIC)
 
-
-def __getattr__(name: str):
-    if name in _PUBLIC:
-        return getattr(importlib.import_module(_PUBLIC[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _PUBLIC)
