@@ -152,19 +152,15 @@ class KVCacheManager:
                     f"request {req.rid}: {held.allocated} positions mapped but {req.num_computed_tokens} computed"
                 )
         slots = self.token_pool.alloc(total)
-        if total == len(reqs) and min(lens, default=1) == 1:  # one token each (decode): one indexed write
-            table = self.req_to_token_pool.req_to_token
-            rows = torch.tensor([h.row for h in holdings])
-            cols = torch.tensor([h.allocated for h in holdings])
-            table[rows.to(table.device), cols.to(table.device)] = slots.to(table.device)
-            for held in holdings:
-                held.allocated += 1
-            return slots
-        offset = 0
+        # Every (row, position) pair in one indexed write, decode tokens and prompt chunks alike.
+        rows: list[int] = []
+        cols: list[int] = []
         for held, n in zip(holdings, lens):
-            self._map(held, held.allocated, slots[offset : offset + n])
+            rows += [held.row] * n
+            cols += range(held.allocated, held.allocated + n)
             held.allocated += n
-            offset += n
+        table = self.req_to_token_pool.req_to_token
+        table[torch.tensor(rows, device=table.device), torch.tensor(cols, device=table.device)] = slots.to(table.device)
         return slots
 
     def cache_computed(self, req: Req) -> None:
