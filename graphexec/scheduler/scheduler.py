@@ -40,10 +40,6 @@ class Scheduler:
         self.num_retractions = 0
 
     @property
-    def kv_capacity(self) -> int:
-        return self.kv_cache.num_slots
-
-    @property
     def promised_slots(self) -> int:
         """Slots the admission policy counts as spoken for beyond what holders have mapped."""
         return self.admission.promised(self.kv_cache)
