@@ -40,8 +40,8 @@ def case_names() -> list[str]:
 def _worker(impl: str, case: str, dtype_name: str, seconds: float) -> dict:
     from graphexec.cache.kv_pool import TokenToKVPool
     from graphexec.runner.forward_batch import ForwardBatch
-    from graphexec.runner.forward_context import ForwardContext, forward_context
-    from graphexec.runner.forward_mode import ForwardMode
+    from graphexec.attention.forward_context import ForwardContext, forward_context
+    from graphexec.forward_mode import ForwardMode
 
     dtype = getattr(torch, dtype_name)
     torch.manual_seed(0)
@@ -125,7 +125,7 @@ def _worker(impl: str, case: str, dtype_name: str, seconds: float) -> dict:
 
 def _old_custom_op():
     """The op as it was before the C++ kernels: a torch.library.custom_op over the backend."""
-    from graphexec.runner.forward_context import get_forward_context
+    from graphexec.attention.forward_context import get_forward_context
 
     @torch.library.custom_op("graphexec_bench::attention_old", mutates_args=("out",))
     def attention_old(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, layer_id: int) -> None:

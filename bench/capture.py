@@ -20,7 +20,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from bench.plots import grouped_bars
-from graphexec.runner.forward_mode import ForwardMode
+from graphexec.forward_mode import ForwardMode
 
 _ALLOWED_PHASES = (["cold"], ["cold", "warm"])
 

@@ -24,7 +24,7 @@ def config_without_progress_bars(overrides: list[str]):
     from omegaconf import DictConfig, OmegaConf
 
     from graphexec.config import EngineConfig, compose
-    from graphexec.runner.forward_mode import ForwardMode
+    from graphexec.forward_mode import ForwardMode
 
     cfg = compose(overrides)
     quiet = [

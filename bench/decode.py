@@ -13,7 +13,7 @@ from tqdm import tqdm
 from bench.plots import grouped_bars
 from bench.timing import device_sync, paired_ms
 from graphexec.engine.threads import call_in_thread
-from graphexec.runner.forward_mode import ForwardMode
+from graphexec.forward_mode import ForwardMode
 
 
 def run(cfg, ctx) -> dict[str, Any]:
@@ -38,9 +38,9 @@ def _paired_buckets(engine, graph, buckets: list[int], cfg, progress: bool) -> l
     rows = []
     for bucket in tqdm(buckets, desc="decode buckets", disable=not progress):
         fb, release = decode_batch(engine, bucket, cfg.bench.context_len)
-        sides = {"eager": lambda: runner.eager.execute(fb)}
+        sides = {"eager": lambda: runner.execute(runner.eager, fb)}
         if graph is not runner.eager:  # capture=eager: nothing to pair against
-            sides[graph.name] = lambda: graph.execute(fb)
+            sides[graph.name] = lambda: runner.execute(graph, fb)
         with torch.inference_mode():
             timings = paired_ms(sides, cfg.bench.rounds, cfg.bench.steps, device_sync(runner.device))
         release()

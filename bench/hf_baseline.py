@@ -51,7 +51,7 @@ def hf_model_from(config: ModelConfig, state_dict: dict[str, torch.Tensor]):
 
 def hf_model_for_engine(engine):
     """The reference model for a running engine: the same checkpoint, loaded again in fp32."""
-    from graphexec.models.checkpoint import load_checkpoint
+    from graphexec.loader.resolve import load_checkpoint
 
     # HF runs the dequantized fp32 weights: what the engine's native blocks compute, as HF reads a GGUF.
     source = dataclasses.replace(engine.config.model, weights="dequantize")

@@ -2,7 +2,7 @@
 
 One full_graph backend is captured over the union of all bucket sets (a bucket's graph is the
 same whichever set lists it).  For each live batch size B, each distinct bucket some set would
-pick is timed through the backend's own `execute` with only that bucket offered, so the real
+pick is timed through the backend's own `prepare` with only that bucket offered, so the real
 padding path runs; eager at exactly B is the unpadded reference, all paired in one process.
 A B above a set's largest bucket runs eager under that set, as the engine would run it.
 """
@@ -21,7 +21,7 @@ from bench.plots import grouped_bars
 from bench.timing import device_sync, paired_ms
 from capture.buckets import bucket_for, validate_buckets
 from capture.full_graph import FullGraphBackend
-from graphexec.runner.forward_mode import ForwardMode
+from graphexec.forward_mode import ForwardMode
 
 PAD_CALLS = 200  # StaticInputs.load takes microseconds: average many calls per timed round
 
@@ -60,16 +60,15 @@ def run(cfg, ctx) -> dict[str, Any]:
     engine = build_engine(_eager_plan(cfg))
     runner = engine.runner
     backend = create_backend("full_graph", runner.capture_env, _backend_options(cfg, union), "bench.padding")
-    with torch.inference_mode():
-        backend.capture()
+    runner.capture_backend(backend)
     policy = runner.capture_env.padding
     plans = [plan_set(s, batch_sizes) for s in sets]
     measured = []
     for size in tqdm(batch_sizes, desc="live batch sizes", disable=not ctx.progress):
         buckets = sorted({row["bucket"] for plan in plans for row in plan if row["batch_size"] == size} - {None})
         fb, release = decode_batch(engine, size, bench.context_len)
-        sides = {"eager": lambda: runner.eager.execute(fb)}
-        sides |= {f"bucket {b}": (lambda p=_pinned(backend, b): p.execute(fb)) for b in buckets}
+        sides = {"eager": lambda: runner.execute(runner.eager, fb)}
+        sides |= {f"bucket {b}": (lambda p=_pinned(backend, b): runner.execute(p, fb)) for b in buckets}
         with torch.inference_mode():
             timings = paired_ms(sides, bench.rounds, bench.steps, device_sync(runner.device))
             pad = {b: paired_ms({"load": lambda b=b: backend.buffers.load(fb, b, policy)}, bench.rounds, PAD_CALLS)
@@ -81,7 +80,7 @@ def run(cfg, ctx) -> dict[str, Any]:
                         for b in buckets],
         })
     return {
-        "backend": backend.name, "graph": backend.graph_kind, "context_len": bench.context_len,
+        "backend": backend.name, "graph": backend.mechanism, "context_len": bench.context_len,
         "captured_buckets": union, "capture_seconds": [backend.stats.capture_seconds.get(b) for b in union],
         "batch_sizes": list(batch_sizes), "measured": measured, "sets": _per_set(sets, plans, measured),
     }
@@ -104,7 +103,7 @@ def _backend_options(cfg: DictConfig, buckets: list[int]) -> dict[str, Any]:
 
 
 def _pinned(backend: FullGraphBackend, bucket: int) -> FullGraphBackend:
-    """The backend offering only `bucket`: its own execute() then pads every batch to it.
+    """The backend offering only `bucket`: its own prepare() then pads every batch to it.
     A shallow copy shares the captured graphs and static buffers; the counters are its own."""
     view = copy.copy(backend)
     view.buckets, view.stats = (bucket,), type(backend.stats)()

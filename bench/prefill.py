@@ -25,14 +25,13 @@ def run(cfg, ctx) -> dict[str, Any]:
     variants = {}
     for name in cfg.bench.variants:
         backend = create_backend(name, runner.capture_env, {"buckets": buckets, "progress": False}, "bench.variants")
-        with torch.inference_mode():  # the mode the graphs replay in, as ModelRunner.capture does
-            backend.capture()
+        runner.capture_backend(backend)
         variants[name] = backend
     rows = []
     for bucket in tqdm(buckets, desc="prefill buckets", disable=not ctx.progress):
         fb, release = _extend_batch(engine, bucket)
-        sides = {"eager": lambda: runner.eager.execute(fb)}
-        sides |= {name: (lambda b=b: b.execute(fb)) for name, b in variants.items()}
+        sides = {"eager": lambda: runner.execute(runner.eager, fb)}
+        sides |= {name: (lambda b=b: runner.execute(b, fb)) for name, b in variants.items()}
         with torch.inference_mode():
             timings = paired_ms(sides, cfg.bench.rounds, cfg.bench.steps, device_sync(runner.device))
         row = {"bucket": bucket, "eager": timings["eager"]}

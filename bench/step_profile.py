@@ -18,7 +18,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from bench.decode import decode_batch
 from graphexec.engine.threads import call_in_thread
-from graphexec.runner.forward_mode import ForwardMode
+from graphexec.forward_mode import ForwardMode
 
 
 def _profile(engine, batch: int, context: int, steps: int, rows: int) -> str:

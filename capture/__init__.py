@@ -5,7 +5,7 @@ batch through the small protocol in batch.py and the model as a callable; the ca
 the padding fill values, an empty batch per phase and its break-point ops (CaptureEnv).
 """
 
-from capture.backend import BackendStats, CaptureBackend, CaptureEnv, ModelCallable
+from capture.backend import BackendStats, CaptureBackend, CaptureEnv, ModelCallable, PreparedForward
 from capture.batch import BucketableBatch, Phase
 from capture.errors import CaptureConfigError
 from capture.padding import PaddingPolicy
@@ -20,6 +20,7 @@ __all__ = [
     "CaptureEnv",
     "ModelCallable",
     "PaddingPolicy",
+    "PreparedForward",
     "available_backends",
     "create_backend",
 ]

@@ -1,11 +1,17 @@
-"""The one interface every capture backend implements, what it is given, and the counters it keeps."""
+"""The one interface every capture backend implements, what it is given, and the counters it keeps.
+
+The caller drives: it asks a backend which buckets to capture (`capture_plan`) and captures
+each inside its own forward scope (`capture_bucket`); per forward it asks `can_run`, then
+`prepare` (the padded batch to open its scope for) and runs what `prepare` returned inside that
+scope.  A backend never calls back into its caller.
+"""
 
 from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Iterable, Mapping, TypeVar
+from typing import Any, Callable, Iterator, Mapping, TypeVar
 
 import torch
 from tqdm import tqdm
@@ -13,6 +19,7 @@ from tqdm import tqdm
 from capture.batch import BucketableBatch, Phase
 from capture.memory import memory_in_use
 from capture.padding import PaddingPolicy
+from capture.recorders import Recorders
 
 T = TypeVar("T")
 
@@ -30,18 +37,28 @@ class CaptureEnv:
 
     model: ModelCallable
     device: torch.device
-    # Enter to run a forward over this batch: sets the forward context and prepares the attention
-    # backend's metadata for it (outside any graph).
-    forward_scope: Callable[[BucketableBatch], ContextManager[None]]
     padding: PaddingPolicy
-    # A batch with no rows in the given phase: what padding fills up into a capture batch.
-    empty_batch: Callable[[Phase], BucketableBatch]
-    # Switch the attention backend to fixed-address, fixed-shape decode metadata for batches of up
-    # to this many rows: what a CUDA graph replays against.
-    enable_static_metadata: Callable[[int], None]
+    # A batch with no rows, per phase: what padding fills up into a capture batch.
+    empty_batches: Mapping[Phase, BucketableBatch]
     # Qualified names of the ops a traced forward is cut at (tc_piecewise's default split_ops):
     # the caller's break-point ops, registered by the caller.
     split_ops: tuple[str, ...] = ()
+    # Custom ops a graph records by what they launch, not as a call: ops whose implementation
+    # reads per-forward state on the host (graphexec: attention).  A CUDA graph does this by
+    # nature; the op tape needs telling (capture/op_tape.py).
+    traced_ops: tuple[str, ...] = ()
+    # The graph recorders of every backend built with this env: one per kind, so all CUDA graphs
+    # of an engine (decode and prefill, every bucket) share one memory pool.
+    recorders: Recorders = field(default_factory=Recorders)
+
+
+@dataclass(frozen=True)
+class PreparedForward:
+    """One forward, ready to run: the caller opens its forward scope for `batch` (the padded batch
+    the graphs run on), then calls `run()`, which returns the real rows only."""
+
+    batch: BucketableBatch
+    run: Callable[[], torch.Tensor]
 
 
 @dataclass
@@ -65,7 +82,8 @@ class BackendStats:
 
 
 class CaptureBackend(ABC):
-    """`capture()` once at start-up, then `can_run(fb)` / `execute(fb)` per forward."""
+    """Captured once at start-up (`capture_plan` / `capture_bucket`), then `can_run(fb)` /
+    `prepare(fb)` per forward."""
 
     name: str = ""
 
@@ -76,12 +94,22 @@ class CaptureBackend(ABC):
         self.config_path = config_path
         self.stats = BackendStats()
 
-    def capture(self) -> None:
-        """Build graphs ahead of serving.  Backends with nothing to capture keep this no-op."""
+    # Rows of fixed-address decode metadata this backend's graphs replay against (0: none).  The
+    # caller switches its attention backend to static metadata for that many rows before capture.
+    static_metadata_rows: int = 0
 
-    def _capture_each(self, buckets: Iterable[int], label: str, capture_one: Callable[[int], object]) -> None:
-        """Capture every bucket, largest first (on CUDA the smaller graphs then reuse the shared
-        pool's blocks), behind a progress bar unless `progress: false`."""
+    def capture_plan(self) -> Iterator[tuple[int, BucketableBatch]]:
+        """The buckets to capture ahead of serving, each with the batch to capture it on, behind
+        a progress bar.  Backends with nothing to capture yield nothing."""
+        return iter(())
+
+    def capture_bucket(self, bucket: int, batch: BucketableBatch) -> None:
+        """Make `bucket` runnable, inside the caller's forward scope for `batch`."""
+        raise NotImplementedError(f"{self.name} captures nothing")
+
+    def _progress(self, buckets: list[int], label: str) -> Iterator[int]:
+        """Buckets in capture order, largest first (on CUDA the smaller graphs then reuse the
+        shared pool's blocks), behind a progress bar unless `progress: false`."""
         bar = tqdm(
             sorted(buckets, reverse=True),
             desc=f"capture {label}",
@@ -90,7 +118,7 @@ class CaptureBackend(ABC):
         )
         for bucket in bar:
             bar.set_postfix(bucket=bucket)
-            capture_one(bucket)
+            yield bucket
         bar.close()
 
     def _measured(self, bucket: int, capture: Callable[[], T]) -> T:
@@ -105,6 +133,7 @@ class CaptureBackend(ABC):
     def can_run(self, fb: BucketableBatch) -> bool: ...
 
     @abstractmethod
-    def execute(self, fb: BucketableBatch) -> torch.Tensor:
-        """Hidden rows of fb's fb.num_token_non_padded real tokens, and nothing else: a backend that
-        pads slices its padding off before returning (capture/bucketed.py does it, once)."""
+    def prepare(self, fb: BucketableBatch) -> PreparedForward:
+        """fb ready to run.  `run()` returns the hidden rows of fb's fb.num_token_non_padded real
+        tokens, and nothing else: a backend that pads slices its padding off (capture/bucketed.py
+        does it, once)."""

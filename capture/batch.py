@@ -4,7 +4,7 @@ A bucketed backend pads a batch up to a captured size, runs the graph and slices
 back.  It reads and pads only the fields below; every other field rides along unchanged, since
 padding makes a copy with `dataclasses.replace` (so the batch must be a dataclass).  The caller
 says what a padded row holds (`PaddingPolicy`) and what an empty batch of each phase looks like
-(`CaptureEnv.empty_batch`): capture itself knows no KV pool, table or request.
+(`CaptureEnv.empty_batches`): capture itself knows no KV pool, table or request.
 """
 
 from __future__ import annotations
@@ -25,6 +25,9 @@ class Phase(enum.Enum):
 class BucketableBatch(Protocol):
     batch_size: int  # requests (rows, in the ROWS phase)
     num_token_non_padded: int  # real tokens; rows past it are padding
+    # The same count on the device, in a fixed-address buffer: set on padded batches only (None on
+    # a batch as the caller built it, which has no padding).
+    num_token_non_padded_device: torch.Tensor | None
     input_ids: torch.Tensor  # per token
     positions: torch.Tensor  # per token
     out_cache_loc: torch.Tensor  # per token: the KV slot each new token writes

@@ -1,45 +1,62 @@
 """The bucketed-capture core every graph backend is built on: buckets, static inputs, padding, the
-capture loop, and `execute` = pad → run → slice.
+capture loop, and a forward = pad → run → slice.
 
-A backend is this core with a *phase* and a way to make one bucket runnable:
+A backend is this core with a *phase* and a *mechanism*:
 
-  phase    ROWS (decode: a bucket counts requests, every per-row field pads) or TOKENS (extend and
-           mixed: a bucket counts tokens, only per-token fields pad; the per-request layout stays
-           the real one).
-  bucket   `_capture_bucket(bucket, dummy)` returns the runner of one bucket: compiled code called
-           directly, recorded graphs replayed, or the model itself (debug).
+  phase      ROWS (decode: a bucket counts requests, every per-row field pads) or TOKENS (extend
+             and mixed: a bucket counts tokens, only per-token fields pad; the per-request layout
+             stays the real one).
+  mechanism  the `graph` option, the same set for every backend:
+               compile     the backend's compiled forward, called directly (the CPU default)
+               cuda_graph  that forward recorded as CUDA graphs between its breaks, replayed
+                           (capture/segments.py over capture/recorders.py; the CUDA default)
+               tape        the same recording with capture/op_tape.py: CUDA-graph semantics on
+                           any device (tests, debugging)
+               eager       debug: padding and static buffers, the plain model inside
+  A backend says only what its forward is (`_bucket_forward`) and how a recording finds its
+  graphs (`implicit_segments`): full_graph's whole forward is one graph with zero breaks,
+  breakable's graphs lie between its breaks, tc_piecewise hands over its pieces.
 
 The core pads, runs and slices back exactly once: callers get the real rows only.  A batch runs
 here only if a bucket holds it with at most `max_padding` of the bucket as padding; otherwise
 `can_run` is False and the caller falls back to eager (and counts it).  Options common to every
-bucketed backend: buckets, lazy (capture a bucket on first use), progress, max_padding.
+bucketed backend: graph, buckets, lazy (capture a bucket on first use), progress, max_padding.
 """
 
 from __future__ import annotations
 
 from abc import abstractmethod
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
-from capture.backend import CaptureBackend, CaptureEnv
+from capture.backend import CaptureBackend, CaptureEnv, PreparedForward
 from capture.batch import BucketableBatch, Phase
 from capture.buckets import bucket_for, validate_buckets
 from capture.errors import CaptureConfigError
 from capture.padding import StaticInputs
+from capture.recorders import RECORDERS
+from capture.segments import GraphRecorder, SegmentedGraph, record_segments
 
 BucketRunner = Callable[[BucketableBatch], torch.Tensor]
-COMMON_OPTIONS = frozenset({"buckets", "lazy", "progress", "max_padding"})
+MECHANISMS = ("auto", "compile", "cuda_graph", "tape", "eager")
+COMMON_OPTIONS = frozenset({"graph", "buckets", "lazy", "progress", "max_padding"})
 # Decode pads whole requests, which cost little next to the weights every row reads; a prefill
 # pads tokens, and its compute grows with them, so by default a batch that would be more than
 # 5 % padding runs eager (configs/capture/graph_first.yaml; bench=prefill measured why).
 DEFAULT_MAX_PADDING = {Phase.ROWS: 1.0, Phase.TOKENS: 0.05}
+# Runs of a bucket's forward before it is recorded: lazy initialisation (kernels, handles,
+# allocator growth, compilation) must happen outside the graphs.
+_WARMUPS_BEFORE_RECORDING = 2
 
 
 class BucketedBackend(CaptureBackend):
     phase: Phase
     # Backend-specific options, besides COMMON_OPTIONS.
     extra_options: frozenset[str] = frozenset()
+    # How a recording finds its graphs (capture.segments.record_segments): between the breaks, or
+    # around the pieces the forward hands over itself.
+    implicit_segments = True
 
     def __init__(self, env: CaptureEnv, options: Mapping[str, Any], config_path: str):
         super().__init__(env, options, config_path)
@@ -47,6 +64,11 @@ class BucketedBackend(CaptureBackend):
         unknown = sorted(set(self.options) - known)
         if unknown:
             raise CaptureConfigError(f"{config_path}.{unknown[0]} is not a {self.name} option; known: {sorted(known)}")
+        self.mechanism = _resolve_mechanism(self.options.get("graph", "auto"), env.device, f"{config_path}.graph")
+        # Shared by every backend of the engine (one CUDA pool); None unless the mechanism records.
+        self.recorder: GraphRecorder | None = None
+        if self.mechanism in RECORDERS:
+            self.recorder = env.recorders.get(self.mechanism, env.device, f"{config_path}.graph", env.traced_ops)
         self.buckets = validate_buckets(self.options.get("buckets"), f"{config_path}.buckets")
         self.lazy = bool(self.options.get("lazy", False))
         self.max_padding = _padding_limit(
@@ -54,50 +76,82 @@ class BucketedBackend(CaptureBackend):
         )
         self.buffers = StaticInputs(self.buckets[-1], env.device)
         self._runners: dict[int, BucketRunner] = {}
+        self._recorded: dict[int, SegmentedGraph] = {}
+        self._prepared = False
+        if self.phase is Phase.ROWS and self.recorder is not None:
+            # A recorded decode graph replays attention inside it, against fixed metadata buffers.
+            self.static_metadata_rows = self.buckets[-1]
 
     # -- what a backend says ---------------------------------------------------------------------
 
     @abstractmethod
-    def _capture_bucket(self, bucket: int, dummy: BucketableBatch) -> BucketRunner:
-        """Make `bucket` runnable (compile, record, ...) using `dummy`, a batch of padding rows
-        only, already in the static buffers; returns what runs a padded batch of that bucket."""
+    def _bucket_forward(self) -> BucketRunner:
+        """What runs a padded batch under this backend's mechanism before any recording: compiled
+        code (compiled per bucket on its first call), or the forward a recorder records."""
 
     def _before_capture(self) -> None:
         """Once, before the first bucket is captured (eagerly or lazily)."""
-
-    def _ready(self) -> bool:
-        """False until the backend can capture at all (e.g. before its forward is built)."""
-        return True
 
     # Each bucket is a legitimate compile of the same code (more than one with regional or
     # piecewise compilation), so capture lifts Dynamo's recompile limits.
     recompile_limit = 4096
 
-    # -- the core --------------------------------------------------------------------------------
+    # -- capture ---------------------------------------------------------------------------------
 
-    def capture(self) -> None:
+    def capture_plan(self) -> Iterator[tuple[int, BucketableBatch]]:
+        # Each capture pass starts from a fresh forward (a break marked since the last pass cuts it).
         self._before_capture()
-        if not self.lazy:
-            self._capture_each(self.buckets, f"{self.name} ({self.mechanism})", self._capture_timed)
+        self._prepared = True
+        if self.lazy:
+            return
+        for bucket in self._progress(self.buckets, f"{self.name} ({self.mechanism})"):
+            yield bucket, self.dummy_batch(bucket)
 
-    @property
-    def mechanism(self) -> str:
-        return str(getattr(self, "graph_kind", "compile"))
+    def dummy_batch(self, bucket: int) -> BucketableBatch:
+        """A batch of padding rows only, in the static buffers: what a bucket is captured on."""
+        return self.buffers.dummy_batch(bucket, self.env.padding, self.phase, self.env.empty_batches[self.phase])
 
-    def _capture_timed(self, bucket: int) -> BucketRunner:
-        dummy = self.buffers.dummy_batch(bucket, self.env.padding, self.phase, self.env.empty_batch(self.phase))
+    def capture_bucket(self, bucket: int, batch: BucketableBatch) -> None:
+        """Make `bucket` runnable on `batch` (a padded batch of that bucket, in the static buffers),
+        inside the caller's forward scope for it; seconds and memory go to the stats."""
+        self._prepare_once()
         limit = self.recompile_limit
         with torch._dynamo.config.patch(recompile_limit=limit, accumulated_recompile_limit=max(65536, limit)):
-            runner = self._measured(bucket, lambda: self._capture_bucket(bucket, dummy))
-        self._runners[bucket] = runner
-        return runner
+            self._runners[bucket] = self._measured(bucket, lambda: self._make_runner(bucket, batch))
+
+    def _prepare_once(self) -> None:
+        if not self._prepared:
+            self._before_capture()
+            self._prepared = True
+
+    def _make_runner(self, bucket: int, batch: BucketableBatch) -> BucketRunner:
+        if self.mechanism == "eager":
+            return self._run_model
+        forward = self._bucket_forward()
+        if self.recorder is None:
+            forward(batch)  # compiles this bucket's static shape
+            return forward
+        for _ in range(_WARMUPS_BEFORE_RECORDING):
+            forward(batch)
+        recorded = record_segments(self.recorder, lambda: forward(batch), implicit=self.implicit_segments)
+        self._recorded[bucket] = recorded
+        return lambda fb: recorded.replay()
+
+    def segments_of(self, bucket: int) -> SegmentedGraph | None:
+        """The recorded graphs and breaks of a bucket (None unless the mechanism records)."""
+        return self._recorded.get(bucket)
+
+    def _run_model(self, fb: BucketableBatch) -> torch.Tensor:
+        return self.env.model(fb.input_ids, fb.positions)
+
+    # -- per forward -----------------------------------------------------------------------------
 
     def size_of(self, fb: BucketableBatch) -> int:
         """What a bucket counts: requests (ROWS) or tokens (TOKENS)."""
         return fb.batch_size if self.phase is Phase.ROWS else fb.num_tokens
 
     def can_run(self, fb: BucketableBatch) -> bool:
-        if fb.phase is not self.phase or not self._ready():
+        if fb.phase is not self.phase:
             return False
         size = self.size_of(fb)
         bucket = bucket_for(size, self.buckets)
@@ -105,21 +159,35 @@ class BucketedBackend(CaptureBackend):
             return False
         return self.lazy or bucket in self._runners
 
-    def execute(self, fb: BucketableBatch) -> torch.Tensor:
+    def prepare(self, fb: BucketableBatch) -> PreparedForward:
         size = self.size_of(fb)
         bucket = bucket_for(size, self.buckets)
-        runner = self._runners.get(bucket) or self._capture_timed(bucket)
         padded = self._pad(fb, bucket)
-        with self.env.forward_scope(padded):
-            hidden = runner(padded)
-        self.stats.executions += 1
-        self.stats.padded_rows += bucket - size
-        return hidden[: fb.num_token_non_padded]
+
+        def run() -> torch.Tensor:
+            if bucket not in self._runners:  # lazy: captured on this very batch
+                self.capture_bucket(bucket, padded)
+            hidden = self._runners[bucket](padded)
+            self.stats.executions += 1
+            self.stats.padded_rows += bucket - size
+            return hidden[: fb.num_token_non_padded]
+
+        return PreparedForward(padded, run)
 
     def _pad(self, fb: BucketableBatch, bucket: int) -> BucketableBatch:
         if self.phase is Phase.ROWS:
             return self.buffers.load(fb, bucket, self.env.padding)
         return self.buffers.load_tokens(fb, bucket, self.env.padding)
+
+
+def _resolve_mechanism(kind: Any, device: torch.device, option: str) -> str:
+    if kind not in MECHANISMS:
+        raise CaptureConfigError(f"{option}={kind!r} is unknown; choose one of {list(MECHANISMS)}")
+    if kind == "auto":
+        return "cuda_graph" if device.type == "cuda" else "compile"
+    if kind == "cuda_graph" and device.type != "cuda":
+        raise CaptureConfigError(f"{option}=cuda_graph needs device=cuda; this engine runs on {device.type}")
+    return kind
 
 
 def _padding_limit(value: Any, option: str) -> float:

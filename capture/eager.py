@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from capture.backend import CaptureBackend
+from capture.backend import CaptureBackend, PreparedForward
 
 
 class EagerRunner(CaptureBackend):
@@ -13,7 +13,9 @@ class EagerRunner(CaptureBackend):
     def can_run(self, fb) -> bool:
         return True
 
-    def execute(self, fb) -> torch.Tensor:
-        self.stats.executions += 1
-        with self.env.forward_scope(fb):
+    def prepare(self, fb) -> PreparedForward:
+        def run() -> torch.Tensor:
+            self.stats.executions += 1
             return self.env.model(fb.input_ids, fb.positions)
+
+        return PreparedForward(fb, run)

@@ -1,12 +1,15 @@
 """Full-graph decode: the whole decode forward as one graph per batch-size bucket.
 
 Built on the bucketed core (capture/bucketed.py: pad to the smallest bucket that holds the
-batch, run, slice back).  What "graph" means depends on the `graph` option:
+batch, run, slice back; the `graph` option picks the mechanism).  What a bucket runs:
   compile     torch.compile(fullgraph=True) with static shapes per bucket (inductor); the
               attention op stays opaque inside, its metadata prepared outside.  The CPU default.
-  cuda_graph  one CUDA graph per bucket (a segmented recording with zero breaks, through
-              capture/recorders.py), captured largest first into one shared memory pool,
-              optionally over the compiled forward.  The CUDA default.
+  cuda_graph  one CUDA graph per bucket: a segmented recording with zero breaks, every bucket in
+              the engine's one memory pool, optionally over the compiled forward
+              (`compile.enabled`).  The CUDA default.  Attention replays inside the graph against
+              fixed-address metadata (`static_metadata_rows`).
+  tape        the same recording through the op tape, always of the plain forward (compiled
+              kernels issue no aten calls to record): the CUDA path on the CPU.
   eager       debug: the same padding and static buffers, plain module calls inside, so "is it
               the capture or the model?" is one override away.
 """
@@ -20,13 +23,10 @@ from typing import Any, Callable, Mapping
 import torch
 
 from capture.backend import CaptureEnv
-from capture.batch import BucketableBatch, Phase
+from capture.batch import Phase
 from capture.bucketed import BucketedBackend, BucketRunner
 from capture.errors import CaptureConfigError
-from capture.recorders import create_recorder
-from capture.segments import GraphRecorder, record_segments
 
-GRAPH_KINDS = ("auto", "compile", "cuda_graph", "eager")
 _COMPILE_OPTIONS = {"enabled", "mode", "dynamic", "freezing", "cache_dir", "regional", "skip_module_guards", "cpp_wrapper"}
 
 
@@ -35,31 +35,23 @@ class FullGraphBackend(BucketedBackend):
 
     name = "full_graph"
     phase = Phase.ROWS
-    extra_options = frozenset({"graph", "compile"})
+    extra_options = frozenset({"compile"})
 
     def __init__(self, env: CaptureEnv, options: Mapping[str, Any], config_path: str = "capture.decode"):
         super().__init__(env, options, config_path)
-        self.graph_kind = _resolve_graph_kind(self.options.get("graph", "auto"), env.device, config_path)
         self.compile_options = dict(self.options.get("compile") or {})
         unknown = sorted(set(self.compile_options) - _COMPILE_OPTIONS)
         if unknown:
             raise CaptureConfigError(f"{config_path}.compile.{unknown[0]} is unknown; known: {sorted(_COMPILE_OPTIONS)}")
         self._compiled: Callable | None = None
-        self._recorder: GraphRecorder | None = None  # cuda_graph: created at the first capture
 
-    def _before_capture(self) -> None:
-        if self.graph_kind == "cuda_graph":
-            self.env.enable_static_metadata(self.buckets[-1])
-
-    def _capture_bucket(self, bucket: int, dummy: BucketableBatch) -> BucketRunner:
-        if self.graph_kind == "eager":
-            return self._run_model
-        if self.graph_kind == "compile":
-            forward = self._compiled_forward()
-            with self.env.forward_scope(dummy):
-                forward(dummy.input_ids, dummy.positions)  # compiles this bucket's static shape
-            return lambda fb: forward(fb.input_ids, fb.positions)
-        return self._capture_cuda_graph(dummy)
+    def _bucket_forward(self) -> BucketRunner:
+        # `compile.enabled` is a cuda_graph option: the tape records aten calls, which compiled
+        # kernels do not make, so it always records the plain forward.
+        over_compiled = self.mechanism == "cuda_graph" and bool(self.compile_options.get("enabled", False))
+        compiled = self.mechanism == "compile" or over_compiled
+        forward = self._compiled_forward() if compiled else self.env.model
+        return lambda fb: forward(fb.input_ids, fb.positions)
 
     def _compiled_forward(self) -> Callable:
         if self._compiled is None:
@@ -114,23 +106,6 @@ class FullGraphBackend(BucketedBackend):
                 self._compiled = torch.compile(_own_code(whole_forward), **compile_kwargs)
         return self._compiled
 
-    def _capture_cuda_graph(self, dummy: BucketableBatch) -> BucketRunner:
-        """A segmented recording with zero breaks (break points are plain calls outside
-        `breaking()`): one CUDA graph per bucket through capture/recorders.py, the same recorder
-        type the piecewise backends use, every bucket in its one memory pool."""
-        use_compile = bool(self.compile_options.get("enabled", False))
-        forward = self._compiled_forward() if use_compile else self.env.model
-        if self._recorder is None:
-            self._recorder = create_recorder("cuda_graph", self.env.device, f"{self.config_path}.graph")
-        with self.env.forward_scope(dummy):
-            for _ in range(2):  # warm-up: lazy inits, allocator, compilation happen outside capture
-                forward(dummy.input_ids, dummy.positions)
-            recorded = record_segments(self._recorder, lambda: forward(dummy.input_ids, dummy.positions))
-        return lambda fb: recorded.replay()
-
-    def _run_model(self, fb: BucketableBatch) -> torch.Tensor:
-        return self.env.model(fb.input_ids, fb.positions)
-
 
 def _call_layer(layer, positions, x, rotary, layer_id):
     return layer(positions, x, rotary, layer_id)
@@ -142,13 +117,3 @@ def _own_code(fn: Callable) -> Callable:
     skipped (`skip_module_guards`) one engine's graph could run another engine's different
     modules (seen: a dequantized model replaying a quantized model's layer graph)."""
     return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
-
-
-def _resolve_graph_kind(kind: str, device: torch.device, config_path: str) -> str:
-    if kind not in GRAPH_KINDS:
-        raise CaptureConfigError(f"{config_path}.graph={kind!r} is unknown; choose one of {list(GRAPH_KINDS)}")
-    if kind == "auto":
-        return "cuda_graph" if device.type == "cuda" else "compile"
-    if kind == "cuda_graph" and device.type != "cuda":
-        raise CaptureConfigError(f"{config_path}.graph=cuda_graph needs device=cuda; this engine runs on {device.type}")
-    return kind

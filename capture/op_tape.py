@@ -7,6 +7,13 @@ address it had at capture.  Those are a CUDA graph's semantics: replay reads wha
 input buffers hold now, Python between the ops does not run again, and a value read on the host
 during recording (a sync) would be frozen, so it is refused, as CUDA capture refuses it.
 
+A custom op the caller names as traced (graphexec: attention, whose Python route reads this
+forward's metadata from the host) is recorded the way a CUDA graph records it: by what it
+launches.  Its implementation runs with the tape still on, so its aten ops are written down and
+replay re-runs those, not the Python around them, which would read host state of replay time
+that a CUDA graph would have frozen.  If its kernel issues no aten op (a native kernel), the call
+itself is written down, like every other op.
+
 It is slower than eager (a Python call and a copy per op) and keeps every intermediate alive.
 What it is for: the segmented-capture logic of the CUDA path (boundary buffers, static inputs,
 breaks between graphs, padding) runs and is tested on a machine without a GPU, and a wrong
@@ -16,7 +23,7 @@ buffer shows up as a wrong token rather than as a crash on the one device that c
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 from torch.utils import _pytree as pytree
@@ -43,20 +50,48 @@ class _Call:
                 recorded.copy_(value)
 
 
-class _Recording(TorchDispatchMode):
-    def __init__(self) -> None:
+class _TapeMode(TorchDispatchMode):
+    """Writes down the aten calls that run while it is active (one tape per begin/end)."""
+
+    def __init__(self, traced_ops: frozenset[str]) -> None:
         super().__init__()
+        self.traced_ops = traced_ops
         self.calls: list[_Call] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in _HOST_READS:
             raise RuntimeError(f"{func} reads a device value on the host inside a recorded segment; a CUDA graph cannot capture it")
+        if func._schema.name in self.traced_ops:
+            return self._record_through(func, args, kwargs)
         out = func(*args, **kwargs)
+        self._record(func, args, kwargs, out)
+        return out
+
+    def _record(self, func, args: tuple, kwargs: dict, out: Any) -> None:
         outputs = [x for x in pytree.tree_leaves(out) if isinstance(x, torch.Tensor)]
         if func._schema.is_mutable or not _only_aliases(outputs, (args, kwargs)):
             self.calls.append(_Call(func, args, kwargs, outputs))
+
+    def _record_through(self, func, args: tuple, kwargs: dict) -> Any:
+        """Run a custom op's kernel for its device with this tape still recording (see the module
+        docstring); record the call itself only if its kernel issued no aten op."""
+        first = len(self.calls)
+        with self:
+            out = func.redispatch(torch._C.DispatchKeySet(_device_key(args, kwargs)), *args, **kwargs)
+        if len(self.calls) == first:
+            self._record(func, args, kwargs, out)
         return out
+
+
+_DEVICE_KEYS = {"cpu": torch._C.DispatchKey.CPU, "cuda": torch._C.DispatchKey.CUDA, "meta": torch._C.DispatchKey.Meta}
+
+
+def _device_key(args: tuple, kwargs: dict) -> torch._C.DispatchKey:
+    devices = {x.device.type for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)}
+    if len(devices) != 1 or next(iter(devices)) not in _DEVICE_KEYS:
+        raise RuntimeError(f"the op tape records custom ops on one of {sorted(_DEVICE_KEYS)}, got tensors on {sorted(devices)}")
+    return _DEVICE_KEYS[devices.pop()]
 
 
 def _only_aliases(outputs: list[torch.Tensor], inputs: Any) -> bool:
@@ -79,18 +114,19 @@ class Tape(Replayable):
 class TapeRecorder(GraphRecorder):
     name = "tape"
 
-    def __init__(self) -> None:
-        self._recording: _Recording | None = None
+    def __init__(self, traced_ops: Iterable[str] = ()) -> None:
+        self.traced_ops = frozenset(traced_ops)
+        self._mode: _TapeMode | None = None
 
     def begin(self) -> None:
-        if self._recording is not None:
+        if self._mode is not None:
             raise RuntimeError("begin() while a tape is recording")
-        self._recording = _Recording()
-        self._recording.__enter__()
+        self._mode = _TapeMode(self.traced_ops)
+        self._mode.__enter__()
 
     def end(self) -> Replayable:
-        recording, self._recording = self._recording, None
-        if recording is None:
+        mode, self._mode = self._mode, None
+        if mode is None:
             raise RuntimeError("end() without begin()")
-        recording.__exit__(None, None, None)
-        return Tape(recording.calls)
+        mode.__exit__(None, None, None)
+        return Tape(mode.calls)

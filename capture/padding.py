@@ -2,7 +2,10 @@
 
 Padded rows must be inert: the caller's policy points them at a request row and a KV slot that
 hold nothing live (graphexec: the dummy row and the dummy slot), and they sit after
-`num_token_non_padded`, so no consumer downstream ever reads them.
+`num_token_non_padded`, so no consumer downstream ever reads them.  A padded batch also carries
+that count on the device (`num_token_non_padded_device`, a fixed-address buffer rewritten before
+every run): code inside a replayed graph reads the count there, where the host int would be the
+one frozen at capture.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ class StaticInputs:
         self.max_rows = max_rows
         self.input_ids, self.positions, self.req_pool_indices = buf(), buf(), buf()
         self.seq_lens, self.out_cache_loc = buf(), buf()
+        self.num_token_non_padded = torch.zeros(1, dtype=torch.int64, device=device)
 
     def load(self, fb: Batch, bucket: int, policy: PaddingPolicy) -> Batch:
         """Copy fb's rows in, fill rows [n, bucket) by the policy, return the padded view."""
@@ -73,6 +77,7 @@ class StaticInputs:
             seq_lens_sum=sum(seq_lens_cpu),
             out_cache_loc=self.out_cache_loc[:bucket],
             num_token_non_padded=fb.num_token_non_padded,
+            num_token_non_padded_device=self._real_count(fb),
         )
 
     def load_tokens(self, fb: Batch, bucket: int, policy: PaddingPolicy) -> Batch:
@@ -94,7 +99,12 @@ class StaticInputs:
             positions=self.positions[:bucket],
             out_cache_loc=self.out_cache_loc[:bucket],
             num_token_non_padded=fb.num_token_non_padded,
+            num_token_non_padded_device=self._real_count(fb),
         )
+
+    def _real_count(self, fb: BucketableBatch) -> torch.Tensor:
+        self.num_token_non_padded.fill_(fb.num_token_non_padded)
+        return self.num_token_non_padded
 
     def dummy_batch(self, bucket: int, policy: PaddingPolicy, phase: Phase, empty: Batch) -> Batch:
         """`empty` (a batch with no rows) padded to `bucket` rows: what capture and warm-up run on."""

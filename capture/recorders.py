@@ -1,7 +1,8 @@
 """Graph recorders for segmented capture, by name: what a "graph" is on each device.
 
-  cuda_graph  torch.cuda.CUDAGraph per segment, every segment of every bucket captured into one
-              shared memory pool on one side stream (Breakable CUDA Graph).  CUDA only.
+  cuda_graph  torch.cuda.CUDAGraph per segment, every segment of every bucket of every backend
+              captured into one shared memory pool on one side stream (Breakable CUDA Graph).
+              CUDA only.  The only place graphexec touches torch.cuda.CUDAGraph.
   tape        capture/op_tape.py: the aten ops a segment issues, replayed on the same tensors.
               Device-independent and slow; it exists so the segment machinery the CUDA path
               uses (boundary buffers, fixed addresses, breaks between graphs) runs and is tested
@@ -61,7 +62,23 @@ class CudaGraphRecorder(GraphRecorder):
         return _CudaGraph(graph)
 
 
-def create_recorder(name: str, device: torch.device, option: str) -> GraphRecorder:
+class Recorders:
+    """The recorders of one engine, by kind: every backend asking for a kind gets the same one, so
+    all CUDA graphs share one memory pool and one capture stream."""
+
+    def __init__(self) -> None:
+        self._by_kind: dict[tuple[str, str], GraphRecorder] = {}
+
+    def get(self, name: str, device: torch.device, option: str, traced_ops: tuple[str, ...] = ()) -> GraphRecorder:
+        key = (name, str(device))
+        if key not in self._by_kind:
+            self._by_kind[key] = create_recorder(name, device, option, traced_ops)
+        return self._by_kind[key]
+
+
+def create_recorder(name: str, device: torch.device, option: str, traced_ops: tuple[str, ...] = ()) -> GraphRecorder:
+    """`traced_ops`: custom ops the tape records by the aten ops they issue (capture/op_tape.py);
+    a CUDA graph does that by nature."""
     if name == "cuda_graph":
         if device.type != "cuda":
             raise CaptureConfigError(f"{option}=cuda_graph needs device=cuda; this engine runs on {device.type}")
@@ -69,5 +86,5 @@ def create_recorder(name: str, device: torch.device, option: str) -> GraphRecord
     if name == "tape":
         from capture.op_tape import TapeRecorder
 
-        return TapeRecorder()
+        return TapeRecorder(traced_ops)
     raise CaptureConfigError(f"{option}={name!r} is not a graph recorder; choose one of {list(RECORDERS)}")

@@ -88,7 +88,7 @@ class SegmentedGraph:
         return self.output
 
 
-class _Recording:
+class _BreakRecorder:
     """The break handler of one recording (see capture.break_points.intercepting).
 
     `implicit` (breakable): a graph is open from the start, closed at each break, reopened after
@@ -123,8 +123,10 @@ class _Recording:
 
 
 def record_segments(recorder: GraphRecorder, forward: Callable[[], Any], implicit: bool = True) -> SegmentedGraph:
-    """Run `forward()` once, recording it as graphs between its breaks (see `_Recording`)."""
-    recording = _Recording(recorder, implicit)
+    """Run `forward()` once, recording it as graphs between its breaks (see `_BreakRecorder`).
+    Every recorded forward, whatever the backend and the recorder, is a SegmentedGraph: a decode
+    graph is one with zero breaks."""
+    recording = _BreakRecorder(recorder, implicit)
     with recorder.session():
         if implicit:
             recorder.begin()

@@ -15,7 +15,7 @@ read by the piece after it.  The split module hands that very tensor object from
 to the op and then to the next piece, and runs them in the original order, so the write is seen.
 
 Options (under capture.extend / capture.mixed), besides buckets/progress/lazy:
-  graph      auto | compile | cuda_graph | tape (capture/piecewise.py); tape records aten calls,
+  graph      auto | compile | cuda_graph | tape | eager (capture/bucketed.py); tape records aten calls,
              so it needs compiler=eager (inductor's kernels do not go through the dispatcher)
   compiler   inductor (default) | eager (the same pieces, uncompiled: debugging) | tensorrt
              (needs CUDA and torch_tensorrt; each piece goes to its Dynamo backend)
@@ -152,7 +152,7 @@ class TcPiecewiseBackend(PiecewiseBackend):
     def __init__(self, env: CaptureEnv, options: Mapping[str, Any], config_path: str = "capture.extend"):
         self.compiler = _resolve_compiler(options.get("compiler", "inductor"), env.device, config_path)
         super().__init__(env, options, config_path)
-        if self.graph_kind == "tape" and self.compiler != "eager":
+        if self.mechanism == "tape" and self.compiler != "eager":
             raise CaptureConfigError(
                 f"{config_path}.graph=tape records aten calls, which {self.compiler}'s compiled pieces do not make; "
                 f"set {config_path}.compiler=eager"

@@ -53,6 +53,10 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    # Log-probabilities of the prompt's own tokens (vLLM's prompt_logprobs): None off, 0 each
+    # prompt token's, k > 0 also the k most likely alternatives at each position.  The first
+    # prompt token has none.  A request that asks recomputes a cached prefix instead of reusing it.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         self._check_max_new_tokens()
@@ -66,6 +70,7 @@ class SamplingParams:
         if not isinstance(self.ignore_eos, bool):
             raise InvalidRequestError(f"ignore_eos must be a bool, got {_describe(self.ignore_eos)}")
         self._check_logprobs()
+        self._check_prompt_logprobs()
 
     @property
     def is_greedy(self) -> bool:
@@ -137,6 +142,13 @@ class SamplingParams:
             if not isinstance(text, str) or not text:
                 raise InvalidRequestError(f"stop[{position}] must be a non-empty string, got {_describe(text)}")
         object.__setattr__(self, "stop", tuple(strings))
+
+    def _check_prompt_logprobs(self) -> None:
+        value = self.prompt_logprobs
+        if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+            raise InvalidRequestError(
+                f"prompt_logprobs must be None (off) or an int in [0, {MAX_LOGPROBS}], got {_describe(value)}"
+            )
 
     def _check_logprobs(self) -> None:
         value = self.logprobs

@@ -13,8 +13,8 @@ from graphexec.attention.op import unified_attention
 from graphexec.attention.torch_native import TorchNativeAttnBackend
 from graphexec.cache.kv_pool import TokenToKVPool
 from graphexec.runner.forward_batch import ForwardBatch
-from graphexec.runner.forward_context import ForwardContext, forward_context
-from graphexec.runner.forward_mode import ForwardMode
+from graphexec.attention.forward_context import ForwardContext, forward_context
+from graphexec.forward_mode import ForwardMode
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -108,6 +108,7 @@ class Batch:
             input_ids=ids, positions=ids, req_pool_indices=req, seq_lens=seq_lens,
             seq_lens_cpu=tuple(seq_lens.tolist()), seq_lens_sum=int(seq_lens.sum()), out_cache_loc=self.loc,
             num_token_non_padded=self.tokens, sampling_info=None, **extend,
+            num_token_non_padded_device=torch.tensor([self.tokens]) if self.pad else None,
         )
 
 
@@ -190,8 +191,9 @@ def test_backend_matches_torch_native(decode):
 
 
 def test_binding_never_serves_another_backend():
-    """A cpu engine's binding is dropped by the next backend that serves from Python on this
-    thread; a spy on forward routes the op through Python."""
+    """A cpu backend's binding lives for its forward only (`end_forward`, called when the runner's
+    forward scope closes), so the next backend that serves from Python on this thread gets the
+    op; a spy on forward routes the op through Python."""
     batch = Batch([(8, 1), (3, 1)])
     fb = batch.forward_batch(True)
     cpu = CpuAttnBackend(9, 3, 64)
@@ -205,9 +207,10 @@ def test_binding_never_serves_another_backend():
     with torch.inference_mode():
         with forward_context(ForwardContext(fb, cpu, batch.pool, None)):
             cpu.init_forward_metadata(fb, batch.table)  # binds
+            cpu.end_forward()  # unbinds, as ModelRunner's forward scope does on exit
         native.forward = spy
         with forward_context(ForwardContext(fb, native, batch.pool, None)):
-            native.init_forward_metadata(fb, batch.table)  # must unbind
+            native.init_forward_metadata(fb, batch.table)
             unified_attention(batch.q, batch.k, batch.v, 0)
         assert seen == [0]
         cpu.forward = lambda *args: seen.append("cpu") or type(cpu).forward(cpu, *args)

@@ -99,7 +99,7 @@ def test_hf_groups_generate_each_requests_own_length_with_timings():
 
     from bench.hf_baseline import generate_grouped, hf_model_from
     from graphexec.config import EngineConfig
-    from graphexec.models.checkpoint import load_checkpoint
+    from graphexec.loader.resolve import load_checkpoint
 
     ckpt = load_checkpoint(EngineConfig.from_overrides(["model=tiny-llama"]).model, torch.float32)
     model = hf_model_from(ckpt.config, ckpt.state_dict)

@@ -33,18 +33,18 @@ def test_plan_set_with_one_bucket_wastes_everything_below_it():
 
 
 def test_pinned_view_pads_through_execute_and_matches_eager(tiny_engine):
-    """The suite times a bucket by offering the backend only that bucket: its own execute() must
+    """The suite times a bucket by offering the backend only that bucket: its own prepare() must
     pad to it (counted on the view, not the shared backend) and give eager's hidden rows."""
     from bench.decode import decode_batch
     from capture import create_backend
 
     runner = tiny_engine.runner
     backend = create_backend("full_graph", runner.capture_env, {"buckets": [1, 2, 4], "graph": "eager", "progress": False})
+    runner.capture_backend(backend)
     with torch.inference_mode():
-        backend.capture()
         fb, release = decode_batch(tiny_engine, 3, 16)
         view = _pinned(backend, 4)
-        padded, exact = view.execute(fb), runner.eager.execute(fb)
+        padded, exact = runner.execute(view, fb), runner.execute(runner.eager, fb)
     release()
     assert view.buckets == (4,) and backend.buckets == (1, 2, 4)
     assert view.stats.padded_rows == 1 and view.stats.executions == 1 and backend.stats.executions == 0

@@ -7,7 +7,7 @@ import torch
 
 from capture.break_points import break_point
 from graphexec import ConfigError, Engine, SamplingParams
-from graphexec.runner.forward_mode import ForwardMode
+from graphexec.forward_mode import ForwardMode
 from tests.helpers import recorded_batches
 from tests.invariants import assert_no_leak
 
@@ -94,7 +94,7 @@ def test_user_marked_break_keeps_tokens(eager_tokens):
     for layer in engine.runner.model.layers:
         layer.mlp.forward = break_point("mlp")(layer.mlp.forward)
     backend = engine.runner.backends[ForwardMode.EXTEND]
-    backend.capture()  # recompile with the new break marked
+    engine.runner.capture_backend(backend)  # recompile with the new break marked
     assert [engine.generate([p], PARAMS)[0].token_ids for p in _prompts()] == eager_tokens
     attention_only = Engine(overrides=_plan(buckets="[32,64]")).runner.backends[ForwardMode.EXTEND]
     assert backend.segments_compiled > attention_only.segments_compiled

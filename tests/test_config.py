@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from graphexec.config import EngineConfig, available_options
-from graphexec.runner.forward_mode import ForwardMode
+from graphexec.forward_mode import ForwardMode
 
 
 def test_defaults_compose():

@@ -24,7 +24,7 @@ def _tiny_prompts(vocab: int) -> list[list[int]]:
 @pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen2"])
 def test_tiny_greedy_matches_transformers(model):
     engine = Engine(overrides=[f"model={model}", "capture=eager", "cache.num_slots=1024"])
-    from graphexec.models.checkpoint import load_checkpoint
+    from graphexec.loader.resolve import load_checkpoint
 
     ckpt = load_checkpoint(engine.config.model, torch.float32)
     reference = hf_model_from(ckpt.config, ckpt.state_dict)

@@ -7,7 +7,7 @@ from graphexec.cache.kv_pool import DUMMY_SLOT, TokenToKVPool
 from graphexec.cache.manager import KVCacheManager
 from graphexec.cache.req_to_token_pool import DUMMY_REQ_ROW, ReqToTokenPool
 from graphexec.runner.forward_batch import ForwardBatch
-from graphexec.runner.forward_mode import ForwardMode
+from graphexec.forward_mode import ForwardMode
 from graphexec.runner.logits_processor import LogitsProcessor
 from graphexec.scheduler.request import Req
 from graphexec.scheduler.schedule_batch import ScheduleBatch

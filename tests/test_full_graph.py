@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from graphexec import ConfigError, Engine, SamplingParams
-from graphexec.runner.forward_mode import ForwardMode
+from graphexec.forward_mode import ForwardMode
 from tests.helpers import recorded_batches
 from tests.invariants import assert_no_leak
 
@@ -102,6 +102,73 @@ def test_static_metadata_matches_dynamic(eager_tokens):
     engine.runner.attn_backend.enable_static_decode_metadata(4, engine.max_context, engine.runner.device)
     prompts, params = _workload()
     assert [o.token_ids for o in engine.generate(prompts, params)] == eager_tokens
+
+
+@pytest.mark.parametrize("attention", ["torch_native", "cpu"])
+def test_decode_recorded_on_the_tape_equals_eager(eager_tokens, attention):
+    """The cuda_graph path on the CPU: each bucket one recording with zero breaks (the op tape),
+    attention replayed inside it against static metadata, every bucket on the engine's one
+    recorder."""
+    engine = Engine(overrides=GRAPH + ["capture.decode.graph=tape", f"attention_backend={attention}"])
+    runner = engine.runner
+    backend = runner.backends[ForwardMode.DECODE]
+    assert backend.static_metadata_rows == 4 and runner._static_metadata_rows == 4
+    for bucket in backend.buckets:
+        recorded = backend.segments_of(bucket)
+        assert recorded.num_segments == 1 and recorded.breaks == ()
+    assert runner.capture_env.recorders.get("tape", runner.device, "unused") is backend.recorder
+    prompts, params = _workload()
+    with recorded_batches(engine) as batches:
+        outputs = engine.generate(prompts, params)
+    assert [o.token_ids for o in outputs] == eager_tokens
+    sizes = _decode_sizes(batches)
+    assert backend.stats.executions == len(sizes) - sizes.count(5)
+    assert_no_leak(engine)
+
+
+def test_a_replayed_decode_graph_reads_the_real_row_count_at_run_time():
+    """Padded rows are zeroed after attention by comparing row ids with the count on the device:
+    a replay of the bucket-4 recording zeroes exactly the rows this batch pads (3 real rows, then
+    2), not those of the batch it was recorded on."""
+    engine = Engine(
+        overrides=GRAPH
+        + ["capture.decode.graph=tape", "capture.decode.buckets=[4]", "capture.decode.lazy=true"]
+        + ["attention_backend=torch_native"]
+    )
+    runner, attn = engine.runner, engine.runner.attn_backend
+    forward, recorded_out, live_rows = attn.forward, [], []
+
+    def spy(q, k, v, out, layer_id, ctx):  # runs while the bucket is recorded, not on replay
+        forward(q, k, v, out, layer_id, ctx)
+        if int(layer_id) == 0 and ctx.forward_batch.forward_mode.is_decode():
+            recorded_out[:] = [out]  # the last one seen is the recorded graph's own buffer
+
+    execute = runner.execute
+
+    def execute_and_look(backend, fb):
+        hidden = execute(backend, fb)
+        if fb.forward_mode.is_decode():
+            live_rows.append((recorded_out[0] != 0).any(dim=1).tolist())
+        return hidden
+
+    attn.forward, runner.execute = spy, execute_and_look
+    prompts, _ = _workload()
+    engine.generate(prompts[:3], SamplingParams(max_new_tokens=3, ignore_eos=True))
+    engine.generate(prompts[3:], SamplingParams(max_new_tokens=3, ignore_eos=True))
+    assert live_rows == [[True, True, True, False]] * 2 + [[True, True, False, False]] * 2
+
+
+def test_every_backend_of_an_engine_records_through_one_recorder(graph_engine):
+    """One recorder per kind per engine: on CUDA, one memory pool for decode and prefill graphs."""
+    from capture import create_backend
+
+    env = graph_engine.runner.capture_env
+    decode = create_backend("full_graph", env, {"buckets": [4], "graph": "tape", "lazy": True})
+    for variant in ("breakable", "tc_piecewise"):
+        options = {"buckets": [16], "graph": "tape", "lazy": True, "variant": variant}
+        options |= {"compiler": "eager"} if variant == "tc_piecewise" else {}
+        assert create_backend("piecewise", env, options).recorder is decode.recorder
+    assert decode.mechanism == "tape" and decode.static_metadata_rows == 4
 
 
 @pytest.mark.parametrize(

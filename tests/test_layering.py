@@ -104,3 +104,20 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_no_import_cycles():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]  # the detector works
     assert _cycles(_graph()) == []
+
+
+def _room(module: str) -> str:
+    """A module's room: capture, or graphexec's subpackage (engine, scheduler, cache, runner,
+    attention, ...) or top-level module (config, sampling_params, ...)."""
+    parts = module.split(".")
+    return parts[0] if parts[0] == "capture" else ".".join(parts[:2])
+
+
+def test_no_import_cycles_between_rooms():
+    """Calls go down (docs/ARCHITECTURE.md): no two rooms import each other, even through
+    different modules (models/checkpoint.py ↔ loader, attention ↔ runner's forward context and
+    config ↔ runner's ForwardMode were such cycles)."""
+    rooms: dict[str, set[str]] = {}
+    for name, targets in _graph().items():
+        rooms.setdefault(_room(name), set()).update(_room(t) for t in targets if _room(t) != _room(name))
+    assert _cycles(rooms) == []

@@ -3,7 +3,7 @@
 import torch
 
 from graphexec import Engine, SamplingParams
-from graphexec.runner.forward_mode import ForwardMode
+from graphexec.forward_mode import ForwardMode
 from graphexec.scheduler.request import Req
 from tests.conftest import TINY_OVERRIDES
 from tests.helpers import recorded_batches

@@ -18,7 +18,7 @@ from capture.op_tape import TapeRecorder
 from capture.registry import create_backend
 from capture.segments import record_segments
 from graphexec import ConfigError, Engine, SamplingParams
-from graphexec.runner.forward_mode import ForwardMode
+from graphexec.forward_mode import ForwardMode
 from tests.helpers import recorded_batches
 from tests.invariants import assert_no_leak
 
@@ -66,20 +66,23 @@ def _logits_against_eager(engine) -> dict[int, float]:
     backend = runner.backends[ForwardMode.EXTEND]
     worst: dict[int, float] = {}
 
-    def checked(fb):
-        hidden = type(backend).execute(backend, fb)
-        graphed = runner.model.compute_logits(hidden[: fb.num_token_non_padded])
-        eager = runner.model.compute_logits(runner.eager.execute(fb)[: fb.num_token_non_padded])
-        bucket = bucket_for(fb.num_tokens, backend.buckets)
-        worst[bucket] = max(worst.get(bucket, 0.0), float((graphed - eager).abs().max()))
+    execute = runner.execute
+
+    def checked(used, fb):
+        hidden = execute(used, fb)
+        if used is backend:
+            graphed = runner.model.compute_logits(hidden)
+            eager = runner.model.compute_logits(execute(runner.eager, fb))
+            bucket = bucket_for(fb.num_tokens, backend.buckets)
+            worst[bucket] = max(worst.get(bucket, 0.0), float((graphed - eager).abs().max()))
         return hidden
 
-    backend.execute = checked
+    runner.execute = checked
     try:
         for prompt in _prompts():
             engine.generate([prompt], PARAMS)
     finally:
-        del backend.execute
+        del runner.execute
     return worst
 
 
@@ -150,7 +153,7 @@ def test_a_host_read_inside_a_segment_is_refused_as_cuda_capture_would():
 def test_tokens_equal_eager_around_bucket_edges(variant, eager_tokens):
     engine = Engine(overrides=_plan(variant))
     backend = engine.runner.backends[ForwardMode.EXTEND]
-    assert backend.name == variant and backend.graph_kind == "tape"
+    assert backend.name == variant and backend.mechanism == "tape"
     assert [engine.generate([p], PARAMS)[0].token_ids for p in _prompts()] == eager_tokens
     assert (backend.stats.executions, backend.stats.fallbacks) == (4, 1)
     assert backend.stats.padded_rows == (16 - 15) + (32 - 17)
@@ -195,7 +198,7 @@ def test_debug_and_user_marked_breaks_through_the_recorded_path(eager_tokens):
     for layer in engine.runner.model.layers:
         layer.mlp.forward = break_point("mlp")(layer.mlp.forward)
     backend = engine.runner.backends[ForwardMode.EXTEND]
-    backend.capture()  # record again with the new break marked
+    engine.runner.capture_backend(backend)  # record again with the new break marked
     assert [engine.generate([p], PARAMS)[0].token_ids for p in _prompts()] == eager_tokens
     layers = engine.model_config.num_layers
     assert backend.segments_of(32).num_segments == 2 * layers + 1
@@ -243,7 +246,7 @@ def test_cuda_graph_segments_equal_eager(variant):
     expected = [eager.generate([p], PARAMS)[0].token_ids for p in _prompts()]
     engine = Engine(overrides=_plan(variant, device="cuda"))
     backend = engine.runner.backends[ForwardMode.EXTEND]
-    assert backend.graph_kind == "cuda_graph"
+    assert backend.mechanism == "cuda_graph"
     assert [engine.generate([p], PARAMS)[0].token_ids for p in _prompts()] == expected
     assert backend.segments_of(16).num_segments == engine.model_config.num_layers + 1
     worst = _logits_against_eager(engine)

@@ -11,7 +11,7 @@ from capture.buckets import bucket_for
 from capture.graph_split import split_at_ops, structure_key
 from capture.tc_piecewise import TcPiecewiseBackend
 from graphexec import ConfigError, Engine, SamplingParams
-from graphexec.runner.forward_mode import ForwardMode
+from graphexec.forward_mode import ForwardMode
 from tests.invariants import assert_no_leak
 
 TINY = ["model=tiny-llama", "cache.num_slots=1024"]
@@ -298,7 +298,7 @@ def test_config_errors_name_the_option(extra, message):
 def test_a_batch_that_would_be_mostly_padding_runs_eager(eager_engine):
     """max_padding=0.25: 17 or 23 tokens in bucket 32 are 47 % or 28 % padding (eager); 24 is 25 % (graph)."""
     backend = TcPiecewiseBackend(eager_engine.runner.eager.env, {"buckets": [16, 32], "lazy": True, "max_padding": 0.25})
-    backend.capture()  # lazy: builds the pieced forward, compiles nothing yet
+    eager_engine.runner.capture_backend(backend)  # lazy: builds the pieced forward, compiles nothing yet
 
     def batch(tokens):
         return dataclasses.make_dataclass("Batch", ["phase", "num_tokens"])(Phase.TOKENS, tokens)

@@ -12,7 +12,7 @@ from graphexec.errors import ConfigError
 
 if TYPE_CHECKING:
     from graphexec.runner.forward_batch import ForwardBatch
-    from graphexec.runner.forward_context import ForwardContext
+    from graphexec.attention.forward_context import ForwardContext
 
 
 class AttentionBackend(ABC):
@@ -31,10 +31,12 @@ class AttentionBackend(ABC):
     def init_forward_metadata(self, fb: "ForwardBatch", req_to_token: torch.Tensor) -> None:
         """Build whatever the layers need (KV index lists, masks) for this forward.
 
-        Called inside the forward context, before every forward.  A backend that serves the op
-        from Python must call `graphexec.attention.op.unbind_cpu_kernels()` here, so that the
-        C++ route never serves it with a pool another backend bound on this thread.
+        Called by the runner's forward scope, inside the forward context, before every forward;
+        `end_forward` is called when the scope closes, however it closes.
         """
+
+    def end_forward(self) -> None:
+        """Drop anything bound for the forward that just ended (the cpu backend's kernel binding)."""
 
     def enable_static_decode_metadata(self, max_rows: int, max_kv_len: int, device: torch.device) -> None:
         """From now on, build decode metadata into fixed-address, bucket-shaped buffers (for CUDA graphs)."""

@@ -3,8 +3,9 @@
 Decode and extend attention read the KV pool in place through the request -> token table (no
 gathered copies), with the step's K/V write fused in (graphexec/kernels/csrc/attention.cpp).
 Per forward, `init_forward_metadata` binds the pool and this batch's metadata tensors to the
-calling thread (`graphexec::attention_bind`); each layer's `graphexec::attention` call then goes
-straight from the dispatcher to the kernel, with no Python on the way.  The metadata tensors are
+calling thread (`graphexec::attention_bind`) and `end_forward` unbinds them: the binding lives
+exactly as long as the runner's forward scope.  In between, each layer's `graphexec::attention`
+call goes straight from the dispatcher to the kernel, with no Python on the way.  The metadata tensors are
 the ForwardBatch's own, which a captured graph's static input buffers already are, so a replayed
 graph reads the current step's values.
 
@@ -21,11 +22,11 @@ import torch
 from graphexec.attention.op import bind_cpu_kernels, unbind_cpu_kernels
 from graphexec.attention.torch_native import TorchNativeAttnBackend
 from graphexec.errors import CheckpointError, ConfigError
-from graphexec.runner.forward_context import get_forward_context
+from graphexec.attention.forward_context import get_forward_context
 
 if TYPE_CHECKING:
     from graphexec.runner.forward_batch import ForwardBatch
-    from graphexec.runner.forward_context import ForwardContext
+    from graphexec.attention.forward_context import ForwardContext
 
 
 def load_kernels() -> None:
@@ -66,10 +67,11 @@ class CpuAttnBackend(TorchNativeAttnBackend):
             fb.num_token_non_padded,
         )
         self._pools = (pool.k_pool, pool.v_pool)
-        if "forward" in vars(self):
-            unbind_cpu_kernels()
-        else:
+        if "forward" not in vars(self):
             bind_cpu_kernels(*self._pools, *self._kernel_args)
+
+    def end_forward(self) -> None:
+        unbind_cpu_kernels()
 
     def forward(self, q, k, v, out, layer_id, ctx: "ForwardContext") -> None:
         """The Python route (the C++ route never comes here)."""

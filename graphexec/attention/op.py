@@ -11,7 +11,8 @@ one graph for every layer (with an `int` schema Dynamo specializes it: one graph
 Two ways a call is served (the KV pool and per-step metadata never appear as op arguments):
   C++     the CPU kernel (graphexec/kernels/csrc/attention.cpp), when the `cpu` attention backend
           has bound this forward's pool and metadata on this thread (`attention_bind`, once per
-          forward in init_forward_metadata): ~1 µs of dispatch, then the kernel.
+          forward, for the length of the runner's forward scope): ~1 µs of dispatch, then the
+          kernel.
   Python  everything else (other devices, the torch_native backend, a binding-free forward):
           the op runs `attention_py`, which hands the call to the forward context's backend.
 """
@@ -23,10 +24,13 @@ import threading
 import torch
 
 from capture.break_points import ATTENTION, break_point
-from graphexec.runner.forward_context import get_forward_context
+from graphexec.attention.forward_context import get_forward_context
 
 # The op a traced forward is cut at (tc_piecewise's split op; ModelRunner declares it to capture/).
 ATTENTION_OP = "graphexec::attention"
+# The ops whose Python route reads this forward's metadata on the host: a graph that contains
+# attention must record the kernels they launch (ModelRunner declares them to capture/).
+PYTHON_ROUTED_OPS = (ATTENTION_OP, "graphexec::attention_py")
 
 _LIB = torch.library.Library("graphexec", "FRAGMENT")  # noqa: the library object keeps the ops alive
 _LIB.define("attention(Tensor q, Tensor k, Tensor v, Tensor(a!) out, SymInt layer_id) -> ()")
@@ -73,8 +77,8 @@ def _paged_attention_fake(q, k, v, out, k_pool, v_pool, layer_id, *metadata) -> 
     return None
 
 
-# Whether this thread holds a C++ binding: lets backends that never bind drop a stale one for
-# the price of an attribute read.
+# Whether this thread holds a C++ binding, so that ending a forward that bound nothing costs an
+# attribute read.
 _bound = threading.local()
 
 
@@ -85,8 +89,8 @@ def bind_cpu_kernels(*args) -> None:
 
 
 def unbind_cpu_kernels() -> None:
-    """Route `attention` through Python on this thread again (every backend that does not bind
-    calls this from init_forward_metadata, so a binding never outlives its forward's successor)."""
+    """Route `attention` through Python on this thread again (at the end of every forward scope
+    of the cpu backend, so a binding never outlives its forward)."""
     if getattr(_bound, "value", False):
         torch.ops.graphexec.attention_unbind.default()
         _bound.value = False

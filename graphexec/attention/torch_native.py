@@ -9,11 +9,10 @@ import torch
 import torch.nn.functional as F
 
 from graphexec.attention.backend import AttentionBackend
-from graphexec.attention.op import unbind_cpu_kernels
 
 if TYPE_CHECKING:
     from graphexec.runner.forward_batch import ForwardBatch
-    from graphexec.runner.forward_context import ForwardContext
+    from graphexec.attention.forward_context import ForwardContext
 
 
 @dataclass(frozen=True)
@@ -41,13 +40,10 @@ class TorchNativeAttnBackend(AttentionBackend):
     _static: _DecodeMetadata | None = None  # [max_rows, max_kv_len] buffers once enabled
 
     def init_forward_metadata(self, fb: "ForwardBatch", req_to_token: torch.Tensor) -> None:
-        unbind_cpu_kernels()  # the op must come to forward() below, not to another engine's pool
-        self._replayable = False
         if fb.forward_mode.is_extend():
             self._metadata = self._extend_metadata(fb, req_to_token)
         elif self._static is not None and fb.batch_size <= self._static.kv_indices.shape[0]:
             self._metadata = [self._static_decode_metadata(fb, req_to_token)]
-            self._replayable = True
         else:
             self._metadata = self._decode_metadata(fb, req_to_token)
 
@@ -104,7 +100,6 @@ class TorchNativeAttnBackend(AttentionBackend):
 
     def forward(self, q, k, v, out, layer_id, ctx: "ForwardContext") -> None:
         fb = ctx.forward_batch
-        n = fb.num_token_non_padded
         kvh, d = self.num_kv_heads, self.head_dim
         ctx.kv_pool.write(layer_id, fb.out_cache_loc, k.view(-1, kvh, d), v.view(-1, kvh, d))
         k_cache, v_cache = ctx.kv_pool.k_buffers[layer_id], ctx.kv_pool.v_buffers[layer_id]
@@ -112,11 +107,12 @@ class TorchNativeAttnBackend(AttentionBackend):
             self._extend(q, out, k_cache, v_cache)
         else:
             self._decode(q, out, k_cache, v_cache, fb.batch_size)
-        # Rows past the real tokens are padding: keep them finite and inert.  Under static metadata
-        # (a replayed graph) n is not a replay-time value, so padded decode rows are instead kept
-        # finite by attending only to the dummy slot.
-        if out.shape[0] > n and not self._replayable:
-            out[n:].zero_()
+        real = fb.num_token_non_padded_device
+        if real is not None:
+            # A padded batch: rows past the real tokens stay zero (padded extend tokens are in no
+            # run, their rows unwritten).  The count is read on the device, so a replayed graph
+            # zeroes this step's padding, not the padding of the batch it was captured on.
+            out.masked_fill_(torch.arange(out.shape[0], device=out.device)[:, None] >= real, 0)
 
     def _decode(self, q, out, k_cache, v_cache, bs: int) -> None:
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim

@@ -23,7 +23,8 @@ from graphexec.engine.request_stream import AsyncRequestStream, RequestStream
 from graphexec.engine.request_tracker import RequestTracker
 from graphexec.engine.threads import call_in_thread
 from graphexec.errors import InvalidRequestError, RequestFailedError
-from graphexec.models.checkpoint import LoadedCheckpoint, load_checkpoint
+from graphexec.loader import LoadedCheckpoint
+from graphexec.loader.resolve import load_checkpoint
 from graphexec.runner.model_runner import ModelRunner
 from graphexec.sampling_params import SamplingParams
 from graphexec.scheduler.request import Req

@@ -21,6 +21,8 @@ class RequestOutput:
     latency: float | None = None
     # Prompt tokens whose KV was reused from the prefix cache rather than computed.
     cached_tokens: int = 0
+    # With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first.
+    prompt_logprobs: list[dict | None] | None = None
 
     @property
     def prompt_tokens(self) -> int:

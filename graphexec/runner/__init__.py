@@ -1,7 +1,8 @@
-"""Model execution: `model_runner.py` turns a ForwardBatch (`forward_batch.py`, `forward_mode.py`)
-into sampled tokens through a capture backend (capture/), with the forward context
-(`forward_context.py`) as the one channel to the attention op, then `logits_processor.py` and
-`sampler.py`.  Reads and writes the KV pools it is given; never allocates a slot.
+"""Model execution: `model_runner.py` turns a ForwardBatch (`forward_batch.py`) into sampled
+tokens through a capture backend (capture/), with its forward scope (the forward context of
+graphexec/attention/forward_context.py) as the one channel to the attention op, then
+`logits_processor.py`, `prompt_logprobs.py` and `sampler.py`.  Reads and writes the KV pools it
+is given; never allocates a slot.
 """
 
 from graphexec.lazy_exports import lazy_getattr
@@ -9,7 +10,7 @@ from graphexec.lazy_exports import lazy_getattr
 _PUBLIC = {
     "ModelRunner": "graphexec.runner.model_runner",
     "ForwardBatch": "graphexec.runner.forward_batch",
-    "ForwardMode": "graphexec.runner.forward_mode",
+    "ForwardMode": "graphexec.forward_mode",
 }
 __all__ = sorted(_PUBLIC)
 

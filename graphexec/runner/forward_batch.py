@@ -10,7 +10,8 @@ import torch
 from capture import PaddingPolicy, Phase
 from graphexec.cache.kv_pool import DUMMY_SLOT
 from graphexec.cache.req_to_token_pool import DUMMY_REQ_ROW
-from graphexec.runner.forward_mode import ForwardMode
+from graphexec.forward_mode import ForwardMode
+from graphexec.runner.prompt_logprobs import PromptLogprobPlan
 from graphexec.runner.sampler import SamplingBatchInfo
 from graphexec.sampling_params import SamplingParams
 
@@ -54,6 +55,11 @@ class ForwardBatch:
     # reads past them.
     num_token_non_padded: int
     sampling_info: SamplingBatchInfo | None
+    # On a padded batch (capture/padding.py), num_token_non_padded on the device, in a fixed
+    # buffer: what code inside a replayed graph reads.  None on an unpadded batch.
+    num_token_non_padded_device: torch.Tensor | None = None
+    # Extend rows whose logits give prompt logprobs (None: no request in the batch asked).
+    prompt_logprobs: PromptLogprobPlan | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -81,7 +87,9 @@ class ForwardBatch:
             positions = [p for pre, ext in zip(prefix_cpu, extend_cpu) for p in range(pre, pre + ext)]
 
         extend_fields = dict(_NO_EXTEND_FIELDS)
+        prompt_logprobs = None
         if mode.is_extend():
+            prompt_logprobs = PromptLogprobPlan.build(batch.reqs, prefix_cpu, extend_cpu, device)
             start_loc, total = [], 0
             for n in extend_cpu:
                 start_loc.append(total)
@@ -117,6 +125,7 @@ class ForwardBatch:
             out_cache_loc=batch.out_cache_loc.to(device, non_blocking=True),
             num_token_non_padded=len(batch.input_ids),
             sampling_info=sampling_info,
+            prompt_logprobs=prompt_logprobs,
             **extend_fields,
         )
 

@@ -6,15 +6,15 @@ manager it is given; it never allocates or frees a slot.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
 
-from capture import CaptureBackend, CaptureConfigError, CaptureEnv, create_backend
+from capture import CaptureBackend, CaptureConfigError, CaptureEnv, Phase, create_backend
 from capture.eager import EagerRunner
 from graphexec.attention.backend import create_attention_backend
-from graphexec.attention.op import ATTENTION_OP
+from graphexec.attention.op import ATTENTION_OP, PYTHON_ROUTED_OPS
 from graphexec.cache.manager import KVCacheManager
 from graphexec.config import EngineConfig
 from graphexec.errors import ConfigError
@@ -23,8 +23,8 @@ from graphexec.models.config import ModelConfig
 from graphexec.models.llama import LlamaForCausalLM
 from graphexec.quant import QuantEmbedding, QuantLinear, ensure_kernels
 from graphexec.runner.forward_batch import ForwardBatch, padding_policy
-from graphexec.runner.forward_context import ForwardContext, forward_context
-from graphexec.runner.forward_mode import ForwardMode
+from graphexec.attention.forward_context import ForwardContext, forward_context
+from graphexec.forward_mode import ForwardMode
 from graphexec.runner.logits_processor import LogitsProcessor
 from graphexec.runner.sampler import Sampler, SamplerOutput
 
@@ -33,6 +33,9 @@ from graphexec.runner.sampler import Sampler, SamplerOutput
 class StepOutput:
     sampler: SamplerOutput
     logits: torch.Tensor  # [batch_size, vocab] fp32, the rows that sampled
+    # Prompt logprobs computed by this forward: (batch index, first prompt position, entries)
+    # per request that asked (graphexec/runner/prompt_logprobs.py).
+    prompt_logprobs: list[tuple[int, int, list[dict]]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -61,14 +64,12 @@ class ModelRunner:
         self.capture_env = env = CaptureEnv(
             model=self.model,
             device=self.device,
-            forward_scope=self._forward_scope,
             padding=padding_policy(self.attn_backend.padded_seq_len),
-            empty_batch=lambda phase: ForwardBatch.empty_for(phase, self.device),
-            enable_static_metadata=lambda max_rows: self.attn_backend.enable_static_decode_metadata(
-                max_rows, self.max_context, self.device
-            ),
+            empty_batches={phase: ForwardBatch.empty_for(phase, self.device) for phase in Phase},
             split_ops=(ATTENTION_OP,),
+            traced_ops=PYTHON_ROUTED_OPS,
         )
+        self._static_metadata_rows = 0
         self.eager = EagerRunner(env, {}, "capture.eager")
         # One instance per distinct spec, so modes that share a spec share its graphs.
         instances: dict[str, CaptureBackend] = {repr(("eager", {})): self.eager}
@@ -85,16 +86,43 @@ class ModelRunner:
     def capture(self) -> None:
         """Build every backend's graphs once, before serving (in the inference mode they replay in)."""
         for backend in {id(b): b for b in self.backends.values()}.values():
-            with _config_errors():
-                backend.capture()
+            self.capture_backend(backend)
+
+    @torch.inference_mode()
+    def capture_backend(self, backend: CaptureBackend) -> None:
+        """Capture one backend built on this runner's `capture_env` (the engine's, or one a
+        benchmark made): each bucket inside a forward scope for its capture batch."""
+        self._use_static_metadata(backend.static_metadata_rows)
+        with _config_errors():
+            for bucket, batch in backend.capture_plan():
+                with self._forward_scope(batch):
+                    backend.capture_bucket(bucket, batch)
+
+    def _use_static_metadata(self, rows: int) -> None:
+        """Decode metadata in fixed-address buffers for batches of up to `rows` rows, for graphs
+        that replay attention inside them."""
+        if rows <= self._static_metadata_rows:
+            return
+        if self._static_metadata_rows:
+            # New buffers would leave the graphs recorded so far reading freed ones.
+            raise RuntimeError(
+                f"static decode metadata is sized for {self._static_metadata_rows} rows; a backend needing "
+                f"{rows} must be captured first"
+            )
+        self.attn_backend.enable_static_decode_metadata(rows, self.max_context, self.device)
+        self._static_metadata_rows = rows
 
     @contextlib.contextmanager
     def _forward_scope(self, fb: ForwardBatch) -> Iterator[None]:
+        """The forward context and the attention backend's metadata for fb (prepared once per
+        forward, outside any graph), for as long as fb's forward runs."""
         kv = self.kv_cache
         with forward_context(ForwardContext(fb, self.attn_backend, kv.token_pool, kv.req_to_token_pool)):
-            # Metadata is prepared once per forward, outside any graph.
             self.attn_backend.init_forward_metadata(fb, kv.req_to_token_pool.req_to_token)
-            yield
+            try:
+                yield
+            finally:
+                self.attn_backend.end_forward()
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
@@ -103,12 +131,24 @@ class ModelRunner:
         if not backend.can_run(fb):
             backend.stats.fallbacks += 1
             backend = self.eager
-        return backend.execute(fb)
+        return self.execute(backend, fb)
+
+    @torch.inference_mode()
+    def execute(self, backend: CaptureBackend, fb: ForwardBatch) -> torch.Tensor:
+        """fb through `backend` (which must be able to run it): padded by the backend, run in a
+        forward scope for the padded batch, real rows back."""
+        prepared = backend.prepare(fb)
+        with self._forward_scope(prepared.batch):
+            return prepared.run()
 
     @torch.inference_mode()
     def forward_and_sample(self, fb: ForwardBatch) -> StepOutput:
-        logits = self.logits_processor(self.forward(fb), fb)
-        return StepOutput(sampler=self.sampler(logits, fb.sampling_info), logits=logits)
+        hidden = self.forward(fb)
+        logits = self.logits_processor(hidden, fb)
+        prompt_logprobs = []
+        if (plan := fb.prompt_logprobs) is not None:
+            prompt_logprobs = plan.entries(plan.compute(hidden, self.model.compute_logits))
+        return StepOutput(self.sampler(logits, fb.sampling_info), logits, prompt_logprobs)
 
     def backend_stats(self) -> dict[str, dict]:
         """Per-mode counters: capture cost, executions, fallbacks, padded rows.  Modes that share

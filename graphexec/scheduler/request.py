@@ -39,6 +39,18 @@ class Req:
     matched_stop_token: int | None = None
     generator: torch.Generator | None = None
     output_logprobs: list[dict] = field(default_factory=list)
+    # One entry per prompt position when params.prompt_logprobs is set (position 0: None, nothing
+    # predicts it); filled chunk by chunk as the prompt is prefilled.
+    prompt_logprobs: list[dict | None] | None = None
+
+    def __post_init__(self) -> None:
+        if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None] * len(self.prompt_ids)
+
+    @property
+    def prompt_logprobs_pending(self) -> bool:
+        """Whether prompt positions still lack their entry (so no cached prefix may stand in)."""
+        return self.prompt_logprobs is not None and None in self.prompt_logprobs[1:]
 
     @property
     def seq_len(self) -> int:

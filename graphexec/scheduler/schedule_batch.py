@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from graphexec.runner.forward_mode import ForwardMode
+from graphexec.forward_mode import ForwardMode
 from graphexec.scheduler.request import Req
 
 

@@ -54,8 +54,9 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def add_request(self, req: Req) -> None:
-        """Queue a validated request; one that asks for no tokens finishes at once."""
-        if req.params.max_new_tokens == 0:
+        """Queue a validated request; one that asks for no tokens (and no prompt logprobs)
+        finishes at once."""
+        if req.params.max_new_tokens == 0 and req.prompt_logprobs is None:
             req.finish_reason = FinishReason.LENGTH
             return
         req.generator = make_generator(req.params.seed, self.runner.device)
@@ -128,7 +129,8 @@ class Scheduler:
 
     def _start(self, req: Req) -> bool:
         """Admit the request into the KV cache (its cached prefix mapped) if the policy agrees."""
-        reused = self.kv_cache.admit(req)
+        # A cached prefix has no logits: a request still owed prompt logprobs computes it again.
+        reused = self.kv_cache.admit(req, reuse_prefix=not req.prompt_logprobs_pending)
         if not self.admission.admits(req, self.kv_cache):
             self.kv_cache.release(req, cache=False)
             return False
@@ -164,16 +166,18 @@ class Scheduler:
     def _process_result(self, batch: ScheduleBatch, result: StepOutput) -> list[Req]:
         out = result.sampler
         next_ids = out.next_token_ids.tolist()
+        for i, position, entries in result.prompt_logprobs:
+            batch.reqs[i].prompt_logprobs[position : position + len(entries)] = entries
         finished = []
         running = set(self.running)
         for i, (req, seq_len, samples) in enumerate(zip(batch.reqs, batch.seq_lens, batch.samples)):
             req.num_computed_tokens = seq_len
             if not samples:
                 continue  # a prompt chunk: its KV is kept, its token comes with the last chunk
-            n_before = len(req.output_ids)
-            req.append_token(next_ids[i])
-            if req.params.logprobs is not None and len(req.output_ids) > n_before:
-                req.output_logprobs.append(_logprob_entry(out, i, req.params.logprobs))
+            if req.params.max_new_tokens == 0:  # prefilled for its prompt logprobs only
+                req.finish_reason = FinishReason.LENGTH
+            else:
+                self._record_token(req, out, i, next_ids[i])
             if req.finished:
                 finished.append(req)
                 self.kv_cache.release(req)
@@ -182,6 +186,13 @@ class Scheduler:
         if finished:
             self.running = [r for r in self.running if not r.finished]
         return finished
+
+    @staticmethod
+    def _record_token(req: Req, out, row: int, token_id: int) -> None:
+        n_before = len(req.output_ids)
+        req.append_token(token_id)
+        if req.params.logprobs is not None and len(req.output_ids) > n_before:
+            req.output_logprobs.append(_logprob_entry(out, row, req.params.logprobs))
 
     def finish(self, rid: str, reason: FinishReason) -> bool:
         """End a waiting or running request early (an abort, or a stop string matched in the

@@ -1,4 +1,5 @@
 """The one scoped channel from ModelRunner to the attention op: KV pool and per-step metadata.
+It lives with its reader (the op); the runner, above, sets it.
 
 The model's forward takes only (input_ids, positions); attention finds everything else here, so a
 compiler tracing the model never sees, copies or functionalizes the KV cache.
