@@ -117,6 +117,25 @@ def test_mixed_batch_matches_the_reference_and_leaves_plain_rows_untouched():
         assert torch.equal(out[untouched], logits[untouched])
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_full_vocabulary_batch_matches_the_reference_on(device):
+    vocab = 49152
+    generator = torch.Generator().manual_seed(6)
+    histories = [
+        History(torch.randint(vocab, (300,), generator=generator).tolist(),
+                torch.randint(200, (120,), generator=generator).tolist())  # many repeats
+        for _ in range(4)
+    ]
+    everything = SamplingParams(**SINGLE_OPTIONS["everything"])
+    params = [everything, SamplingParams(), SamplingParams(repetition_penalty=0.8, logit_bias={vocab - 1: 30.0}), everything]
+    logits = torch.randn(4, vocab, generator=generator) * 4
+    penalties = LogitsPenalties.build(params, histories, vocab, device)
+    out = penalties.apply(logits.to(device)).cpu()
+    rows = [Row(p, h) for p, h in zip(params, histories)]
+    torch.testing.assert_close(out, reference(logits, rows))
+    assert torch.equal(out[1], logits[1])
+
+
 def test_repetition_penalty_matches_hugging_face():
     penalty = 1.45
     rows = [Row(SamplingParams(repetition_penalty=penalty), HISTORY)]
