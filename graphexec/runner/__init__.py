@@ -1,7 +1,7 @@
 """Model execution: `model_runner.py` turns a ForwardBatch (`forward_batch.py`, `forward_mode.py`)
 into sampled tokens through a capture backend (capture/), with the forward context
 (`forward_context.py`) as the one channel to the attention op, then `logits_processor.py` and
-`sampler.py`.  Reads and writes the KV pools it is given; never allocates a slot.
+`sampler.py` (which applies `penalties.py` first).  Reads and writes the KV pools it is given; never allocates a slot.
 """
 
 from graphexec.lazy_exports import lazy_getattr
