@@ -313,3 +313,11 @@ def test_engine_refuses_logit_bias_outside_the_vocabulary(smollm2_engine):
     assert error.value.param == "logit_bias"
     (ok,) = smollm2_engine.generate(["hi"], SamplingParams(max_new_tokens=2, logit_bias={vocab - 1: 1.0}))
     assert ok.completion_tokens >= 1
+
+
+def test_penalties_benchmark_runs_and_reports_every_side(capsys):
+    from bench import penalties as bench
+
+    bench.main(["--batch-sizes", "2", "--prompt", "8", "--output", "4", "--rounds", "1", "--steps", "1"])
+    printed = capsys.readouterr().out
+    assert "B=2" in printed and all(name in printed for name in bench.SIDES)
