@@ -255,6 +255,43 @@ def test_prompt_chunk_rows_are_untouched_and_count_nothing():
     assert ForwardBatch.init_new(alone, "cpu", VOCAB).sampling_info.penalties is None
 
 
+# --- the engine -----------------------------------------------------------------------------
+
+
+def test_penalised_requests_keep_their_tokens_batched_chunked_and_retracted():
+    """Each request's penalties read its own history only: seeded and greedy requests with
+    penalties give the same tokens alone, batched with others, and in a small pool where prompts
+    are chunked and running requests are retracted and resumed."""
+    from graphexec import Engine
+    from tests.conftest import TINY_OVERRIDES
+    from tests.invariants import assert_no_leak
+
+    def ids(n: int, seed: int) -> list[int]:
+        return torch.randint(3, 320, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+    prompts = [ids(12 + 3 * i, 500 + i) for i in range(8)]
+    penalties = dict(presence_penalty=1.0, frequency_penalty=0.5, repetition_penalty=1.3, logit_bias={5: 3.0})
+    kinds = [
+        SamplingParams(max_new_tokens=40, ignore_eos=True, temperature=0.9, seed=11, **penalties),
+        SamplingParams(max_new_tokens=40, ignore_eos=True, repetition_penalty=1.5),
+        SamplingParams(max_new_tokens=40, ignore_eos=True, temperature=0.8, top_p=0.9, seed=12),
+        SamplingParams(max_new_tokens=40, min_tokens=40, frequency_penalty=1.0, temperature=1.0, seed=13),
+    ]
+    params = [kinds[i % 4] for i in range(8)]
+    engine = Engine(overrides=TINY_OVERRIDES)
+    alone = [engine.generate([p], sp)[0].token_ids for p, sp in zip(prompts, params)]
+    plain = kinds[0].replace(presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0, logit_bias={})
+    assert engine.generate([prompts[0]], plain)[0].token_ids != alone[0]  # the options do something
+    assert all(len(tokens) == 40 for tokens in alone)  # min_tokens held EOS off
+    assert [o.token_ids for o in Engine(overrides=TINY_OVERRIDES).generate(prompts, params)] == alone
+    # 8 requests of up to 52 + 40 tokens in 120 slots: chunked prompts, retractions, resumption.
+    small = Engine(overrides=TINY_OVERRIDES + ["cache.num_slots=120", "scheduler.max_running_requests=8",
+                                               "scheduler.max_prefill_tokens=16"])
+    assert [o.token_ids for o in small.generate(prompts, params)] == alone
+    assert small.metrics().retractions_total > 0
+    assert_no_leak(small)
+
+
 # --- the real model -------------------------------------------------------------------------
 
 # SmolLM2-135M-Instruct's greedy answer is one token ("No"), then EOS.
