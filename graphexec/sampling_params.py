@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from graphexec.errors import InvalidRequestError
@@ -17,6 +17,10 @@ MAX_STOP_STRINGS = 8
 
 # torch.Generator.manual_seed accepts at most a 64-bit unsigned value.
 _SEED_LIMIT = 2**64
+
+# OpenAI's ranges: penalties in [-2, 2], logit biases in [-100, 100] (enough to ban or force a token).
+MAX_PENALTY = 2.0
+MAX_LOGIT_BIAS = 100.0
 
 
 def _is_int(value: object) -> bool:
@@ -41,6 +45,18 @@ class SamplingParams:
     k most likely alternatives.  Float fields accept ints and store floats.
     `stop` strings end the request when they appear in the decoded text; the
     match and anything after it are left out of the output text.
+
+    Logits processing, as OpenAI and vLLM define it, runs before temperature
+    and the filters (and before the greedy argmax), in vLLM's order:
+    `logit_bias` (token id -> bias, stored as (id, bias) pairs sorted by id)
+    is added, and until `min_tokens` tokens are generated EOS (unless
+    `ignore_eos`) and `stop_token_ids` are banned (logit -inf; stop strings
+    are not matched before then either); then `repetition_penalty` (1 = off)
+    divides positive and multiplies negative logits of every token seen in
+    the prompt or the output; then each token in the output loses
+    `presence_penalty` once and `frequency_penalty` per occurrence.
+    Returned logprobs are of the raw model logits, before any of this (vLLM's
+    default): they describe the model, not the decoding settings.
     """
 
     max_new_tokens: int = 128
@@ -57,6 +73,11 @@ class SamplingParams:
     # prompt token's, k > 0 also the k most likely alternatives at each position.  The first
     # prompt token has none.  A request that asks recomputes a cached prefix instead of reusing it.
     prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         self._check_max_new_tokens()
@@ -71,10 +92,27 @@ class SamplingParams:
             raise InvalidRequestError(f"ignore_eos must be a bool, got {_describe(self.ignore_eos)}")
         self._check_logprobs()
         self._check_prompt_logprobs()
+        penalty_range = f"in [{-MAX_PENALTY:g}, {MAX_PENALTY:g}]"
+        self._set_float("presence_penalty", lambda v: abs(v) <= MAX_PENALTY, penalty_range)
+        self._set_float("frequency_penalty", lambda v: abs(v) <= MAX_PENALTY, penalty_range)
+        self._set_float("repetition_penalty", lambda v: v > 0, "> 0 (1 means off)")
+        self._set_logit_bias()
+        self._check_min_tokens()
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether any penalty, bias or min_tokens can change this request's logits."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+            or self.min_tokens
+        )
 
     def replace(self, **changes: object) -> SamplingParams:
         """A copy with some fields changed; the copy is validated like a new instance."""
@@ -157,4 +195,45 @@ class SamplingParams:
         if not _is_int(value) or not 0 <= value <= MAX_LOGPROBS:
             raise InvalidRequestError(
                 f"logprobs must be None (off) or an int in [0, {MAX_LOGPROBS}], got {_describe(value)}"
+            )
+
+    def _set_logit_bias(self) -> None:
+        value = self.logit_bias
+        if value is None:  # as OpenAI's null: no bias
+            value = ()
+        if isinstance(value, Mapping):
+            pairs = list(value.items())
+        elif isinstance(value, (tuple, list)):
+            pairs = list(value)
+        else:
+            raise InvalidRequestError(
+                f"logit_bias must be a mapping of token id -> bias, got {_describe(value)}"
+            )
+        checked = []
+        for entry in pairs:
+            if not isinstance(entry, (tuple, list)) or len(entry) != 2:
+                raise InvalidRequestError(f"logit_bias entries must be (token id, bias) pairs, got {_describe(entry)}")
+            token_id, bias = entry
+            if not _is_int(token_id) or token_id < 0:
+                raise InvalidRequestError(f"logit_bias token ids must be ints >= 0, got {_describe(token_id)}")
+            if not (_is_number(bias) and math.isfinite(bias) and abs(bias) <= MAX_LOGIT_BIAS):
+                raise InvalidRequestError(
+                    f"logit_bias[{token_id}] must be a number in [{-MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                    f"got {_describe(bias)}"
+                )
+            checked.append((token_id, float(bias)))
+        checked.sort()
+        duplicates = [a for (a, _), (b, _) in zip(checked, checked[1:]) if a == b]
+        if duplicates:
+            raise InvalidRequestError(f"logit_bias names token id {duplicates[0]} more than once")
+        # Sorted pairs: hashable, frozen, and equal for equal mappings whatever their order.
+        object.__setattr__(self, "logit_bias", tuple(checked))
+
+    def _check_min_tokens(self) -> None:
+        value = self.min_tokens
+        if not _is_int(value) or value < 0:
+            raise InvalidRequestError(f"min_tokens must be an int >= 0, got {_describe(value)}")
+        if value > self.max_new_tokens:
+            raise InvalidRequestError(
+                f"min_tokens must be <= max_new_tokens (max_tokens over HTTP), got {value} > {self.max_new_tokens}"
             )

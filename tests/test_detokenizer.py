@@ -95,6 +95,9 @@ def test_stop_string_matcher_finds_earliest_and_holds_back_prefixes():
     assert matcher.find("no stop here", 0) is None
     # Only matches ending in the new text count, but one straddling the boundary is found.
     assert matcher.find("xxEN" + "D", 4) == 2
+    # A short stop string wholly inside the text searched before is old, even near its end
+    # (min_tokens marks text searched without searching it).
+    assert matcher.find("a\n\nb", 3) is None and matcher.find("a\n\nb", 2) == 1
     assert matcher.held_back("text E") == 1
     assert matcher.held_back("text EN") == 2
     assert matcher.held_back("text\n") == 1

@@ -57,6 +57,29 @@ BAD_VALUES = [
     ("logprobs", MAX_LOGPROBS + 1, f"logprobs must be None (off) or an int in [0, {MAX_LOGPROBS}], got 21"),
     ("logprobs", 2.0, "logprobs must be None (off) or an int in [0, 20], got 2.0 (float)"),
     ("logprobs", True, "logprobs must be None (off) or an int in [0, 20], got True (bool)"),
+    ("presence_penalty", 2.01, "presence_penalty must be in [-2, 2], got 2.01"),
+    ("presence_penalty", -3, "presence_penalty must be in [-2, 2], got -3"),
+    ("presence_penalty", math.nan, "presence_penalty must be in [-2, 2], got nan"),
+    ("presence_penalty", None, "presence_penalty must be a number in [-2, 2], got None"),
+    ("frequency_penalty", -2.5, "frequency_penalty must be in [-2, 2], got -2.5"),
+    ("frequency_penalty", "1", "frequency_penalty must be a number in [-2, 2], got '1' (str)"),
+    ("repetition_penalty", 0, "repetition_penalty must be > 0 (1 means off), got 0"),
+    ("repetition_penalty", -1.2, "repetition_penalty must be > 0 (1 means off), got -1.2"),
+    ("repetition_penalty", math.inf, "repetition_penalty must be > 0 (1 means off), got inf"),
+    ("repetition_penalty", True, "repetition_penalty must be a number > 0 (1 means off), got True (bool)"),
+    ("logit_bias", {5: 100.5}, "logit_bias[5] must be a number in [-100, 100], got 100.5 (float)"),
+    ("logit_bias", {5: -101}, "logit_bias[5] must be a number in [-100, 100], got -101 (int)"),
+    ("logit_bias", {5: math.nan}, "logit_bias[5] must be a number in [-100, 100], got nan (float)"),
+    ("logit_bias", {5: "1"}, "logit_bias[5] must be a number in [-100, 100], got '1' (str)"),
+    ("logit_bias", {-1: 1.0}, "logit_bias token ids must be ints >= 0, got -1 (int)"),
+    ("logit_bias", {"50256": 1.0}, "logit_bias token ids must be ints >= 0, got '50256' (str)"),
+    ("logit_bias", {True: 1.0}, "logit_bias token ids must be ints >= 0, got True (bool)"),
+    ("logit_bias", [(1, 2.0), (1, 3.0)], "logit_bias names token id 1 more than once"),
+    ("logit_bias", [(1, 2.0, 3)], "logit_bias entries must be (token id, bias) pairs, got (1, 2.0, 3) (tuple)"),
+    ("logit_bias", "x", "logit_bias must be a mapping of token id -> bias, got 'x' (str)"),
+    ("min_tokens", -1, "min_tokens must be an int >= 0, got -1 (int)"),
+    ("min_tokens", 2.0, "min_tokens must be an int >= 0, got 2.0 (float)"),
+    ("min_tokens", 129, "min_tokens must be <= max_new_tokens (max_tokens over HTTP), got 129 > 128"),
 ]
 
 
@@ -100,6 +123,16 @@ GOOD_VALUES = [
     ("logprobs", None),
     ("logprobs", 0),
     ("logprobs", MAX_LOGPROBS),
+    ("presence_penalty", -2.0),
+    ("presence_penalty", 2.0),
+    ("frequency_penalty", 0.5),
+    ("repetition_penalty", 1.0),
+    ("repetition_penalty", 0.5),
+    ("repetition_penalty", 10.0),
+    ("logit_bias", ()),
+    ("logit_bias", ((0, -100.0), (49151, 100.0))),
+    ("min_tokens", 0),
+    ("min_tokens", 128),
 ]
 
 
@@ -122,7 +155,35 @@ def test_defaults():
         ("stop", ()),
         ("ignore_eos", False),
         ("logprobs", None),
+        ("presence_penalty", 0.0),
+        ("frequency_penalty", 0.0),
+        ("repetition_penalty", 1.0),
+        ("logit_bias", ()),
+        ("min_tokens", 0),
     ]
+    assert not params.processes_logits
+
+
+def test_logit_bias_mapping_is_stored_as_sorted_float_pairs_and_equal_whatever_the_order():
+    a = SamplingParams(logit_bias={9: 1, 2: -100})
+    b = SamplingParams(logit_bias=[(2, -100.0), (9, 1.0)])
+    assert a.logit_bias == ((2, -100.0), (9, 1.0)) and all(type(bias) is float for _, bias in a.logit_bias)
+    assert a == b and hash(a) == hash(b)
+    assert SamplingParams(logit_bias=None).logit_bias == ()
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"presence_penalty": 0.1},
+        {"frequency_penalty": -0.1},
+        {"repetition_penalty": 1.1},
+        {"logit_bias": {3: 0.0}},
+        {"min_tokens": 1},
+    ],
+)
+def test_each_new_option_marks_the_params_as_processing_logits(kwargs):
+    assert SamplingParams(**kwargs).processes_logits
 
 
 def test_int_float_fields_are_stored_as_floats():

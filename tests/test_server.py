@@ -87,6 +87,32 @@ def test_openai_client_chat_equal_generate(smol_server, smollm2_engine):
         _idle(smollm2_engine)
 
 
+def test_penalties_logit_bias_and_min_tokens_reach_the_engine(smol_server, smollm2_engine):
+    """OpenAI's string-keyed logit_bias and vLLM's extras, on both endpoints, equal generate's output."""
+    question = "Count from 1 to 10, separated by commas."
+    penalties = {"presence_penalty": 0.6, "frequency_penalty": 0.4, "repetition_penalty": 1.3}
+    with _client(smol_server) as client:
+        (expected,) = smollm2_engine.generate(
+            [question], SamplingParams(max_new_tokens=16, logit_bias={33: -100}, **penalties), chat=True
+        )
+        (plain,) = smollm2_engine.generate([question], SamplingParams(max_new_tokens=16), chat=True)
+        assert expected.text != plain.text and 33 not in expected.token_ids  # the options do something
+        messages = [{"role": "user", "content": question}]
+        extra = {"repetition_penalty": 1.3}
+        out = client.chat.completions.create(
+            model=SMOL, messages=messages, max_tokens=16, temperature=0, logit_bias={"33": -100},
+            presence_penalty=0.6, frequency_penalty=0.4, extra_body=extra,
+        )
+        assert out.choices[0].message.content == expected.text
+        prompt = "The capital of France is"
+        (expected,) = smollm2_engine.generate([prompt], SamplingParams(max_new_tokens=8, min_tokens=8, stop=("\n",)))
+        sent = {"model": SMOL, "prompt": prompt, "max_tokens": 8, "temperature": 0, "stop": "\n", "min_tokens": 8}
+        with httpx.Client(trust_env=False, timeout=60) as http:
+            body = http.post(f"{smol_server.url}/v1/completions", json=sent).json()
+        assert body["choices"][0]["text"] == expected.text and body["usage"]["completion_tokens"] == 8
+        _idle(smollm2_engine)
+
+
 def test_concurrent_streams_complete_then_pool_is_free(tiny_server, tiny):
     """40 streaming requests at once: 32 run, 8 queue; all complete with the right outputs."""
     n, new_tokens = 40, 32

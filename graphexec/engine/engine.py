@@ -188,6 +188,7 @@ class Engine:
         params = self.config.sampling if params is None else params
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        self._check_logit_bias(params)
         ids = self.prompt_encoder.encode(prompt, chat=chat, label=label)
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError(f"stop strings need a tokenizer; model {self.model_config.name!r} has none", param="stop")
@@ -205,6 +206,15 @@ class Engine:
                 param="max_tokens",
             )
         return req
+
+    def _check_logit_bias(self, params: SamplingParams) -> None:
+        # SamplingParams cannot know the vocabulary; the pairs are sorted, so the last id is the largest.
+        vocab_size = self.model_config.vocab_size
+        if params.logit_bias and params.logit_bias[-1][0] >= vocab_size:
+            raise InvalidRequestError(
+                f"logit_bias has token id {params.logit_bias[-1][0]} outside the vocabulary [0, {vocab_size})",
+                param="logit_bias",
+            )
 
     def _submit(self, reqs: list[Req], make_stream: Callable[[str], RequestStream | AsyncRequestStream]) -> list:
         now = time.perf_counter()

@@ -57,7 +57,7 @@ class RequestTracker:
         if new_ids:
             self._first_token_time = self._first_token_time or now
             self._last_token_time = now
-        self._decode(new_ids, final=req.finished)
+        self._decode(new_ids, start, final=req.finished)
         done = self.finished
         end = len(self._text) if done else len(self._text) - self._stop.held_back(self._text)
         text = self._text[self._sent_chars : max(end, self._sent_chars)]
@@ -68,13 +68,22 @@ class RequestTracker:
         reason = FinishReason.STOP if self._stop_string_matched else req.finish_reason
         return RequestDelta(req.rid, list(new_ids), text, logprobs, reason.value, self._output(reason, now))
 
-    def _decode(self, new_ids: list[int], *, final: bool) -> None:
+    def _decode(self, new_ids: list[int], first_index: int, *, final: bool) -> None:
+        """Add the text of output tokens first_index, first_index + 1, ...; look for stop strings."""
         if self._detokenizer is None or self._stop_string_matched:
             return
-        self._text += self._detokenizer.push(new_ids)
+        # As in vLLM, a stop string cannot end a request before min_tokens outputs: the text of
+        # those tokens counts as searched, so only a match that ends after it is a stop.
+        min_tokens = self.req.params.min_tokens
+        unchecked = min(len(new_ids), max(0, min_tokens - first_index))
+        if unchecked:
+            self._text += self._detokenizer.push(new_ids[:unchecked])
+            self._searched_chars = len(self._text)
+        if unchecked < len(new_ids):
+            self._text += self._detokenizer.push(new_ids[unchecked:])
         if final:
             self._text += self._detokenizer.flush()
-        if not self._stop:
+        if not self._stop or first_index + len(new_ids) < min_tokens:
             return
         cut = self._stop.find(self._text, self._searched_chars)
         self._searched_chars = len(self._text)

@@ -1,8 +1,8 @@
 """Model execution: `model_runner.py` turns a ForwardBatch (`forward_batch.py`) into sampled
 tokens through a capture backend (capture/), with its forward scope (the forward context of
 graphexec/attention/forward_context.py) as the one channel to the attention op, then
-`logits_processor.py`, `prompt_logprobs.py` and `sampler.py`.  Reads and writes the KV pools it
-is given; never allocates a slot.
+`logits_processor.py`, `prompt_logprobs.py` and `sampler.py` (which applies `penalties.py`
+first).  Reads and writes the KV pools it is given; never allocates a slot.
 """
 
 from graphexec.lazy_exports import lazy_getattr

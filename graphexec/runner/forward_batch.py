@@ -106,12 +106,13 @@ class ForwardBatch:
         sampling_info = None
         if batch.reqs:
             # A prompt chunk's row is computed but not sampled: greedy and generator-free, so it
-            # never advances a seeded request's random stream.
+            # never advances a seeded request's random stream; with no history it is never penalised.
             sampling_info = SamplingBatchInfo.from_params(
                 [r.params if s else _NO_SAMPLING for r, s in zip(batch.reqs, batch.samples)],
                 [r.generator if s else None for r, s in zip(batch.reqs, batch.samples)],
                 vocab_size,
                 device,
+                histories=[r if s else None for r, s in zip(batch.reqs, batch.samples)],
             )
         return cls(
             forward_mode=mode,

@@ -5,9 +5,11 @@ samples every row: argmax(logits / T + G) with G = -log(-log(U)) picks token i w
 softmax(logits / T)_i.  Dropped tokens are simply -inf, so nothing needs renormalising, and each
 seeded row can draw its U from its own generator.
 
-Log-probabilities are "raw": log_softmax of the model's logits before temperature and filters,
-like vLLM's default logprobs mode, so they describe the model rather than the decoding settings
-and greedy requests get meaningful values too.
+Penalties, logit_bias and min_tokens (`penalties.py`) run first, on a copy, and everything after
+(greedy argmax, temperature, filters) sees the processed logits.  Log-probabilities are "raw":
+log_softmax of the model's logits before penalties, temperature and filters, like vLLM's default
+logprobs mode, so they describe the model rather than the decoding settings and greedy requests
+get meaningful values too.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from graphexec.runner.penalties import LogitsPenalties, TokenHistory
 from graphexec.sampling_params import SamplingParams
 
 # Below this temperature, treat a row as greedy: the scaled logits could overflow float32, and
@@ -66,6 +69,8 @@ class SamplingBatchInfo:
     # Every sampled row has top-k on, so top-p only ever looks at the max_top_k best tokens.
     top_k_bounds_all: bool
     max_logprobs: int | None  # widest logprobs request in the batch; None when nobody asked
+    # None unless some row uses a penalty, logit_bias or an unmet min_tokens (the fast path).
+    penalties: LogitsPenalties | None = None
 
     @classmethod
     def from_params(
@@ -74,8 +79,13 @@ class SamplingBatchInfo:
         generators: Sequence[torch.Generator | None],
         vocab_size: int,
         device: torch.device | str,
+        histories: Sequence[TokenHistory | None] | None = None,
     ) -> SamplingBatchInfo:
-        """vocab_size must be the last dimension of the logits this info will sample."""
+        """vocab_size must be the last dimension of the logits this info will sample.
+
+        `histories` (per row: prompt, output and EOS ids) feed the penalties and min_tokens; a
+        row that uses neither may have None.
+        """
         if len(generators) != len(params):
             raise ValueError(f"got {len(params)} sampling params but {len(generators)} generators")
         greedy = [p.is_greedy or p.temperature < GREEDY_TEMPERATURE for p in params]
@@ -105,6 +115,7 @@ class SamplingBatchInfo:
             max_top_k=max((k for k in top_ks if k < vocab_size), default=0),
             top_k_bounds_all=all(g or k < vocab_size for k, g in zip(top_ks, greedy)),
             max_logprobs=max(requested_logprobs, default=None),
+            penalties=LogitsPenalties.build(params, histories, vocab_size, device),
         )
 
 
@@ -129,11 +140,13 @@ class Sampler:
         # float32 even for bf16 models: dividing by small temperatures and summing ~50k
         # probabilities for top-p both lose too much in 8 mantissa bits.
         logits = logits.float()
-        greedy_ids = logits.argmax(dim=-1)
+        # Fast path: without penalties the model's logits are sampled as they are, no copy made.
+        scores = logits if info.penalties is None else info.penalties.apply(logits)
+        greedy_ids = scores.argmax(dim=-1)
         if info.all_greedy:
             next_ids = greedy_ids
         else:
-            next_ids = torch.where(info.greedy_rows, greedy_ids, _sample(logits, info))
+            next_ids = torch.where(info.greedy_rows, greedy_ids, _sample(scores, info))
         if info.max_logprobs is None:
             return SamplerOutput(next_token_ids=next_ids)
         return _with_logprobs(logits, next_ids, info.max_logprobs)

@@ -3,8 +3,8 @@
 Unknown fields are rejected (`extra="forbid"`) and types are strict (no "8" for 8, no true for 1),
 so a typo or a wrong type is a 400 naming the field instead of a silently ignored option.
 OpenAI fields graphexec does not implement are accepted only at their neutral value.
-Ranges follow OpenAI's where it has one (temperature in [0, 2]); `top_k`, `min_p` and
-`ignore_eos` are extensions, as in vLLM and SGLang.
+Ranges follow OpenAI's where it has one (temperature in [0, 2]); `top_k`, `min_p`, `ignore_eos`,
+`repetition_penalty` and `min_tokens` are extensions, as in vLLM and SGLang.
 """
 
 from __future__ import annotations
@@ -42,6 +42,23 @@ def _content(value: object) -> str:
     raise ValueError('must be a string or a list of {"type": "text", "text": "..."} parts')
 
 
+def _logit_bias(value: object) -> dict[int, float] | None:
+    """OpenAI's {"50256": -100}: JSON keys are strings, so token ids arrive as digit strings.
+    The biases' range is SamplingParams' to check."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ValueError('must be an object mapping token ids to biases, e.g. {"50256": -100}')
+    bias = {}
+    for key, number in value.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit()):
+            raise ValueError(f"keys must be token ids (non-negative integers as strings), got {key!r}")
+        if isinstance(number, bool) or not isinstance(number, (int, float)):
+            raise ValueError(f"bias of token {key} must be a number, got {number!r}")
+        bias[int(key)] = number
+    return bias
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -73,8 +90,11 @@ class _GenerationRequest(_Strict):
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0)
+    logit_bias: Annotated[dict[int, float] | None, PlainValidator(_logit_bias)] = None
+    min_tokens: int | None = Field(None, ge=0)
     user: str | None = None
 
     @field_validator("top_k")
@@ -101,13 +121,6 @@ class _GenerationRequest(_Strict):
             raise ValueError("only n=1 is supported")
         return value
 
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalty(cls, value: float) -> float:
-        if value != 0:
-            raise ValueError("penalties are not supported; only 0 is accepted")
-        return value
-
     def sampling_params(self, defaults: SamplingParams, max_new_tokens: int, logprobs: int | None) -> SamplingParams:
         changes = {
             "max_new_tokens": max_new_tokens,
@@ -119,6 +132,11 @@ class _GenerationRequest(_Strict):
             "stop": [self.stop] if isinstance(self.stop, str) else self.stop,
             "ignore_eos": self.ignore_eos,
             "logprobs": logprobs,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty,
+            "logit_bias": self.logit_bias,
+            "min_tokens": self.min_tokens,
         }
         return defaults.replace(**{k: v for k, v in changes.items() if v is not None})
 

@@ -20,11 +20,11 @@ class StopStringMatcher:
     def find(self, text: str, new_from: int) -> int | None:
         """Index in `text` of the earliest stop string, or None.
 
-        Only matches that end past `new_from` (the length of text searched before) are new;
-        searching from `new_from - longest + 1` keeps each call proportional to the new text.
+        Only matches that end past `new_from` (the length of text searched before) are new, so
+        each string is searched from `new_from - len(s) + 1`: proportional to the new text, and a
+        match wholly inside text searched before (one min_tokens kept from counting) stays old.
         """
-        start = max(0, new_from - self._longest + 1)
-        hits = [i for i in (text.find(s, start) for s in self._stop) if i >= 0]
+        hits = [i for i in (text.find(s, max(0, new_from - len(s) + 1)) for s in self._stop) if i >= 0]
         return min(hits, default=None)
 
     def held_back(self, text: str) -> int:
