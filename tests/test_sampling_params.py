@@ -155,6 +155,7 @@ def test_defaults():
         ("stop", ()),
         ("ignore_eos", False),
         ("logprobs", None),
+        ("prompt_logprobs", None),
         ("presence_penalty", 0.0),
         ("frequency_penalty", 0.0),
         ("repetition_penalty", 1.0),
