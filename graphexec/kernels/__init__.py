@@ -3,13 +3,16 @@
 The sources register implementations for ops whose schemas graphexec defines in Python (so the op
 exists, with its fake implementation, even where nothing was built).  `load()` compiles them with
 `-march=native` on first use (about a minute on 2 cores; ninja rebuilds only changed sources) into
-`GRAPHEXEC_KERNEL_DIR`, default `~/.cache/graphexec/kernels/<torch version>`, and loads the library
-into this process.  `scripts/setup.sh` builds them at install time, so a first start does not.
+`GRAPHEXEC_KERNEL_DIR`, default `~/.cache/graphexec/kernels/<torch version>/<checkout>`, and loads
+the library into this process.  The checkout part (a hash of where the sources live) keeps two
+installs on one machine from rebuilding over each other: ninja's build file names its sources by
+path, so a shared directory would rebuild on every switch.  `scripts/setup.sh` builds them at install time, so a first start does not.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 from pathlib import Path
 
@@ -21,7 +24,8 @@ _SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
 
 
 def build_dir() -> Path:
-    default = Path.home() / ".cache" / "graphexec" / "kernels" / torch.__version__.replace("+", "_")
+    checkout = hashlib.sha1(str(_SOURCES[0].parent.resolve()).encode()).hexdigest()[:12]
+    default = Path.home() / ".cache" / "graphexec" / "kernels" / torch.__version__.replace("+", "_") / checkout
     return Path(os.environ.get("GRAPHEXEC_KERNEL_DIR", default))
 
 
