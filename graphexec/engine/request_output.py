@@ -21,6 +21,9 @@ class RequestOutput:
     latency: float | None = None
     # Prompt tokens whose KV was reused from the prefix cache rather than computed.
     cached_tokens: int = 0
+    # The stop token (EOS or a stop_token_id) that ended the request: generated, so counted in
+    # completion_tokens (as vLLM and OpenAI bill it), but in neither token_ids nor text.
+    stop_token_id: int | None = None
 
     @property
     def prompt_tokens(self) -> int:
@@ -28,7 +31,8 @@ class RequestOutput:
 
     @property
     def completion_tokens(self) -> int:
-        return len(self.token_ids)
+        """Tokens the model generated: token_ids, plus the stop token that ended the request."""
+        return len(self.token_ids) + (self.stop_token_id is not None)
 
 
 @dataclass(frozen=True)

@@ -97,4 +97,5 @@ class RequestTracker:
             tpot=(last - first) / (n - 1) if first is not None and last is not None and n > 1 else None,
             latency=now - self.arrival_time,
             cached_tokens=req.num_reused_tokens,
+            stop_token_id=req.matched_stop_token,
         )
