@@ -121,6 +121,12 @@ def test_openapi_publishes_the_request_models_and_their_examples_are_served(tiny
     assert json.dumps({"items": {"type": "integer"}, "type": "array"}, sort_keys=True) in prompt_forms
     body_ref = schema["paths"]["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert body_ref == {"$ref": "#/components/schemas/CompletionRequest"}
+    # Errors are published as what they are: OpenAI's shape under 4XX, no FastAPI 422.
+    responses = schema["paths"]["/v1/chat/completions"]["post"]["responses"]
+    assert "422" not in responses and responses["4XX"]["content"]["application/json"]["schema"] == {
+        "$ref": "#/components/schemas/ErrorResponse"
+    }
+    assert set(models["ErrorBody"]["properties"]) == {"message", "type", "param", "code"}
     assert "TokenizeRequest" in models and "DetokenizeRequest" in models
     # The published examples are requests the models accept, and the server serves them.
     (completion_example,) = completion["examples"]

@@ -540,5 +540,6 @@ def test_overload_bench_runs_every_scenario(tiny_server, tiny):
     load = results["load"]
     assert load["outcomes"]["normal"] == {"200": load["requests"]["normal"]}
     assert set(load["outcomes"]["huge"]) <= {"400"} and set(load["outcomes"]["oversized-body"]) <= {"413"}
+    assert load["metrics"]["samples"] >= 1 and load["metrics"]["running_min"] >= 0  # it reads /metrics/json
     assert "### load: 4 users" in markdown(results)
     _idle(tiny)

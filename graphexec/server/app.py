@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response
 
 from graphexec.engine.engine import Engine
 from graphexec.server.config import ServerConfig
-from graphexec.server.errors import APIError, install_error_handlers
+from graphexec.server.errors import ERROR_RESPONSES, APIError, install_error_handlers
 from graphexec.server.metrics import ServerMetrics
 from graphexec.server.protocol import ChatCompletionRequest, CompletionRequest
 from graphexec.server.routing import BodyRoute
@@ -102,7 +102,7 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
 
 
 def _generation_routes(serving: OpenAIServing) -> APIRouter:
-    router = APIRouter(route_class=BodyRoute)
+    router = APIRouter(route_class=BodyRoute, responses=ERROR_RESPONSES)
 
     @router.post("/v1/completions", response_class=Response)
     async def completions(request: Request, body: CompletionRequest) -> Response:
@@ -118,7 +118,7 @@ def _generation_routes(serving: OpenAIServing) -> APIRouter:
 
 
 def _tokenizer_routes(serving: OpenAIServing, tokenizer: TokenizerEndpoints) -> APIRouter:
-    router = APIRouter(route_class=BodyRoute)
+    router = APIRouter(route_class=BodyRoute, responses=ERROR_RESPONSES)
 
     @router.get("/tokenizer_info")
     async def tokenizer_info() -> dict:

@@ -15,7 +15,7 @@ from types import MappingProxyType
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
@@ -28,6 +28,23 @@ _log = logging.getLogger(__name__)
 _ENGINE_TO_API_FIELD = MappingProxyType({"max_new_tokens": "max_tokens"})
 _LEADING_FIELD = re.compile(r"^([a-z_]+)")
 
+
+class ErrorBody(BaseModel):
+    """The published schema of every error answer (`APIError.response` builds it)."""
+
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody
+
+
+# In /openapi.json for the routes with a body: their 4XX answers, instead of FastAPI's 422
+# (which this server never sends: validation failures are 400s).
+ERROR_RESPONSES = {"4XX": {"model": ErrorResponse, "description": "OpenAI-shaped error; `param` names the field"}}
 
 # nginx's status for "the client closed the connection before the answer"; nobody receives it.
 CLIENT_CLOSED_REQUEST = 499
