@@ -9,7 +9,7 @@ seed the server documents for choice i: seed + i).
 import json
 
 import httpx
-import pytest
+import openai
 from prometheus_client.parser import text_string_to_metric_families
 
 from graphexec import SamplingParams
@@ -218,8 +218,14 @@ def test_n_choices_are_independent_and_reproducible_with_a_seed(tiny_server, tin
     _idle(tiny)
 
 
-def test_greedy_n_gives_identical_choices_on_both_endpoints(tiny_server, tiny):
-    out = _post(tiny_server, {"model": TINY, "prompt": "greedy", "n": 3, "max_tokens": 5, "temperature": 0})
-    assert len({c["text"] for c in out["choices"]}) == 1 and len(out["choices"]) == 3
-    # tiny-llama has no chat template; SmolLM2's chat with n is below.
+def test_greedy_n_through_the_official_client(tiny_server, tiny):
+    """Greedy n > 1 is allowed (identical choices, as vLLM); the openai client parses prompt lists × n."""
+    http = httpx.Client(trust_env=False, timeout=60)
+    with openai.OpenAI(base_url=f"{tiny_server.url}/v1", api_key="unused", max_retries=0, http_client=http) as client:
+        out = client.completions.create(model=TINY, prompt=["greedy", "again"], n=3, max_tokens=5, temperature=0)
+    assert [c.index for c in out.choices] == list(range(6))
+    first, second = {c.text for c in out.choices[:3]}, {c.text for c in out.choices[3:]}
+    assert len(first) == len(second) == 1
+    assert first == {tiny.generate(["greedy"], SamplingParams(max_new_tokens=5))[0].text}
+    # tiny-llama has no chat template: chat with n runs on SmolLM2 (test_server_smol.py).
     _idle(tiny)

@@ -165,3 +165,21 @@ def test_chat_n_choices_are_seeded_and_streamed_by_index(server, smollm2_engine)
     assert texts == expected and roles == ["assistant", "assistant"]
     wait_until(lambda: smollm2_engine.num_unfinished() == 0, what="the engine to go idle")
     assert_no_leak(smollm2_engine)
+
+
+def test_lm_eval_generation_batch_round_trip(server, smollm2_engine):
+    """The body lm-eval 0.4.13's local-completions sends for generate_until (openai_completions.py
+    `_create_payload`: a list of prompts, temperature 0, its stop list plus the EOS string read from
+    /tokenizer_info, seed 1234), read back as its `parse_generations` does (by choice index)."""
+    with httpx.Client(trust_env=False, timeout=60) as http:
+        eos = http.get(f"{server.url}/tokenizer_info").json()["eos_token"]
+    prompts = ["Question: What is 2 + 3?\nAnswer:", "Question: Name a colour.\nAnswer:"]
+    payload = {"prompt": prompts, "model": SMOL, "max_tokens": 16, "temperature": 0, "stop": ["\n\n", eos], "seed": 1234}
+    out = _post(server, "/v1/completions", payload).json()
+    texts = [None] * len(out["choices"])
+    for choice in out["choices"]:
+        texts[choice["index"]] = choice["text"]
+    expected = smollm2_engine.generate(prompts, SamplingParams(max_new_tokens=16, stop=("\n\n", eos)))
+    assert texts == [e.text for e in expected]
+    wait_until(lambda: smollm2_engine.num_unfinished() == 0, what="the engine to go idle")
+    assert_no_leak(smollm2_engine)
