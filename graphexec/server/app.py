@@ -126,10 +126,10 @@ def _tokenizer_routes(serving: OpenAIServing, tokenizer: TokenizerEndpoints) -> 
 
     @router.post("/tokenize", response_class=Response)
     async def tokenize(request: Request, body: TokenizeRequest) -> Response:
-        return JSONResponse(await serving.on_worker(tokenizer.tokenize, body))
+        return JSONResponse(await serving.on_worker_for(request, tokenizer.tokenize, body))
 
     @router.post("/detokenize", response_class=Response)
     async def detokenize(request: Request, body: DetokenizeRequest) -> Response:
-        return JSONResponse(await serving.on_worker(tokenizer.detokenize, body))
+        return JSONResponse(await serving.on_worker_for(request, tokenizer.detokenize, body))
 
     return router

@@ -95,22 +95,32 @@ class OpenAIServing:
         """`function(*args)` on the worker thread (tokenizing, templating: never on the loop)."""
         return await asyncio.get_running_loop().run_in_executor(self._worker, function, *args)
 
+    async def on_worker_for(self, request: Request, function: Callable[..., Result], *args: Any) -> Result:
+        """`on_worker` for a request whose body `parse` read: the heap is trimmed after a large one."""
+
+        def run() -> Result:
+            try:
+                return function(*args)
+            finally:
+                _trim_after(request.state.body_bytes)
+
+        return await self.on_worker(run)
+
     async def parse(self, request: Request, model: type[Model]) -> Model:
         """routing.BodyParser: the body read within the bounds, then validated on the worker."""
         raw = await read_body(request, self.config.max_body_bytes, self.config.request_read_timeout_s)
+        request.state.body_bytes = len(raw)  # for the heap trim after its preparation
         return await self.on_worker(self._validate, raw, model)
 
     def _validate(self, raw: bytearray, model: type[Model]) -> Model:
         try:
             return model.model_validate_json(raw)
         except ValidationError as error:
+            _trim_after(len(raw))  # a valid body is trimmed after its tokenization instead
             raise from_validation_error(error) from None
-        finally:
-            if len(raw) >= _TRIM_AFTER_BYTES:
-                give_back_free_heap()
 
     async def completions(self, request: Request, body: CompletionRequest) -> Response:
-        prepared = await self.on_worker(self._prepare_now, body, self._completion_prompts)
+        prepared = await self.on_worker(self._prepare_now, body, self._completion_prompts, request.state.body_bytes)
         streams = self._start(prepared)
         header = ResponseHeader(f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.model_name)
         formatters = [LogprobsFormatter(self.engine.tokenizer) for _ in streams]
@@ -131,7 +141,7 @@ class OpenAIServing:
         return JSONResponse(header.completion(choices, usage(outputs, prepared.n)))
 
     async def chat(self, request: Request, body: ChatCompletionRequest) -> Response:
-        prepared = await self.on_worker(self._prepare_now, body, self._chat_prompts)
+        prepared = await self.on_worker(self._prepare_now, body, self._chat_prompts, request.state.body_bytes)
         streams = self._start(prepared)
         header = ResponseHeader(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.model_name)
         formatter = LogprobsFormatter(self.engine.tokenizer)  # chat logprobs carry no offsets
@@ -150,7 +160,9 @@ class OpenAIServing:
         choices = [header.chat_choice(i, out, formatter.chat(out.logprobs)) for i, out in enumerate(outputs)]
         return JSONResponse(header.chat(choices, usage(outputs, prepared.n)))
 
-    def _prepare_now(self, body: Body, encode: Callable[[Body], tuple[list[list[int]], str]]) -> Prepared[Body]:
+    def _prepare_now(
+        self, body: Body, encode: Callable[[Body], tuple[list[list[int]], str]], body_bytes: int
+    ) -> Prepared[Body]:
         """On the worker thread: check, tokenize, bound max_tokens, one SamplingParams per choice."""
         try:
             self._check(body)
@@ -167,6 +179,8 @@ class OpenAIServing:
             return Prepared(body, ids, params)
         except InvalidRequestError as error:
             raise from_invalid_request(error) from None
+        finally:
+            _trim_after(body_bytes)
 
     def _check(self, body: Body) -> None:
         if body.model != self.model_name:
@@ -268,6 +282,11 @@ class OpenAIServing:
             yield sse("[DONE]")
 
         return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def _trim_after(body_bytes: int) -> None:
+    if body_bytes >= _TRIM_AFTER_BYTES:
+        give_back_free_heap()
 
 
 def _choice_params(base: SamplingParams, i: int) -> SamplingParams:
