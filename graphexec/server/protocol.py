@@ -1,5 +1,6 @@
 """Request bodies of the OpenAI-compatible API, validated strictly.
 
+These models are the endpoints' bodies, so /openapi.json publishes them as validated here.
 Unknown fields are rejected (`extra="forbid"`) and types are strict (no "8" for 8, no true for 1),
 so a typo or a wrong type is a 400 naming the field instead of a silently ignored option.
 OpenAI fields graphexec does not implement are accepted only at their neutral value.
@@ -63,6 +64,14 @@ class TextPart(_Strict):
     type: Literal["text"]
     text: str
 
+
+# Requests /openapi.json shows (and tests/test_server_api.py sends); the default model's name.
+_COMPLETION_EXAMPLE = {"model": "smollm2-135m", "prompt": "The capital of France is", "max_tokens": 8}
+_CHAT_EXAMPLE = {
+    "model": "smollm2-135m",
+    "messages": [{"role": "user", "content": "What is the capital of France?"}],
+    "max_tokens": 16,
+}
 
 # What `prompt` may be, for the published schema (`_prompt` does the validating).
 PromptField = str | list[int] | list[str] | list[list[int]]
@@ -143,7 +152,7 @@ class _GenerationRequest(_Strict):
 
 
 class CompletionRequest(_GenerationRequest):
-    model_config = ConfigDict(json_schema_extra={"examples": [{"model": "smollm2-135m", "prompt": "The capital of France is", "max_tokens": 8}]})
+    model_config = ConfigDict(json_schema_extra={"examples": [_COMPLETION_EXAMPLE]})
 
     prompt: Annotated[PromptField, PlainValidator(_prompt, json_schema_input_type=PromptField)]
     logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
@@ -173,7 +182,7 @@ class CompletionRequest(_GenerationRequest):
 
 
 class ChatCompletionRequest(_GenerationRequest):
-    model_config = ConfigDict(json_schema_extra={"examples": [{"model": "smollm2-135m", "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 16}]})
+    model_config = ConfigDict(json_schema_extra={"examples": [_CHAT_EXAMPLE]})
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
