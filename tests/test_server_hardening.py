@@ -516,6 +516,23 @@ def test_shipped_defaults_parse_and_reach_uvicorn():
     assert issubclass(options["http"], ReadTimeoutH11Protocol) and options["http"].read_timeout_s == 30
 
 
+def test_responses_are_not_held_back_by_nagle(tiny_server):
+    """tests/helpers.ServerThread hands uvicorn a `socket.socket()` (proto 0), on which asyncio sets
+    no TCP_NODELAY: every keep-alive response then waited 40 ms for the client's delayed ACK."""
+    with _connect(tiny_server) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        times = []
+        for _ in range(30):
+            start = time.perf_counter()
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert _status_and_json(_read_response(sock)) == (200, {"status": "ok"})
+            times.append(time.perf_counter() - start)
+    # Held back, every round trip after the first few (Linux acks those at once) took >= 40 ms.
+    held_back = [t for t in times if t >= 0.039]
+    print(f"\n[nagle] {len(held_back)} of {len(times)} round trips >= 39 ms: {[round(t * 1000, 1) for t in times]}")
+    assert len(held_back) < len(times) // 3, times
+
+
 # --- the measurement script ------------------------------------------------------------------
 
 
