@@ -497,6 +497,8 @@ def test_worker_thread_ends_with_the_app(tiny):
         ({"keep_alive_timeout_s": -1.0}, "server.keep_alive_timeout_s must be a number of seconds > 0"),
         ({"limit_concurrency": 0}, "server.limit_concurrency must be an integer >= 1 or null"),
         ({"queue_full_retry_after_s": 1.5}, "server.queue_full_retry_after_s must be an integer >= 0"),
+        ({"max_prompts_per_request": 0}, "server.max_prompts_per_request must be an integer >= 1, got 0"),
+        ({"max_n": "4"}, "server.max_n must be an integer >= 1, got '4'"),
     ],
 )
 def test_bad_hardening_option_is_named(change, message):
