@@ -58,6 +58,8 @@ def test_prometheus_metrics_parse_and_move_with_requests(tiny_server, tiny):
     body = {"model": TINY, "prompt": "metrics move, unique prompt", "max_tokens": 4, "ignore_eos": True}
     first = _post(tiny_server, body)["usage"]
     second = _post(tiny_server, body)["usage"]  # the same prompt again: a prefix-cache hit
+    # The engine loop counts a request as finished just after its last delta reaches the client.
+    wait_until(lambda: _scrape(tiny_server)[length] == before[length] + 2, what="both requests counted")
     after = _scrape(tiny_server)
 
     def moved(name: str, labels: tuple = ()) -> float:
