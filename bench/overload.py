@@ -172,10 +172,18 @@ class MetricsProbe:
     async def sample(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
             with contextlib.suppress(httpx.HTTPError, ValueError):
-                metrics = (await self._client.get(f"{self._url}/metrics", timeout=5)).json()
+                metrics = await self._snapshot()
                 self.running.append(metrics.get("running", -1))
                 self.waiting.append(metrics.get("waiting", -1))
             await asyncio.sleep(self._interval_s)
+
+    async def _snapshot(self) -> dict:
+        # The JSON snapshot is at /metrics/json since /metrics became Prometheus text; older servers
+        # answer 404 there and serve it at /metrics.
+        answer = await self._client.get(f"{self._url}/metrics/json", timeout=5)
+        if answer.status_code == 404:
+            answer = await self._client.get(f"{self._url}/metrics", timeout=5)
+        return answer.json()
 
     def summary(self) -> dict:
         if not self.running:

@@ -29,6 +29,15 @@ def test_generate_rejects_unknown_model_with_exit_code():
     assert "no-such-model" in result.stderr
 
 
+def test_generate_refuses_an_empty_prompt_under_chat_before_loading():
+    # chat=true is the default: the chat template would turn "" into a real prompt.
+    for overrides in (["prompt="], ["prompts=[hi,'']"]):
+        result = _generate("model=tiny-llama", *overrides)
+        assert result.returncode == 2, (result.stdout, result.stderr)
+        which = "prompt" if overrides == ["prompt="] else "prompts[1]"
+        assert f"error: {which} is empty" in result.stderr and result.stdout == ""
+
+
 def _free_port() -> int:
     import socket
 

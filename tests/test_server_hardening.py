@@ -497,6 +497,8 @@ def test_worker_thread_ends_with_the_app(tiny):
         ({"keep_alive_timeout_s": -1.0}, "server.keep_alive_timeout_s must be a number of seconds > 0"),
         ({"limit_concurrency": 0}, "server.limit_concurrency must be an integer >= 1 or null"),
         ({"queue_full_retry_after_s": 1.5}, "server.queue_full_retry_after_s must be an integer >= 0"),
+        ({"max_prompts_per_request": 0}, "server.max_prompts_per_request must be an integer >= 1, got 0"),
+        ({"max_n": "4"}, "server.max_n must be an integer >= 1, got '4'"),
     ],
 )
 def test_bad_hardening_option_is_named(change, message):
@@ -514,6 +516,23 @@ def test_shipped_defaults_parse_and_reach_uvicorn():
     assert options["timeout_keep_alive"] == config.keep_alive_timeout_s
     assert options["limit_concurrency"] == config.limit_concurrency
     assert issubclass(options["http"], ReadTimeoutH11Protocol) and options["http"].read_timeout_s == 30
+
+
+def test_responses_are_not_held_back_by_nagle(tiny_server):
+    """tests/helpers.ServerThread hands uvicorn a `socket.socket()` (proto 0), on which asyncio sets
+    no TCP_NODELAY: every keep-alive response then waited 40 ms for the client's delayed ACK."""
+    with _connect(tiny_server) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        times = []
+        for _ in range(30):
+            start = time.perf_counter()
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert _status_and_json(_read_response(sock)) == (200, {"status": "ok"})
+            times.append(time.perf_counter() - start)
+    # Held back, every round trip after the first few (Linux acks those at once) took >= 40 ms.
+    held_back = [t for t in times if t >= 0.039]
+    print(f"\n[nagle] {len(held_back)} of {len(times)} round trips >= 39 ms: {[round(t * 1000, 1) for t in times]}")
+    assert len(held_back) < len(times) // 3, times
 
 
 # --- the measurement script ------------------------------------------------------------------
@@ -540,5 +559,6 @@ def test_overload_bench_runs_every_scenario(tiny_server, tiny):
     load = results["load"]
     assert load["outcomes"]["normal"] == {"200": load["requests"]["normal"]}
     assert set(load["outcomes"]["huge"]) <= {"400"} and set(load["outcomes"]["oversized-body"]) <= {"413"}
+    assert load["metrics"]["samples"] >= 1 and load["metrics"]["running_min"] >= 0  # it reads /metrics/json
     assert "### load: 4 users" in markdown(results)
     _idle(tiny)

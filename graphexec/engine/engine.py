@@ -123,6 +123,15 @@ class Engine:
         (stream,) = self._submit([self._make_request(prompt, sampling_params, chat, "prompt")], self._asyncio_stream)
         return stream
 
+    def astream_batch(
+        self, prompts: Sequence[Prompt], sampling_params: Sequence[SamplingParams], *, chat: bool = False
+    ) -> list[AsyncRequestStream]:
+        """Start several requests in one submission (the loop sees them together, so they can
+        share their first batch); one stream each, in order.  Bad input raises before any is queued."""
+        params = self._params_per_prompt(len(prompts), sampling_params)
+        reqs = [self._make_request(p, sp, chat, f"prompt {i}") for i, (p, sp) in enumerate(zip(prompts, params))]
+        return self._submit(reqs, self._asyncio_stream) if reqs else []
+
     async def agenerate(
         self, prompt: Prompt, sampling_params: SamplingParams | None = None, *, chat: bool = False
     ) -> RequestOutput:

@@ -23,6 +23,9 @@ class RequestOutput:
     cached_tokens: int = 0
     # With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first.
     prompt_logprobs: list[dict | None] | None = None
+    # The stop token (EOS or a stop_token_id) that ended the request: generated, so counted in
+    # completion_tokens (as vLLM and OpenAI bill it), but in neither token_ids nor text.
+    stop_token_id: int | None = None
 
     @property
     def prompt_tokens(self) -> int:
@@ -30,7 +33,8 @@ class RequestOutput:
 
     @property
     def completion_tokens(self) -> int:
-        return len(self.token_ids)
+        """Tokens the model generated: token_ids, plus the stop token that ended the request."""
+        return len(self.token_ids) + (self.stop_token_id is not None)
 
 
 @dataclass(frozen=True)

@@ -107,4 +107,5 @@ class RequestTracker:
             latency=now - self.arrival_time,
             cached_tokens=req.num_reused_tokens,
             prompt_logprobs=list(req.prompt_logprobs) if req.prompt_logprobs is not None else None,
+            stop_token_id=req.matched_stop_token,
         )

@@ -15,6 +15,13 @@ def _run(cfg: DictConfig) -> None:
     from graphexec.engine.engine import Engine
 
     prompts = list(cfg.prompts) if cfg.prompts else [cfg.prompt]
+    empty = [i for i, p in enumerate(prompts) if p == "" or p is None]
+    if empty:
+        # Checked here, before the model loads: under chat=true the engine would wrap "" in the chat
+        # template and generate a reply to nothing, where a plain empty prompt is refused.
+        which = "prompt" if not cfg.prompts else f"prompts[{empty[0]}]"
+        print(f"error: {which} is empty: give some text to generate from", file=sys.stderr)
+        sys.exit(2)
     try:
         t0 = time.perf_counter()
         engine = Engine(config=EngineConfig.from_dictconfig(cfg))

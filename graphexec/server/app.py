@@ -1,12 +1,15 @@
 """The FastAPI app: OpenAI-compatible routes over one `Engine`.
 
     POST /v1/completions, /v1/chat/completions   (stream=true answers server-sent events)
-    GET  /v1/models, /health, /metrics
-    POST /flush_cache   (drop the prefix cache; 409 while requests are in flight)
+    GET  /v1/models, /health
+    GET  /metrics        Prometheus text (metrics.py: a registry per app)
+    GET  /metrics/json   the engine's EngineMetrics as JSON (the snapshot /metrics served before)
+    GET  /tokenizer_info, POST /tokenize, /detokenize   (vLLM's bodies; tokenize.py)
+    POST /flush_cache    (drop the prefix cache; 409 while requests are in flight)
+    GET  /openapi.json, /docs   (the request models, as routing.BodyRoute validates them)
 
-/metrics is JSON (not Prometheus text): the engine's EngineMetrics (running and waiting requests,
-KV slots used/free/reserved/cached, tokens/s over the last seconds, finished requests by reason, and
-per-ForwardMode capture backend counters: executions = graph replays, fallbacks to eager).
+Request bodies are pydantic models in the endpoints' signatures (so the schema is the real one),
+read within the server's bounds and validated on the worker thread (routing.py).
 """
 
 from __future__ import annotations
@@ -16,18 +19,25 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from graphexec.engine.engine import Engine
 from graphexec.server.config import ServerConfig
-from graphexec.server.errors import APIError, install_error_handlers
+from graphexec.server.errors import ERROR_RESPONSES, APIError, install_error_handlers
+from graphexec.server.metrics import ServerMetrics
+from graphexec.server.protocol import ChatCompletionRequest, CompletionRequest
+from graphexec.server.routing import BodyRoute
 from graphexec.server.serving import OpenAIServing
+from graphexec.server.tokenize import DetokenizeRequest, TokenizeRequest, TokenizerEndpoints
+
+PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 
 
 def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
     """The app; run it under `uvicorn_setup.uvicorn_options(config)` (app.state.server_config)."""
-    serving = OpenAIServing(engine, config)
+    metrics = ServerMetrics(engine)
+    serving = OpenAIServing(engine, config, metrics)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -36,18 +46,13 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
         finally:
             serving.close()  # the worker thread goes with the app; the engine is the caller's
 
-    app = FastAPI(title="graphexec", openapi_url=None, docs_url=None, redoc_url=None, lifespan=lifespan)
+    app = FastAPI(title="graphexec", redoc_url=None, lifespan=lifespan)
     app.state.server_config = config
+    app.state.body_parser = serving  # BodyRoute's reader and validator (routing.py)
     install_error_handlers(app)
     started = int(time.time())
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await serving.completions(request)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await serving.chat(request)
+    app.include_router(_generation_routes(serving))
+    app.include_router(_tokenizer_routes(serving, TokenizerEndpoints(engine, serving.model_name)))
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -73,8 +78,19 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
             return APIError(409, str(error), type="conflict_error").response()
         return JSONResponse({"flushed_slots": freed})
 
-    @app.get("/metrics")
-    async def metrics() -> dict:
+    @app.get("/metrics", response_class=Response)
+    async def prometheus_metrics() -> Response:
+        """Prometheus text: request counts by finish reason, running/waiting requests, KV slots,
+        prefix-cache hit tokens, TTFT/TPOT/e2e histograms, retractions, and each capture backend's
+        executions and fallbacks once, labelled with the ForwardModes that share it."""
+        return Response(metrics.exposition(), media_type=PROMETHEUS_TEXT)
+
+    @app.get("/metrics/json")
+    async def metrics_json() -> dict:
+        """JSON snapshot of EngineMetrics: running and waiting requests, KV slots
+        used/free/reserved/cached, tokens/s over the last seconds, finished requests by reason,
+        and per ForwardMode its capture backend's counters (executions = graph replays, fallbacks
+        to eager; `modes` lists the modes sharing that backend)."""
         return {
             "model": serving.model_name,
             "uptime_s": round(time.time() - started, 3),
@@ -83,3 +99,37 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
         }
 
     return app
+
+
+def _generation_routes(serving: OpenAIServing) -> APIRouter:
+    router = APIRouter(route_class=BodyRoute, responses=ERROR_RESPONSES)
+
+    @router.post("/v1/completions", response_class=Response)
+    async def completions(request: Request, body: CompletionRequest) -> Response:
+        """Legacy completions: `prompt` is a string, token ids, or a list of either (one choice per
+        prompt × n, prompt-major)."""
+        return await serving.completions(request, body)
+
+    @router.post("/v1/chat/completions", response_class=Response)
+    async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
+        return await serving.chat(request, body)
+
+    return router
+
+
+def _tokenizer_routes(serving: OpenAIServing, tokenizer: TokenizerEndpoints) -> APIRouter:
+    router = APIRouter(route_class=BodyRoute, responses=ERROR_RESPONSES)
+
+    @router.get("/tokenizer_info")
+    async def tokenizer_info() -> dict:
+        return await serving.on_worker(tokenizer.info)
+
+    @router.post("/tokenize", response_class=Response)
+    async def tokenize(request: Request, body: TokenizeRequest) -> Response:
+        return JSONResponse(await serving.on_worker_for(request, tokenizer.tokenize, body))
+
+    @router.post("/detokenize", response_class=Response)
+    async def detokenize(request: Request, body: DetokenizeRequest) -> Response:
+        return JSONResponse(await serving.on_worker_for(request, tokenizer.detokenize, body))
+
+    return router

@@ -26,6 +26,8 @@ class ServerConfig:
     request_read_timeout_s: float  # for the headers, then again for the body; 408 or close after
     keep_alive_timeout_s: float  # an idle keep-alive connection is closed after this
     limit_concurrency: int | None  # uvicorn's: connections + tasks beyond it answer 503; None: no limit
+    max_prompts_per_request: int  # /v1/completions `prompt` as a list: more prompts answer 400
+    max_n: int  # choices per prompt (`n`): more answer 400
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> ServerConfig:
@@ -98,4 +100,6 @@ _CHECKS = {
     "request_read_timeout_s": _positive_seconds,
     "keep_alive_timeout_s": _positive_seconds,
     "limit_concurrency": _optional_limit,
+    "max_prompts_per_request": _int_at_least(1),
+    "max_n": _int_at_least(1),
 }

@@ -13,8 +13,9 @@ from collections.abc import Mapping
 from types import MappingProxyType
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
@@ -27,6 +28,23 @@ _log = logging.getLogger(__name__)
 _ENGINE_TO_API_FIELD = MappingProxyType({"max_new_tokens": "max_tokens"})
 _LEADING_FIELD = re.compile(r"^([a-z_]+)")
 
+
+class ErrorBody(BaseModel):
+    """The published schema of every error answer (`APIError.response` builds it)."""
+
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody
+
+
+# In /openapi.json for the routes with a body: their 4XX answers, instead of FastAPI's 422
+# (which this server never sends: validation failures are 400s).
+ERROR_RESPONSES = {"4XX": {"model": ErrorResponse, "description": "OpenAI-shaped error; `param` names the field"}}
 
 # nginx's status for "the client closed the connection before the answer"; nobody receives it.
 CLIENT_CLOSED_REQUEST = 499
@@ -60,6 +78,13 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, type="invalid_request_error", param=param, code=code)
 
 
+def model_not_found(model: str, served: str) -> APIError:
+    return APIError(
+        404, f"model {model!r} does not exist; this server serves {served!r}",
+        type="invalid_request_error", param="model", code="model_not_found",
+    )
+
+
 def from_validation_error(error: ValidationError) -> APIError:
     """The first problem pydantic found, as a 400 whose message and param name the field."""
     first = error.errors(include_url=False)[0]
@@ -90,6 +115,14 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, error: APIError) -> JSONResponse:
         return error.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _request_validation(request: Request, error: RequestValidationError) -> JSONResponse:
+        # FastAPI's own validation (a query or path parameter): a 400 in OpenAI's shape, not a 422.
+        first = error.errors()[0]
+        param = _param_name(tuple(first["loc"])[1:])
+        message = first["msg"].removeprefix("Value error, ")
+        return bad_request(f"{param}: {message}" if param else message, param=param).response()
 
     @app.exception_handler(HTTPException)
     async def _http_error(request: Request, error: HTTPException) -> JSONResponse:

@@ -1,5 +1,6 @@
 """Request bodies of the OpenAI-compatible API, validated strictly.
 
+These models are the endpoints' bodies, so /openapi.json publishes them as validated here.
 Unknown fields are rejected (`extra="forbid"`) and types are strict (no "8" for 8, no true for 1),
 so a typo or a wrong type is a 400 naming the field instead of a silently ignored option.
 OpenAI fields graphexec does not implement are accepted only at their neutral value.
@@ -20,14 +21,25 @@ MAX_COMPLETION_LOGPROBS = 5
 MAX_CHAT_TOP_LOGPROBS = 20
 
 
-def _prompt(value: object) -> str | list[int]:
-    if isinstance(value, str):
+def _prompt(value: object) -> str | list[int] | list[str] | list[list[int]]:
+    """One prompt (text or token ids) or several (texts or token-id lists), as lm-eval sends them."""
+    if isinstance(value, str) or _is_token_ids(value):
         return value
-    if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
-        raise ValueError("batched prompts (a list of strings) are not supported; send one prompt per request")
-    if isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-        return value
-    raise ValueError("must be a string or a list of token ids (integers)")
+    if isinstance(value, list) and value:
+        if all(isinstance(v, str) for v in value):
+            return value
+        if all(isinstance(v, list) for v in value):
+            bad = next((i for i, v in enumerate(value) if not _is_token_ids(v)), None)
+            if bad is None:
+                return value
+            raise ValueError(f"prompt[{bad}] must be a list of token ids (integers)")
+    raise ValueError(
+        "must be a string, a list of token ids (integers), a list of strings or a list of token-id lists"
+    )
+
+
+def _is_token_ids(value: object) -> bool:
+    return isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
 
 
 def _content(value: object) -> str:
@@ -63,13 +75,32 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
+class TextPart(_Strict):
+    """One part of a message's content (the published schema; `_content` does the validating)."""
+
+    type: Literal["text"]
+    text: str
+
+
+# Requests /openapi.json shows (and tests/test_server_api.py sends); the default model's name.
+_COMPLETION_EXAMPLE = {"model": "smollm2-135m", "prompt": "The capital of France is", "max_tokens": 8}
+_CHAT_EXAMPLE = {
+    "model": "smollm2-135m",
+    "messages": [{"role": "user", "content": "What is the capital of France?"}],
+    "max_tokens": 16,
+}
+
+# What `prompt` may be, for the published schema (`_prompt` does the validating).
+PromptField = str | list[int] | list[str] | list[list[int]]
+
+
 class StreamOptions(_Strict):
     include_usage: bool = False
 
 
 class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant"]
-    content: Annotated[str, PlainValidator(_content)]
+    content: Annotated[str, PlainValidator(_content, json_schema_input_type=str | list[TextPart])]
     name: str | None = None
 
 
@@ -87,7 +118,7 @@ class _GenerationRequest(_Strict):
     seed: int | None = Field(None, ge=0, lt=2**64)
     stop: str | list[str] | None = None
     ignore_eos: bool | None = None
-    n: int = 1
+    n: int = Field(1, ge=1)  # choices per prompt; the server caps it (server.max_n)
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = Field(None, ge=-2, le=2)
@@ -112,13 +143,6 @@ class _GenerationRequest(_Strict):
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are supported, got {len(strings)}")
         if any(not s for s in strings):
             raise ValueError("stop strings must be non-empty")
-        return value
-
-    @field_validator("n")
-    @classmethod
-    def _n(cls, value: int) -> int:
-        if value != 1:
-            raise ValueError("only n=1 is supported")
         return value
 
     def sampling_params(self, defaults: SamplingParams, max_new_tokens: int, logprobs: int | None) -> SamplingParams:
@@ -146,9 +170,26 @@ class _GenerationRequest(_Strict):
 
 
 class CompletionRequest(_GenerationRequest):
-    prompt: Annotated[str | list[int], PlainValidator(_prompt)]
+    model_config = ConfigDict(json_schema_extra={"examples": [_COMPLETION_EXAMPLE]})
+
+    prompt: Annotated[PromptField, PlainValidator(_prompt, json_schema_input_type=PromptField)]
     logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     echo: Literal[False] = False
+    best_of: int | None = None  # accepted only equal to n: no server-side ranking of candidates
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of(cls, value: int | None, info: ValidationInfo) -> int | None:
+        # n is declared first, so it is already validated (absent from data if invalid).
+        if value is not None and value != info.data.get("n", 1):
+            raise ValueError("only best_of equal to n is supported (every candidate is returned; none is ranked)")
+        return value
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, one choice (or n) each: a single prompt is a list of one."""
+        if isinstance(self.prompt, str) or _is_token_ids(self.prompt):
+            return [self.prompt]
+        return list(self.prompt)
 
     def requested_max_tokens(self) -> tuple[str, int | None]:
         """The field that sets the completion's length, and its value (None: omitted)."""
@@ -159,6 +200,8 @@ class CompletionRequest(_GenerationRequest):
 
 
 class ChatCompletionRequest(_GenerationRequest):
+    model_config = ConfigDict(json_schema_extra={"examples": [_CHAT_EXAMPLE]})
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from graphexec.engine.request_output import RequestOutput
+from graphexec.text.detokenizer import IncrementalDetokenizer
 
 
 def sse(payload: dict | str) -> str:
@@ -19,12 +20,18 @@ def sse(payload: dict | str) -> str:
     return f"data: {data}\n\n"
 
 
-def usage(output: RequestOutput) -> dict:
+def usage(outputs: Sequence[RequestOutput], n: int) -> dict:
+    """Usage of one response: `outputs` are its choices, prompt-major, `n` per prompt.  Each prompt
+    counts once (as OpenAI and vLLM bill it), with its first choice's prefix-cache hits; every
+    choice's completion counts."""
+    firsts = outputs[::n]
+    prompt_tokens = sum(o.prompt_tokens for o in firsts)
+    completion_tokens = sum(o.completion_tokens for o in outputs)
     return {
-        "prompt_tokens": output.prompt_tokens,
-        "completion_tokens": output.completion_tokens,
-        "total_tokens": output.prompt_tokens + output.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": output.cached_tokens},
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": sum(o.cached_tokens for o in firsts)},
     }
 
 
@@ -36,25 +43,31 @@ class ResponseHeader:
     created: int
     model: str
 
-    def completion(self, output: RequestOutput, logprobs: dict | None) -> dict:
-        choice = {"index": 0, "text": output.text, "logprobs": logprobs, "finish_reason": output.finish_reason}
-        return self._body("text_completion", [choice]) | {"usage": usage(output)}
+    def completion(self, choices: list[dict], usage: dict) -> dict:
+        return self._body("text_completion", choices) | {"usage": usage}
 
-    def completion_chunk(self, text: str, logprobs: dict | None, finish_reason: str | None) -> dict:
-        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+    @staticmethod
+    def completion_choice(index: int, output: RequestOutput, logprobs: dict | None) -> dict:
+        return {"index": index, "text": output.text, "logprobs": logprobs, "finish_reason": output.finish_reason}
+
+    def completion_chunk(self, index: int, text: str, logprobs: dict | None, finish_reason: str | None) -> dict:
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         return self._body("text_completion", [choice])
 
-    def chat(self, output: RequestOutput, logprobs: dict | None) -> dict:
-        message = {"role": "assistant", "content": output.text}
-        choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": output.finish_reason}
-        return self._body("chat.completion", [choice]) | {"usage": usage(output)}
+    def chat(self, choices: list[dict], usage: dict) -> dict:
+        return self._body("chat.completion", choices) | {"usage": usage}
 
-    def chat_chunk(self, delta: dict, logprobs: dict | None, finish_reason: str | None) -> dict:
-        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+    @staticmethod
+    def chat_choice(index: int, output: RequestOutput, logprobs: dict | None) -> dict:
+        message = {"role": "assistant", "content": output.text}
+        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": output.finish_reason}
+
+    def chat_chunk(self, index: int, delta: dict, logprobs: dict | None, finish_reason: str | None) -> dict:
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         return self._body("chat.completion.chunk", [choice])
 
-    def usage_chunk(self, output: RequestOutput, object_name: str) -> dict:
-        return self._body(object_name, []) | {"usage": usage(output)}
+    def usage_chunk(self, usage: dict, object_name: str) -> dict:
+        return self._body(object_name, []) | {"usage": usage}
 
     def _body(self, object_name: str, choices: list[dict]) -> dict:
         return {"id": self.id, "object": object_name, "created": self.created, "model": self.model, "choices": choices}
@@ -64,11 +77,15 @@ class ResponseHeader:
 class LogprobsFormatter:
     """graphexec's logprob entries ({token_id, logprob, top: [(id, logprob)]}) in OpenAI's shapes.
 
-    Keeps the text offset across the chunks of one streamed completion.
+    One per choice: it keeps the text offset across the chunks of one streamed completion.  The
+    offsets index the choice's `text`, which leaves special tokens out (an EOS generated under
+    ignore_eos) and holds whole characters: they come from the same incremental detokenization
+    the engine makes the text with, not from the token strings (which spell special tokens).
     """
 
     tokenizer: object
     text_offset: int = field(default=0)
+    _detokenizer: IncrementalDetokenizer | None = field(default=None, repr=False)
 
     def token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -77,12 +94,14 @@ class LogprobsFormatter:
         """Legacy completions: parallel lists; top_logprobs holds the chosen token and the top k."""
         if entries is None:
             return None
+        if self._detokenizer is None:
+            self._detokenizer = IncrementalDetokenizer(self.tokenizer)
         tokens, offsets, tops = [], [], []
         for entry in entries:
             text = self.token(entry["token_id"])
             tokens.append(text)
             offsets.append(self.text_offset)
-            self.text_offset += len(text)
+            self.text_offset += len(self._detokenizer.push([entry["token_id"]]))
             top = {self.token(i): lp for i, lp in entry.get("top", [])}
             tops.append({text: entry["logprob"]} | top)
         return {

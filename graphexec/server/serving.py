@@ -1,48 +1,59 @@
 """One OpenAI request through the engine: read, prepare, admit (or 503), generate, answer or stream.
 
-The event loop only moves bytes and deltas.  Preparing a request (JSON parsing, chat templating,
-tokenization, the token bound) runs on one worker thread owned by `OpenAIServing`, so /health and
-every stream keep answering while a 10 MB prompt is tokenized.  That path runs no torch op, so the
-thread never starts an OpenMP team of its own.  Validation happens before anything is queued, so
-a bad request costs no KV.  A client that goes away aborts its request with one INFO line: a
-stream's generator is cancelled (Starlette watches for the disconnect) and a plain request races
-its result against the disconnect message.
+The event loop only moves bytes and deltas.  Parsing a body (routing.BodyRoute hands it here) and
+preparing a request (chat templating, tokenization, the token bound) run on one worker thread
+owned by `OpenAIServing`, so /health and every stream keep answering while a 10 MB prompt is
+tokenized.  That path runs no torch op, so the thread never starts an OpenMP team of its own.
+Validation happens before anything is queued, so a bad request costs no KV.
+
+A request fans out into one engine request per prompt × n (fanout.py), submitted together so the
+scheduler batches them; choice `p * n + i` is prompt p's i-th, as OpenAI numbers them.  With a
+`seed`, choice i of each prompt is seeded with `(seed + i) mod 2**64`, so each is reproducible on
+its own and choices differ; without one (or greedy) choices are independent draws (identical,
+greedy).  A client that goes away aborts every request of its own, with one INFO line.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from graphexec.engine.engine import Engine
 from graphexec.engine.request_output import RequestDelta, RequestOutput
 from graphexec.engine.request_stream import AsyncRequestStream
 from graphexec.errors import EngineClosedError, InvalidRequestError, RequestFailedError
 from graphexec.sampling_params import SamplingParams
+from graphexec.server import fanout
 from graphexec.server.config import ServerConfig
 from graphexec.server.errors import (
     CLIENT_CLOSED_REQUEST,
     APIError,
+    bad_request,
     client_address,
     from_invalid_request,
     from_validation_error,
+    model_not_found,
 )
 from graphexec.server.heap import give_back_free_heap
 from graphexec.server.limits import TokenBound, read_body
+from graphexec.server.metrics import ServerMetrics
 from graphexec.server.protocol import ChatCompletionRequest, CompletionRequest
-from graphexec.server.responses import LogprobsFormatter, ResponseHeader, sse
+from graphexec.server.responses import LogprobsFormatter, ResponseHeader, sse, usage
 
 Body = TypeVar("Body", CompletionRequest, ChatCompletionRequest)
+Model = TypeVar("Model", bound=BaseModel)
+Result = TypeVar("Result")
 
 _log = logging.getLogger(__name__)
 
@@ -50,20 +61,27 @@ _log = logging.getLogger(__name__)
 # malloc arena (heap.py); below it, the trim would cost more than it returns.
 _TRIM_AFTER_BYTES = 1 << 20
 
+_SEED_MODULUS = 2**64  # torch.Generator seeds are unsigned 64-bit
+
 
 @dataclass(frozen=True)
 class Prepared(Generic[Body]):
-    """A request ready for the engine: its validated body, prompt token ids and sampling."""
+    """A request ready for the engine: its body, and per choice (prompt-major) ids and sampling."""
 
     body: Body
-    prompt_ids: list[int]
-    params: SamplingParams
+    prompt_ids: list[list[int]]
+    params: list[SamplingParams]
+
+    @property
+    def n(self) -> int:
+        return self.body.n
 
 
 class OpenAIServing:
-    def __init__(self, engine: Engine, config: ServerConfig):
+    def __init__(self, engine: Engine, config: ServerConfig, metrics: ServerMetrics):
         self.engine = engine
         self.config = config
+        self.metrics = metrics
         self.model_name = engine.config.model.name
         # One thread: requests are prepared in arrival order, and a huge prompt costs one core, not
         # all of them.  ThreadPoolExecutor starts it on the first request.
@@ -73,161 +91,210 @@ class OpenAIServing:
         """Stop the worker thread (the app's shutdown); a preparation under way still finishes."""
         self._worker.shutdown(wait=False, cancel_futures=True)
 
-    async def completions(self, request: Request) -> Response:
-        prepared = await self._prepare(request, CompletionRequest, self._completion_prompt)
-        body = prepared.body
-        stream = self._start(prepared)
+    async def on_worker(self, function: Callable[..., Result], *args: Any) -> Result:
+        """`function(*args)` on the worker thread (tokenizing, templating: never on the loop)."""
+        return await asyncio.get_running_loop().run_in_executor(self._worker, function, *args)
+
+    async def on_worker_for(self, request: Request, function: Callable[..., Result], *args: Any) -> Result:
+        """`on_worker` for a request whose body `parse` read: the heap is trimmed after a large one."""
+
+        def run() -> Result:
+            try:
+                return function(*args)
+            finally:
+                _trim_after(request.state.body_bytes)
+
+        return await self.on_worker(run)
+
+    async def parse(self, request: Request, model: type[Model]) -> Model:
+        """routing.BodyParser: the body read within the bounds, then validated on the worker."""
+        raw = await read_body(request, self.config.max_body_bytes, self.config.request_read_timeout_s)
+        request.state.body_bytes = len(raw)  # for the heap trim after its preparation
+        return await self.on_worker(self._validate, raw, model)
+
+    def _validate(self, raw: bytearray, model: type[Model]) -> Model:
+        try:
+            return model.model_validate_json(raw)
+        except ValidationError as error:
+            _trim_after(len(raw))  # a valid body is trimmed after its tokenization instead
+            raise from_validation_error(error) from None
+
+    async def completions(self, request: Request, body: CompletionRequest) -> Response:
+        prepared = await self.on_worker(self._prepare_now, body, self._completion_prompts, request.state.body_bytes)
+        streams = self._start(prepared)
         header = ResponseHeader(f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.model_name)
-        formatter = LogprobsFormatter(self.engine.tokenizer)
+        formatters = [LogprobsFormatter(self.engine.tokenizer) for _ in streams]
         if body.stream:
-            def chunks(delta: RequestDelta) -> list[dict]:
+            def chunks(index: int, delta: RequestDelta) -> list[dict]:
                 if not (delta.text or delta.logprobs or delta.finished):
                     return []
-                return [header.completion_chunk(delta.text, formatter.completion(delta.logprobs), delta.finish_reason)]
+                logprobs = formatters[index].completion(delta.logprobs)
+                return [header.completion_chunk(index, delta.text, logprobs, delta.finish_reason)]
 
-            return self._sse(stream, [], chunks, header, "text_completion", body.include_usage, request)
-        output = await self._result(stream, request)
-        if output is None:
+            return self._sse(streams, prepared.n, [], chunks, header, "text_completion", body.include_usage, request)
+        outputs = await self._results(streams, request)
+        if outputs is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        return JSONResponse(header.completion(output, formatter.completion(output.logprobs)))
+        choices = [
+            header.completion_choice(i, out, formatters[i].completion(out.logprobs)) for i, out in enumerate(outputs)
+        ]
+        return JSONResponse(header.completion(choices, usage(outputs, prepared.n)))
 
-    async def chat(self, request: Request) -> Response:
-        prepared = await self._prepare(request, ChatCompletionRequest, self._chat_prompt)
-        body = prepared.body
-        stream = self._start(prepared)
+    async def chat(self, request: Request, body: ChatCompletionRequest) -> Response:
+        prepared = await self.on_worker(self._prepare_now, body, self._chat_prompts, request.state.body_bytes)
+        streams = self._start(prepared)
         header = ResponseHeader(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.model_name)
-        formatter = LogprobsFormatter(self.engine.tokenizer)
+        formatter = LogprobsFormatter(self.engine.tokenizer)  # chat logprobs carry no offsets
         if body.stream:
-            def chunks(delta: RequestDelta) -> list[dict]:
+            def chunks(index: int, delta: RequestDelta) -> list[dict]:
                 if not (delta.text or delta.logprobs or delta.finished):
                     return []
                 content = {"content": delta.text} if delta.text or not delta.finished else {}
-                return [header.chat_chunk(content, formatter.chat(delta.logprobs), delta.finish_reason)]
+                return [header.chat_chunk(index, content, formatter.chat(delta.logprobs), delta.finish_reason)]
 
-            opening = [header.chat_chunk({"role": "assistant", "content": ""}, None, None)]
-            return self._sse(stream, opening, chunks, header, "chat.completion.chunk", body.include_usage, request)
-        output = await self._result(stream, request)
-        if output is None:
+            opening = [header.chat_chunk(i, {"role": "assistant", "content": ""}, None, None) for i in range(len(streams))]
+            return self._sse(streams, prepared.n, opening, chunks, header, "chat.completion.chunk", body.include_usage, request)
+        outputs = await self._results(streams, request)
+        if outputs is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        return JSONResponse(header.chat(output, formatter.chat(output.logprobs)))
-
-    async def _prepare(
-        self, request: Request, model: type[Body], encode: Callable[[Body], tuple[list[int], str]]
-    ) -> Prepared[Body]:
-        """Read the body on the loop (bounded in size and time), then prepare it on the worker."""
-        raw = await read_body(request, self.config.max_body_bytes, self.config.request_read_timeout_s)
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._worker, self._prepare_now, raw, model, encode)
+        choices = [header.chat_choice(i, out, formatter.chat(out.logprobs)) for i, out in enumerate(outputs)]
+        return JSONResponse(header.chat(choices, usage(outputs, prepared.n)))
 
     def _prepare_now(
-        self, raw: bytearray, model: type[Body], encode: Callable[[Body], tuple[list[int], str]]
+        self, body: Body, encode: Callable[[Body], tuple[list[list[int]], str]], body_bytes: int
     ) -> Prepared[Body]:
-        """On the worker thread: parse, tokenize, bound max_tokens; every failure an APIError."""
+        """On the worker thread: check, tokenize, bound max_tokens, one SamplingParams per choice."""
         try:
-            body = self._parse(raw, model)
-            prompt_ids, prompt_field = encode(body)
+            self._check(body)
+            prompts, prompt_field = encode(body)
             field, requested = body.requested_max_tokens()
             bound = TokenBound(self.engine.max_context, self.engine.max_request_tokens, self.config.clamp_max_tokens)
-            max_new_tokens = bound.max_new_tokens(len(prompt_ids), requested, field=field, prompt_field=prompt_field)
-            return Prepared(body, prompt_ids, body.to_sampling_params(self.engine.config.sampling, max_new_tokens))
+            ids, params = [], []
+            for prompt_ids in prompts:
+                max_new_tokens = bound.max_new_tokens(len(prompt_ids), requested, field=field, prompt_field=prompt_field)
+                base = body.to_sampling_params(self.engine.config.sampling, max_new_tokens)
+                for i in range(body.n):
+                    ids.append(prompt_ids)
+                    params.append(_choice_params(base, i))
+            return Prepared(body, ids, params)
         except InvalidRequestError as error:
             raise from_invalid_request(error) from None
         finally:
-            if len(raw) >= _TRIM_AFTER_BYTES:
-                give_back_free_heap()
+            _trim_after(body_bytes)
 
-    def _parse(self, raw: bytearray, model: type[Body]) -> Body:
-        try:
-            body = model.model_validate_json(raw)
-        except ValidationError as error:
-            raise from_validation_error(error) from None
+    def _check(self, body: Body) -> None:
         if body.model != self.model_name:
-            raise APIError(
-                404, f"model {body.model!r} does not exist; this server serves {self.model_name!r}",
-                type="invalid_request_error", param="model", code="model_not_found",
+            raise model_not_found(body.model, self.model_name)
+        if body.n > self.config.max_n:
+            raise bad_request(f"n: at most {self.config.max_n} choices per prompt (server.max_n), got {body.n}", param="n")
+
+    def _completion_prompts(self, body: CompletionRequest) -> tuple[list[list[int]], str]:
+        prompts = body.prompts()
+        limit = self.config.max_prompts_per_request
+        if len(prompts) > limit:
+            raise bad_request(
+                f"prompt: at most {limit} prompts per request (server.max_prompts_per_request), got {len(prompts)}",
+                param="prompt",
             )
-        return body
+        labels = ["prompt"] if len(prompts) == 1 else [f"prompt[{i}]" for i in range(len(prompts))]
+        encode = self.engine.prompt_encoder.encode
+        return [encode(p, chat=False, label=label) for p, label in zip(prompts, labels)], "prompt"
 
-    def _completion_prompt(self, body: CompletionRequest) -> tuple[list[int], str]:
-        return self.engine.prompt_encoder.encode(body.prompt, chat=False, label="prompt"), "prompt"
+    def _chat_prompts(self, body: ChatCompletionRequest) -> tuple[list[list[int]], str]:
+        return [self.engine.encode_chat(body.chat_messages())], "messages"
 
-    def _chat_prompt(self, body: ChatCompletionRequest) -> tuple[list[int], str]:
-        return self.engine.encode_chat(body.chat_messages()), "messages"
-
-    def _start(self, prepared: Prepared) -> AsyncRequestStream:
+    def _start(self, prepared: Prepared) -> list[AsyncRequestStream]:
         """On the loop: the queue limit, then the engine (astream must run on the consuming loop)."""
-        self._admit()
+        self._admit(len(prepared.params))
         try:
-            return self.engine.astream(prepared.prompt_ids, prepared.params)
+            return self.engine.astream_batch(prepared.prompt_ids, prepared.params)
         except InvalidRequestError as error:
             raise from_invalid_request(error) from None
         except EngineClosedError as error:
             raise APIError(503, str(error), type="server_error", code="engine_closed") from None
 
-    def _admit(self) -> None:
+    def _admit(self, count: int) -> None:
         """Requests beyond the running capacity queue; past the queue limit they get a 503."""
         capacity = self.engine.config.scheduler.max_running_requests
+        if count > capacity + self.config.max_queued_requests:
+            raise bad_request(
+                f"n: this request needs {count} engine requests (prompts x n); this server runs {capacity} and "
+                f"queues {self.config.max_queued_requests} (server.max_queued_requests) at most",
+                param="n",
+            )
         queued = self.engine.num_unfinished() - capacity
-        if queued >= self.config.max_queued_requests:
+        if queued + count > self.config.max_queued_requests:
             raise APIError(
-                503, f"server is at capacity: {capacity} requests running and {queued} queued "
-                f"(server.max_queued_requests={self.config.max_queued_requests}); retry later",
+                503, f"server is at capacity: {capacity} requests running and {max(queued, 0)} queued "
+                f"(server.max_queued_requests={self.config.max_queued_requests}); this request needs {count}; retry later",
                 type="server_error", code="queue_full",
                 headers={"Retry-After": str(self.config.queue_full_retry_after_s)},
             )
 
-    async def _result(self, stream: AsyncRequestStream, request: Request) -> RequestOutput | None:
-        """The whole output, or None when the client disconnected first (the request is aborted)."""
-        result = asyncio.ensure_future(stream.result())
-        disconnect = asyncio.ensure_future(_disconnected(request))
+    async def _results(self, streams: list[AsyncRequestStream], request: Request) -> list[RequestOutput] | None:
+        """Every choice's output, or None when the client disconnected first (all are aborted)."""
         try:
-            await asyncio.wait({result, disconnect}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            disconnect.cancel()
-            if not result.done():
-                result.cancel()  # the client left (or this handler was cancelled): abort
-                stream.cancel()
-        if not result.done() or result.cancelled():
-            _log.info("client %s went away; aborted request %s", client_address(request), stream.request_id)
-            return None
-        try:
-            return result.result()
+            outputs = await fanout.results(streams, request)
         except RequestFailedError as error:
             raise APIError(500, str(error), type="server_error") from error
+        if outputs is None:
+            _log.info("client %s went away; aborted request %s", client_address(request), _ids(streams))
+            return None
+        for output in outputs:
+            self.metrics.observe(output)
+        return outputs
 
     def _sse(
         self,
-        stream: AsyncRequestStream,
+        streams: list[AsyncRequestStream],
+        n: int,
         opening: list[dict],
-        chunks: Callable[[RequestDelta], list[dict]],
+        chunks: Callable[[int, RequestDelta], list[dict]],
         header: ResponseHeader,
         object_name: str,
         include_usage: bool,
         request: Request,
     ) -> StreamingResponse:
         async def events() -> AsyncIterator[str]:
+            outputs: list[RequestOutput | None] = [None] * len(streams)
+            failed = False
             try:
                 for chunk in opening:
                     yield sse(chunk)
-                async for delta in stream:
-                    for chunk in chunks(delta):
-                        yield sse(chunk)
-                    if delta.finished and include_usage:
-                        yield sse(header.usage_chunk(delta.output, object_name))
+                async with contextlib.aclosing(fanout.merged(streams)) as deltas:
+                    async for index, delta in deltas:
+                        for chunk in chunks(index, delta):
+                            yield sse(chunk)
+                        if delta.finished:
+                            outputs[index] = delta.output
+                            self.metrics.observe(delta.output)
+                if include_usage:
+                    yield sse(header.usage_chunk(usage(outputs, n), object_name))
             except RequestFailedError as error:
+                failed = True  # its siblings were aborted with it (fanout.merged)
                 yield sse({"error": {"message": str(error), "type": "server_error", "param": None, "code": None}})
             finally:
-                if not stream.finished:  # the client went away mid-stream (or the server is stopping)
+                gone = [s for s in streams if not s.finished]
+                if gone and not failed:  # the client went away mid-stream (or the server is stopping)
                     client = client_address(request)
-                    _log.info("client %s went away mid-stream; aborted request %s", client, stream.request_id)
-                    stream.cancel()
+                    _log.info("client %s went away mid-stream; aborted request %s", client, _ids(gone))
+                    fanout.cancel_unfinished(gone)
             yield sse("[DONE]")
 
         return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
-async def _disconnected(request: Request) -> None:
-    """Returns when the client closes the connection (the body has been read already)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
+def _trim_after(body_bytes: int) -> None:
+    if body_bytes >= _TRIM_AFTER_BYTES:
+        give_back_free_heap()
 
+
+def _choice_params(base: SamplingParams, i: int) -> SamplingParams:
+    """Choice i of a prompt: seeded with seed + i when a seed is given (choice 0 keeps the seed)."""
+    if base.seed is None or i == 0:
+        return base
+    return base.replace(seed=(base.seed + i) % _SEED_MODULUS)
+
+
+def _ids(streams: Sequence[AsyncRequestStream]) -> str:
+    return ", ".join(s.request_id for s in streams)

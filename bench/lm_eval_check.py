@@ -1,0 +1,181 @@
+"""lm-evaluation-harness against graphexec-serve, beside lm-eval's own `hf` model on the same weights.
+
+Three local tasks (bench/lm_eval_data/*.jsonl; nothing from the hub): multiple choice
+(loglikelihood of each choice), generate_until (greedy, exact match) and a rolling loglikelihood
+(perplexity).  The server side is lm-eval's `local-completions` model with default model_args:
+lm-eval finds the server's tokenizer through GET /tokenizer_info and uses /tokenize and
+/detokenize, sends token-id prompts, and scores choices from `echo` + `logprobs`.  The reference
+side is lm-eval's `hf` model on transformers' SmolLM2 loaded from the same GGUF.
+
+Accuracy and exact match must be equal; perplexities agree to `PPL_RTOL` (graphexec runs the
+packed Q4_1/Q8_0 weights, transformers their fp32 dequantization: logits agree to ~2e-3).
+
+    python -m bench.lm_eval_check                      # starts graphexec-serve (default plan)
+    python -m bench.lm_eval_check --url http://127.0.0.1:8000 --model smollm2-135m
+    python -m bench.lm_eval_check --serve-args capture=eager --out results.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any, Iterator
+
+DATA = Path(__file__).resolve().parent / "lm_eval_data"
+PPL_RTOL = 2e-3
+# Task name -> (data file, the metrics compared, whether they must be equal or close).
+METRICS = {
+    "graphexec_mc": ("multiple_choice.jsonl", ("acc", "acc_norm"), "equal"),
+    "graphexec_gen": ("generate_until.jsonl", ("exact_match",), "equal"),
+    "graphexec_ppl": ("perplexity.jsonl", ("word_perplexity", "byte_perplexity", "bits_per_byte"), "close"),
+}
+
+
+def task_configs() -> list[dict[str, Any]]:
+    """The three tasks as lm-eval task configs (dicts, so their data paths are absolute)."""
+
+    def local(name: str, **config: Any) -> dict[str, Any]:
+        data = str(DATA / METRICS[name][0])
+        return {"task": name, "dataset_path": "json", "dataset_kwargs": {"data_files": {"test": data}}, "test_split": "test"} | config
+
+    return [
+        local(
+            "graphexec_mc",
+            output_type="multiple_choice",
+            doc_to_text="{{question}}",
+            doc_to_choice="{{choices}}",
+            doc_to_target="{{answer}}",
+            metric_list=[{"metric": "acc"}, {"metric": "acc_norm"}],
+        ),
+        local(
+            "graphexec_gen",
+            output_type="generate_until",
+            doc_to_text="{{question}}",
+            doc_to_target="{{answer}}",
+            generation_kwargs={"until": ["\n"], "max_gen_toks": 16, "do_sample": False, "temperature": 0.0},
+            metric_list=[{"metric": "exact_match", "ignore_case": True, "ignore_punctuation": True}],
+        ),
+        local(
+            "graphexec_ppl",
+            output_type="loglikelihood_rolling",
+            doc_to_text="",
+            doc_to_target="{{text}}",
+            metric_list=[{"metric": m} for m in METRICS["graphexec_ppl"][1]],
+        ),
+    ]
+
+
+def evaluate_server(base_url: str, model: str) -> dict[str, Any]:
+    import lm_eval
+
+    return lm_eval.simple_evaluate(
+        model="local-completions",
+        model_args={"model": model, "base_url": f"{base_url.rstrip('/')}/v1/completions"},
+        tasks=task_configs(),
+        log_samples=True,
+    )
+
+
+def evaluate_hf(model: Any = None) -> dict[str, Any]:
+    """lm-eval's `hf` model on transformers' SmolLM2 from the default GGUF (or `model`)."""
+    import lm_eval
+    import transformers
+    from lm_eval.models.huggingface import HFLM
+
+    from graphexec.loader import default_smollm2_gguf
+
+    path = default_smollm2_gguf()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    if model is None:
+        import torch
+
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    return lm_eval.simple_evaluate(model=HFLM(pretrained=model.eval(), tokenizer=tokenizer, batch_size=1), tasks=task_configs(), log_samples=True)
+
+
+def compare(server: dict[str, Any], hf: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per task and metric: both scores and whether they agree."""
+    rows = []
+    for task, (_, metrics, rule) in METRICS.items():
+        for metric in metrics:
+            ours, theirs = _score(server, task, metric), _score(hf, task, metric)
+            agree = ours == theirs if rule == "equal" else math.isclose(ours, theirs, rel_tol=PPL_RTOL)
+            rows.append({"task": task, "metric": metric, "graphexec": ours, "hf": theirs, "rule": rule, "agree": agree})
+    return rows
+
+
+def per_doc(results: dict[str, Any], task: str) -> list[list[Any]]:
+    """Each document's responses as lm-eval scored them: loglikelihoods (one per choice, or the
+    rolling total) or the generated strings."""
+    samples = sorted(results["samples"][task], key=lambda s: s["doc_id"])
+    return [[r[0] if isinstance(r, (list, tuple)) else r for r in s["filtered_resps"]] for s in samples]
+
+
+def _score(results: dict[str, Any], task: str, metric: str) -> float:
+    return float(results["results"][task][f"{metric},none"])
+
+
+@contextlib.contextmanager
+def serving(extra_args: list[str]) -> Iterator[str]:
+    """graphexec-serve in a child process on a free port; its base URL until the block ends."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "graphexec.entrypoints.serve", f"server.port={port}", "server.log_level=warning", *extra_args]
+    process = subprocess.Popen(cmd)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"graphexec-serve exited with {process.returncode}: {' '.join(cmd)}")
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=2):
+                    break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(1)
+        yield url
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--url", help="a running OpenAI-compatible server (default: start graphexec-serve)")
+    parser.add_argument("--model", default="smollm2-135m", help="the served model name")
+    parser.add_argument("--serve-args", nargs="*", default=[], help="overrides for the graphexec-serve it starts")
+    parser.add_argument("--out", type=Path, help="write both sides' scores and the comparison here (JSON)")
+    args = parser.parse_args(argv)
+    t0 = time.perf_counter()
+    if args.url:
+        server = evaluate_server(args.url, args.model)
+    else:
+        with serving(args.serve_args) as url:
+            server = evaluate_server(url, args.model)
+    server_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    hf = evaluate_hf()
+    hf_s = time.perf_counter() - t0
+    rows = compare(server, hf)
+    print(f"| task | metric | graphexec-serve ({server_s:.0f} s) | lm-eval hf ({hf_s:.0f} s) | agree |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['task']} | {r['metric']} | {r['graphexec']:.6g} | {r['hf']:.6g} | {'yes' if r['agree'] else 'NO'} |")
+    if args.out:
+        args.out.write_text(json.dumps({"rows": rows, "server_seconds": server_s, "hf_seconds": hf_s}, indent=2))
+    return 0 if all(r["agree"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
