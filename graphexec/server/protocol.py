@@ -14,6 +14,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PlainValidator, ValidationInfo, field_validator
 
+from graphexec.errors import InvalidRequestError
 from graphexec.sampling_params import MAX_STOP_STRINGS, SamplingParams
 
 # OpenAI's legacy completions API caps logprobs at 5; chat's top_logprobs at 20.
@@ -173,9 +174,20 @@ class CompletionRequest(_GenerationRequest):
     model_config = ConfigDict(json_schema_extra={"examples": [_COMPLETION_EXAMPLE]})
 
     prompt: Annotated[PromptField, PlainValidator(_prompt, json_schema_input_type=PromptField)]
+    max_tokens: int | None = Field(None, ge=0)  # 0 only with echo: the prompt's logprobs alone
     logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
-    echo: Literal[False] = False
+    # The prompt in front of the completion text and, with logprobs, one entry per prompt token
+    # (null for the first) in front of the completion's: what lm-eval scores loglikelihoods from.
+    echo: bool = False
     best_of: int | None = None  # accepted only equal to n: no server-side ranking of candidates
+
+    @field_validator("echo")
+    @classmethod
+    def _echo(cls, value: bool, info: ValidationInfo) -> bool:
+        # stream and logprobs are declared first, so they are already validated.
+        if value and info.data.get("stream") and info.data.get("logprobs") is not None:
+            raise ValueError("echo with logprobs is not supported when streaming; set stream=false")
+        return value
 
     @field_validator("best_of")
     @classmethod
@@ -193,10 +205,15 @@ class CompletionRequest(_GenerationRequest):
 
     def requested_max_tokens(self) -> tuple[str, int | None]:
         """The field that sets the completion's length, and its value (None: omitted)."""
+        if self.max_tokens == 0 and not self.echo:
+            raise InvalidRequestError("max_tokens: 0 generates nothing; it is allowed only with echo=true", param="max_tokens")
         return "max_tokens", self.max_tokens
 
     def to_sampling_params(self, defaults: SamplingParams, max_new_tokens: int) -> SamplingParams:
-        return self.sampling_params(defaults, max_new_tokens, self.logprobs)
+        params = self.sampling_params(defaults, max_new_tokens, self.logprobs)
+        if self.echo and self.logprobs is not None:
+            params = params.replace(prompt_logprobs=self.logprobs)
+        return params
 
 
 class ChatCompletionRequest(_GenerationRequest):

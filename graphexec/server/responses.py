@@ -47,8 +47,9 @@ class ResponseHeader:
         return self._body("text_completion", choices) | {"usage": usage}
 
     @staticmethod
-    def completion_choice(index: int, output: RequestOutput, logprobs: dict | None) -> dict:
-        return {"index": index, "text": output.text, "logprobs": logprobs, "finish_reason": output.finish_reason}
+    def completion_choice(index: int, output: RequestOutput, logprobs: dict | None, echoed: str = "") -> dict:
+        text = echoed + output.text
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": output.finish_reason}
 
     def completion_chunk(self, index: int, text: str, logprobs: dict | None, finish_reason: str | None) -> dict:
         choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
@@ -110,6 +111,31 @@ class LogprobsFormatter:
             "top_logprobs": tops,
             "text_offset": offsets,
         }
+
+    def echo(self, prompt_ids: Sequence[int], entries: Sequence[dict | None] | None) -> tuple[str, dict | None]:
+        """The prompt as echoed in front of a completion: its text (decoded as sent, special tokens
+        spelled out) and, given prompt logprob entries, its legacy logprobs (null for the first
+        token, which nothing predicts).  Offsets index that text; the completion's continue after it."""
+        detokenizer = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=False)
+        text, offsets = "", []
+        for token_id in prompt_ids:
+            offsets.append(len(text))
+            text += detokenizer.push([token_id])
+        text += detokenizer.flush()
+        self.text_offset = len(text)
+        if entries is None:
+            return text, None
+        tokens = [self.token(i) for i in prompt_ids]
+        tops = [None] + [{tokens[k]: e["logprob"]} | {self.token(i): lp for i, lp in e.get("top", [])} for k, e in enumerate(entries) if k]
+        logprobs = [None] + [e["logprob"] for e in entries[1:]]
+        return text, {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+    @staticmethod
+    def joined(first: dict | None, second: dict | None) -> dict | None:
+        """Two legacy logprobs objects as one (the echoed prompt's, then the completion's)."""
+        if first is None or second is None:
+            return first or second
+        return {key: first[key] + second[key] for key in first}
 
     def chat(self, entries: Sequence[dict] | None) -> dict | None:
         if entries is None:

@@ -131,14 +131,27 @@ class OpenAIServing:
                 logprobs = formatters[index].completion(delta.logprobs)
                 return [header.completion_chunk(index, delta.text, logprobs, delta.finish_reason)]
 
-            return self._sse(streams, prepared.n, [], chunks, header, "text_completion", body.include_usage, request)
+            # Echo streams the prompt first (without logprobs: the protocol refuses them here).
+            opening = []
+            if body.echo:
+                echoed = [f.echo(ids, None)[0] for f, ids in zip(formatters, prepared.prompt_ids)]
+                opening = [header.completion_chunk(i, text, None, None) for i, text in enumerate(echoed)]
+            return self._sse(streams, prepared.n, opening, chunks, header, "text_completion", body.include_usage, request)
         outputs = await self._results(streams, request)
         if outputs is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        choices = [
-            header.completion_choice(i, out, formatters[i].completion(out.logprobs)) for i, out in enumerate(outputs)
-        ]
+        choices = [self._completion_choice(header, i, out, formatters[i], body) for i, out in enumerate(outputs)]
         return JSONResponse(header.completion(choices, usage(outputs, prepared.n)))
+
+    @staticmethod
+    def _completion_choice(
+        header: ResponseHeader, index: int, output: RequestOutput, formatter: LogprobsFormatter, body: CompletionRequest
+    ) -> dict:
+        echoed, echoed_logprobs = "", None
+        if body.echo:
+            echoed, echoed_logprobs = formatter.echo(output.prompt_token_ids, output.prompt_logprobs)
+        logprobs = formatter.joined(echoed_logprobs, formatter.completion(output.logprobs))
+        return header.completion_choice(index, output, logprobs, echoed)
 
     async def chat(self, request: Request, body: ChatCompletionRequest) -> Response:
         prepared = await self.on_worker(self._prepare_now, body, self._chat_prompts, request.state.body_bytes)
