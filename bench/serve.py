@@ -20,6 +20,8 @@ import asyncio
 import dataclasses
 import logging
 import math
+import os
+import sys
 from typing import Any
 
 import httpx
@@ -68,6 +70,11 @@ def options(bench_cfg) -> dict[str, Any]:
         raise ValueError(f"bench.request_rates={o['request_rates']} must be a list of numbers or inf") from None
     if not o["request_rates"]:
         raise ValueError("bench.request_rates is empty: give at least one rate (inf sends everything at once)")
+    for key in ("burstiness", "request_timeout_s", "server_start_timeout_s"):
+        if not o[key] > 0:
+            raise ValueError(f"bench.{key}={o[key]} must be > 0")
+    if o["warmup_requests"] < 0:
+        raise ValueError(f"bench.warmup_requests={o['warmup_requests']} must be at least 0")
     if o["max_concurrency"] is not None and o["max_concurrency"] < 1:
         raise ValueError(f"bench.max_concurrency={o['max_concurrency']} must be at least 1 (or null: no limit)")
     unknown = set(o["slo"]) - set(SLO_KEYS)
@@ -142,16 +149,31 @@ def server_metrics(url: str) -> dict[str, Any] | None:
     return metrics if isinstance(metrics, dict) else None
 
 
+def _load_average() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
+
+
 def _one_rate(url: str, requests: list[BenchRequest], send: SendOptions, opts: dict[str, Any], rate: float,
               index: int) -> dict[str, Any]:
     flushed = flush_prefix_cache(url) if opts["flush_cache"] else "not asked"
     schedule = arrival_times(len(requests), rate, opts["burstiness"], opts["seed"] + index)
-    before = server_metrics(url)
+    before, load_before = server_metrics(url), _load_average()
+    label = "inf" if math.isinf(rate) else f"{rate:g}/s"
+    if opts["progress"]:
+        print(f"serve suite: rate {label}: {len(requests)} requests ...", file=sys.stderr, flush=True)
     records, wall = asyncio.run(send_all(url, requests, send, schedule, opts["max_concurrency"]))
+    if opts["progress"]:
+        failed = sum(not r.success for r in records)
+        print(f"serve suite: rate {label}: done in {wall:.1f} s, {failed} failed", file=sys.stderr, flush=True)
     return {
         "request_rate": "inf" if math.isinf(rate) else rate,
         "flush_cache": flushed,
         "server_metrics": {"before": before, "after": server_metrics(url)},
+        # Other work on the machine inflates every latency here; the report shows this beside them.
+        "load_average_1min": {"before": load_before, "after": _load_average(), "cpus": os.cpu_count()},
         "metrics": summarize(records, wall, opts["slo"]),
         "records": [dataclasses.asdict(r) for r in records],
     }

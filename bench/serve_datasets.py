@@ -41,7 +41,8 @@ def lengths(mean: int, range_ratio: float, count: int, rng: random.Random, name:
     if mean < 1:
         raise ValueError(f"bench.dataset.{name}={mean} must be at least 1")
     if not 0.0 <= range_ratio < 1.0:
-        raise ValueError(f"bench.dataset.random.range_ratio={range_ratio} must be in [0, 1)")
+        group = name.split(".")[0]
+        raise ValueError(f"bench.dataset.{group}.range_ratio={range_ratio} must be in [0, 1)")
     low, high = max(1, int(mean * (1 - range_ratio))), max(1, int(mean * (1 + range_ratio)))
     return [rng.randint(low, high) for _ in range(count)]
 
@@ -120,7 +121,7 @@ def chat_dataset(opts: dict[str, Any], tokenizer, vocab: WordVocabulary) -> list
     """bench.dataset.chat: a shared system prompt, `turns` earlier exchanges, a last user message."""
     chat, count = opts["chat"], opts["num_prompts"]
     rng = random.Random(opts["seed"])
-    for key in ("system_prompt_len", "turns", "user_len", "assistant_len"):
+    for key in ("system_prompt_len", "turns"):
         if chat[key] < 0:
             raise ValueError(f"bench.dataset.chat.{key}={chat[key]} must be at least 0")
     system = vocab.content(chat["system_prompt_len"], rng) if chat["system_prompt_len"] else None
@@ -129,16 +130,17 @@ def chat_dataset(opts: dict[str, Any], tokenizer, vocab: WordVocabulary) -> list
     for i, n_out in enumerate(outputs):
         messages = [{"role": "system", "content": system}] if system is not None else []
         for _ in range(chat["turns"]):
-            messages += [{"role": "user", "content": _turn(vocab, chat["user_len"], chat["range_ratio"], rng)},
-                         {"role": "assistant", "content": _turn(vocab, chat["assistant_len"], chat["range_ratio"], rng)}]
-        messages.append({"role": "user", "content": _turn(vocab, chat["user_len"], chat["range_ratio"], rng)})
+            messages += [{"role": "user", "content": _turn(vocab, chat, "user_len", rng)},
+                         {"role": "assistant", "content": _turn(vocab, chat, "assistant_len", rng)}]
+        messages.append({"role": "user", "content": _turn(vocab, chat, "user_len", rng)})
         expected = len(tokenizer.encode(tokenizer.apply_chat_template(messages)))
         requests.append(BenchRequest(i, "chat", None, messages, expected, n_out))
     return requests
 
 
-def _turn(vocab: WordVocabulary, mean: int, range_ratio: float, rng: random.Random) -> str:
-    return vocab.content(lengths(mean, range_ratio, 1, rng, "chat.user_len")[0], rng)
+def _turn(vocab: WordVocabulary, chat: dict[str, Any], key: str, rng: random.Random) -> str:
+    """One message's content, its length drawn around bench.dataset.chat.<key>."""
+    return vocab.content(lengths(chat[key], chat["range_ratio"], 1, rng, f"chat.{key}")[0], rng)
 
 
 def build(opts: dict[str, Any], tokenizer) -> list[BenchRequest]:

@@ -83,6 +83,10 @@ def _notes(result: dict[str, Any]) -> list[str]:
             f"request: prompt tokens as built {c['prompt_tokens_as_expected']}/{m['completed']}, output tokens as asked "
             f"{c['output_tokens_as_asked']}/{m['completed']}; prompt tokens served from the server's cache "
             f"{m['cached_tokens']}; client-side wait for a concurrency slot p99 {_f(m['client_wait_ms']['p99'])} ms.")
+        load = run.get("load_average_1min") or {}
+        if load.get("before") is not None:
+            notes.append(f"  - machine load (1-min average) before / after: {load['before']:.1f} / {load['after']:.1f} "
+                         f"on {load['cpus']} CPUs")
         server = _server_counters(run["server_metrics"])
         if server:
             notes.append(f"  - the server's /metrics over the run: {server}")
@@ -138,6 +142,8 @@ def latency_cdf(path: Path, result: dict[str, Any]) -> str:
                         label=f"rate {rate_label(run['request_rate'])}")
         ax.set_title(f"{LATENCY_LABELS[key]} CDF")
         ax.set_xlabel("ms")
+        if key == "itl_ms" and ax.has_data():
+            ax.set_xscale("log")  # gaps span a decode step to a whole prefill stall
         ax.set_ylabel("share of requests" if key != "itl_ms" else "share of gaps")
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:

@@ -51,14 +51,6 @@ def serve_command(overrides: Sequence[str], port: int) -> list[str]:
             f"server.port={port}", "server.log_level=warning"]
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: Linux sends it SIGTERM if the benchmark dies without cleaning up."""
-    with contextlib.suppress(Exception):
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
 @contextlib.contextmanager
 def launched_server(overrides: Sequence[str], log_dir: Path, start_timeout_s: float) -> Iterator[Target]:
     """graphexec-serve on a free port for the duration of the block; stopped however it ends."""
@@ -68,8 +60,9 @@ def launched_server(overrides: Sequence[str], log_dir: Path, start_timeout_s: fl
     log_path = log_dir / LOG_FILE
     started = time.perf_counter()
     with open(log_path, "wb") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                   preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+        # No preexec_fn (unsafe once torch's threads exist): a benchmark killed by SIGKILL leaves
+        # the server running; every other way out stops it below.
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     try:
         url = f"http://127.0.0.1:{port}"
         wait_healthy(url, process, log_path, start_timeout_s)

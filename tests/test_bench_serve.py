@@ -73,8 +73,8 @@ def test_lengths_follow_the_range_ratio():
     got = lengths(100, 0.25, 2000, random.Random(0), "random.input_len")
     assert min(got) == 75 and max(got) == 125
     assert lengths(7, 0.0, 5, random.Random(0), "x") == [7] * 5
-    with pytest.raises(ValueError, match="range_ratio"):
-        lengths(7, 1.0, 5, random.Random(0), "x")
+    with pytest.raises(ValueError, match=r"bench\.dataset\.chat\.range_ratio"):
+        lengths(7, 1.0, 5, random.Random(0), "chat.output_len")
 
 
 def test_text_prompts_have_exactly_the_requested_token_count(tokenizer):
@@ -127,7 +127,8 @@ def test_metrics_by_hand():
 
 @pytest.mark.parametrize("override, named", [
     ("bench.request_rates=[]", "bench.request_rates"), ("bench.max_concurrency=0", "bench.max_concurrency"),
-    ("+bench.slo.ttl_ms=3", "bench.slo.ttl_ms"),
+    ("+bench.slo.ttl_ms=3", "bench.slo.ttl_ms"), ("bench.burstiness=0", "bench.burstiness"),
+    ("bench.request_rates=[1,fast]", "bench.request_rates"),
 ])
 def test_bad_options_name_the_option(override, named):
     with pytest.raises(ValueError, match=named):
@@ -196,6 +197,7 @@ def test_a_url_nobody_serves_is_recorded_as_failures(tmp_path):
     assert "**3 failed**: ConnectError" in (tmp_path / "report.md").read_text()
 
 
+@pytest.mark.slow  # a fresh graphexec-serve process: imports, model load, then the requests
 def test_graphexec_bench_starts_graphexec_serve_passes_overrides_and_stops_it(tmp_path):
     cmd = [sys.executable, "-m", "bench.cli", *SHORT, "capture=eager", "bench.dataset.random.prompt_format=token_ids",
            "bench.server_overrides=['server.max_queued_requests=7']", f"hydra.run.dir={tmp_path}"]
