@@ -54,7 +54,8 @@ def run(cfg, ctx) -> dict[str, Any]:
         "target": dataclasses.asdict(target) | {"overrides": list(overrides) if target.launched else []},
         "model": model,
         "model_source": model_source,
-        "options": {k: v for k, v in opts.items() if k != "dataset"},
+        "options": {k: v for k, v in opts.items() if k not in ("dataset", "request_rates")}
+        | {"request_rates": [_rate(r) for r in opts["request_rates"]]},
         "dataset": opts["dataset"] | {"totals": describe(requests)},
         "warmup": warmup,
         "runs": runs,
@@ -149,6 +150,11 @@ def server_metrics(url: str) -> dict[str, Any] | None:
     return metrics if isinstance(metrics, dict) else None
 
 
+def _rate(rate: float) -> float | str:
+    """"inf" for float inf, which json.dumps would write as Infinity (not JSON to strict readers)."""
+    return "inf" if math.isinf(rate) else rate
+
+
 def _load_average() -> float | None:
     try:
         return os.getloadavg()[0]
@@ -169,7 +175,7 @@ def _one_rate(url: str, requests: list[BenchRequest], send: SendOptions, opts: d
         failed = sum(not r.success for r in records)
         print(f"serve suite: rate {label}: done in {wall:.1f} s, {failed} failed", file=sys.stderr, flush=True)
     return {
-        "request_rate": "inf" if math.isinf(rate) else rate,
+        "request_rate": _rate(rate),
         "flush_cache": flushed,
         "server_metrics": {"before": before, "after": server_metrics(url)},
         # Other work on the machine inflates every latency here; the report shows this beside them.

@@ -195,6 +195,7 @@ def test_a_url_nobody_serves_is_recorded_as_failures(tmp_path):
     assert (m["completed"], m["failed"]) == (0, 3) and m["errors"][0]["count"] == 3
     assert m["errors"][0]["error"].startswith("ConnectError") and m["ttft_ms"]["count"] == 0
     assert "**3 failed**: ConnectError" in (tmp_path / "report.md").read_text()
+    assert result["options"]["request_rates"] == ["inf"] and "Infinity" not in json.dumps(result)  # strict JSON
 
 
 @pytest.mark.slow  # a fresh graphexec-serve process: imports, model load, then the requests
