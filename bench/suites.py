@@ -22,6 +22,7 @@ SUITES = {
     "padding": "bench.padding",
     "e2e": "bench.e2e",
     "peer": "bench.peer",
+    "serve": "bench.serve",
 }
 
 

@@ -1,0 +1,185 @@
+"""Serve suite (`graphexec-bench bench=serve`): an OpenAI-compatible server measured from outside,
+as vLLM's `bench serve` does.
+
+    graphexec-bench bench=serve                                   # starts graphexec-serve itself
+    graphexec-bench bench=serve capture=eager 'bench.request_rates=[inf,2,8]' bench.max_concurrency=16
+    graphexec-bench bench=serve bench.dataset.name=chat bench.slo.ttft_ms=2000
+    graphexec-bench bench=serve bench.url=http://127.0.0.1:8080     # any server: llama.cpp, vLLM, ...
+
+Boundary: this module orchestrates.  It reads bench.* (checked, errors name the option), builds the
+seeded request set with the configured model's tokenizer (bench/serve_datasets.py), gets a server
+(bench/serve_server.py: started on a free port, or bench.url), then for each request rate empties
+the server's prefix cache where it can (POST /flush_cache) and sends every request
+(bench/serve_client.py), and summarises each run (bench/serve_metrics.py).  The report is
+bench/serve_report.py's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import math
+import os
+import sys
+from typing import Any
+
+import httpx
+from omegaconf import OmegaConf
+
+from bench.serve_client import SendOptions, arrival_times, send_all
+from bench.serve_datasets import BenchRequest, build, describe
+from bench.serve_metrics import SLO_KEYS, summarize
+from bench.serve_report import COMPARE_UNIT, markdown, plots, summary  # noqa: F401  (the suite interface)
+from bench.serve_server import given_server, launched_server
+
+WARMUP_TOKENS = 4
+
+
+def run(cfg, ctx) -> dict[str, Any]:
+    # httpx logs every request at INFO, which Hydra's job logging shows: hundreds of lines per run.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    opts = options(cfg.bench)
+    requests = build(opts["dataset"], model_tokenizer(cfg))
+    overrides = (*ctx.overrides, *opts["server_overrides"])
+    server = (given_server(opts["url"]) if opts["url"]
+              else launched_server(overrides, ctx.out_dir, opts["server_start_timeout_s"]))
+    with server as target:
+        model, model_source = served_model(target.url, opts["model"], cfg.model.name)
+        send = SendOptions(model, opts["stream"], opts["ignore_eos"], opts["temperature"], opts["request_timeout_s"],
+                           opts["extra_body"])
+        warmup = _warm_up(target.url, requests, send, opts["warmup_requests"])
+        runs = [_one_rate(target.url, requests, send, opts, rate, i) for i, rate in enumerate(opts["request_rates"])]
+    return {
+        "target": dataclasses.asdict(target) | {"overrides": list(overrides) if target.launched else []},
+        "model": model,
+        "model_source": model_source,
+        "options": {k: v for k, v in opts.items() if k not in ("dataset", "request_rates")}
+        | {"request_rates": [_rate(r) for r in opts["request_rates"]]},
+        "dataset": opts["dataset"] | {"totals": describe(requests)},
+        "warmup": warmup,
+        "runs": runs,
+    }
+
+
+def options(bench_cfg) -> dict[str, Any]:
+    """bench.* as plain values, checked; errors name the option."""
+    o = OmegaConf.to_container(bench_cfg, resolve=True)
+    try:
+        o["request_rates"] = [float(r) for r in o["request_rates"]]
+    except (TypeError, ValueError):
+        raise ValueError(f"bench.request_rates={o['request_rates']} must be a list of numbers or inf") from None
+    if not o["request_rates"]:
+        raise ValueError("bench.request_rates is empty: give at least one rate (inf sends everything at once)")
+    for key in ("burstiness", "request_timeout_s", "server_start_timeout_s"):
+        if not o[key] > 0:
+            raise ValueError(f"bench.{key}={o[key]} must be > 0")
+    if o["warmup_requests"] < 0:
+        raise ValueError(f"bench.warmup_requests={o['warmup_requests']} must be at least 0")
+    if o["max_concurrency"] is not None and o["max_concurrency"] < 1:
+        raise ValueError(f"bench.max_concurrency={o['max_concurrency']} must be at least 1 (or null: no limit)")
+    unknown = set(o["slo"]) - set(SLO_KEYS)
+    if unknown:
+        raise ValueError(f"bench.slo.{sorted(unknown)[0]} is unknown; the SLOs are {', '.join(SLO_KEYS)}")
+    o["extra_body"] = o.get("extra_body") or {}
+    o["server_overrides"] = list(o.get("server_overrides") or [])
+    return o
+
+
+def model_tokenizer(cfg):
+    """The configured model's tokenizer, without its weights: prompts are measured in its tokens."""
+    from bench.peer import gguf_path
+    from graphexec.config import EngineConfig
+
+    source = EngineConfig.from_dictconfig(cfg).model
+    gguf = gguf_path(source)
+    if gguf is not None:
+        from graphexec.loader import load_gguf_tokenizer
+
+        return load_gguf_tokenizer(gguf)
+    if source.source == "random":
+        from graphexec.text.tokenizer import ByteTokenizer
+
+        return ByteTokenizer(vocab_size=source.architecture.get("vocab_size", 258))
+    from graphexec.text.tokenizer import Tokenizer
+
+    return Tokenizer.from_hf_dir(source.path)
+
+
+def served_model(url: str, configured: str | None, fallback: str) -> tuple[str, str]:
+    """The `model` field requests carry: bench.model, else the server's first /v1/models entry,
+    else the configured model's name (and why the listing failed)."""
+    if configured:
+        return configured, "bench.model"
+    try:
+        with httpx.Client(trust_env=False, timeout=10) as http:
+            return http.get(f"{url}/v1/models").raise_for_status().json()["data"][0]["id"], "/v1/models"
+    except (httpx.HTTPError, ValueError, KeyError, IndexError) as error:
+        return fallback, f"model.name (/v1/models failed: {type(error).__name__}: {error})"
+
+
+def _warm_up(url: str, requests: list[BenchRequest], send: SendOptions, count: int) -> list[dict[str, Any]]:
+    """A few short requests before any timing: first-request costs (kernel builds) are not the run's."""
+    short = [dataclasses.replace(r, index=-1 - i, output_tokens=min(WARMUP_TOKENS, r.output_tokens))
+             for i, r in enumerate(requests[:count])]
+    if not short:
+        return []
+    records, _ = asyncio.run(send_all(url, short, send, [0.0] * len(short), 1))
+    return [{"success": r.success, "error": r.error, "latency_s": r.latency_s} for r in records]
+
+
+def flush_prefix_cache(url: str) -> str:
+    """Empty graphexec-serve's prefix cache so a rate does not reuse the previous rate's prompts;
+    other servers answer 404 (recorded, not an error)."""
+    try:
+        with httpx.Client(trust_env=False, timeout=30) as http:
+            response = http.post(f"{url}/flush_cache")
+        return "flushed" if response.status_code == 200 else f"HTTP {response.status_code}"
+    except httpx.HTTPError as error:
+        return f"{type(error).__name__}"
+
+
+def server_metrics(url: str) -> dict[str, Any] | None:
+    """graphexec-serve's /metrics (JSON), or None from a server without it."""
+    try:
+        with httpx.Client(trust_env=False, timeout=10) as http:
+            response = http.get(f"{url}/metrics")
+        metrics = response.json() if response.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        return None
+    return metrics if isinstance(metrics, dict) else None
+
+
+def _rate(rate: float) -> float | str:
+    """"inf" for float inf, which json.dumps would write as Infinity (not JSON to strict readers)."""
+    return "inf" if math.isinf(rate) else rate
+
+
+def _load_average() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
+
+
+def _one_rate(url: str, requests: list[BenchRequest], send: SendOptions, opts: dict[str, Any], rate: float,
+              index: int) -> dict[str, Any]:
+    flushed = flush_prefix_cache(url) if opts["flush_cache"] else "not asked"
+    schedule = arrival_times(len(requests), rate, opts["burstiness"], opts["seed"] + index)
+    before, load_before = server_metrics(url), _load_average()
+    label = "inf" if math.isinf(rate) else f"{rate:g}/s"
+    if opts["progress"]:
+        print(f"serve suite: rate {label}: {len(requests)} requests ...", file=sys.stderr, flush=True)
+    records, wall = asyncio.run(send_all(url, requests, send, schedule, opts["max_concurrency"]))
+    if opts["progress"]:
+        failed = sum(not r.success for r in records)
+        print(f"serve suite: rate {label}: done in {wall:.1f} s, {failed} failed", file=sys.stderr, flush=True)
+    return {
+        "request_rate": _rate(rate),
+        "flush_cache": flushed,
+        "server_metrics": {"before": before, "after": server_metrics(url)},
+        # Other work on the machine inflates every latency here; the report shows this beside them.
+        "load_average_1min": {"before": load_before, "after": _load_average(), "cpus": os.cpu_count()},
+        "metrics": summarize(records, wall, opts["slo"]),
+        "records": [dataclasses.asdict(r) for r in records],
+    }

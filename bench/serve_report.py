@@ -1,0 +1,176 @@
+"""The serve suite's report: Markdown tables, a latency CDF and a throughput plot, headline numbers.
+
+Boundary: formatting only, from the dict bench/serve.py returns (and results.json holds).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from bench.plots import grouped_bars
+from bench.serve_client import RequestRecord
+from bench.serve_metrics import LATENCIES, STAT_NAMES, itl_ms, per_request
+
+COMPARE_UNIT = "tok/s"  # which summary numbers a multirun comparison plots
+LATENCY_LABELS = {"ttft_ms": "TTFT", "tpot_ms": "TPOT", "itl_ms": "ITL", "e2el_ms": "E2E latency"}
+
+
+def rate_label(rate: float | str) -> str:
+    return "inf" if rate == "inf" else f"{rate:g}/s"
+
+
+def markdown(result: dict[str, Any]) -> str:
+    lines = [*_setup(result), "", *_throughput_table(result), "", *_latency_table(result), "", *_notes(result)]
+    return "\n".join(lines) + "\n"
+
+
+def _setup(result: dict[str, Any]) -> list[str]:
+    t, o, d = result["target"], result["options"], result["dataset"]
+    where = (f"graphexec-serve started by the suite on {t['url']} (overrides: {' '.join(t['overrides']) or 'none'}; "
+             f"ready in {t['start_seconds']:.1f} s)" if t["launched"] else f"the server at {t['url']}")
+    totals = d["totals"]
+    if d["name"] == "random":
+        r = d["random"]
+        data = (f"random: {totals['requests']} prompts of {r['input_len']} tokens and outputs of {r['output_len']} "
+                f"(range ratio {r['range_ratio']:g}; prompt {r['prompt_format']}), to /v1/completions")
+    else:
+        c = d["chat"]
+        data = (f"chat: {totals['requests']} conversations, a shared {c['system_prompt_len']}-token system prompt, "
+                f"{c['turns']} earlier turns, outputs of {c['output_len']} (range ratio {c['range_ratio']:g}), "
+                "to /v1/chat/completions")
+    slos = ", ".join(f"{k} ≤ {v:g}" for k, v in o["slo"].items() if v is not None) or "none set"
+    return [
+        f"Target: {where}; model `{result['model']}`.",
+        "",
+        f"Dataset (seed {d['seed']}) {data}: {totals['prompt_tokens']} prompt tokens "
+        f"({totals['prompt_tokens_range'][0]}–{totals['prompt_tokens_range'][1]}), up to {totals['output_tokens']} "
+        f"output tokens. Stream {o['stream']}, ignore_eos {o['ignore_eos']}, temperature {o['temperature']:g}, "
+        f"max concurrency {o['max_concurrency'] or 'unlimited'}, burstiness {o['burstiness']:g}. SLOs: {slos}.",
+    ]
+
+
+def _throughput_table(result: dict[str, Any]) -> list[str]:
+    lines = ["| rate | completed | failed | duration s | req/s | goodput req/s | input tok/s | output tok/s | total tok/s |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for run in result["runs"]:
+        m = run["metrics"]
+        lines.append(
+            f"| {rate_label(run['request_rate'])} | {m['completed']}/{m['requests']} | {m['failed']} "
+            f"| {m['duration_s']:.1f} | {_f(m['request_throughput'])} | {_f(m['goodput'])} | {_f(m['input_throughput'])} "
+            f"| {_f(m['output_throughput'])} | {_f(m['total_throughput'])} |")
+    return lines
+
+
+def _latency_table(result: dict[str, Any]) -> list[str]:
+    lines = ["| rate | metric (ms) | mean | median | p90 | p99 |", "|---|---|---|---|---|---|"]
+    for run in result["runs"]:
+        for key in LATENCIES:
+            dist = run["metrics"][key]
+            cells = " | ".join(_f(dist[s]) for s in STAT_NAMES)
+            lines.append(f"| {rate_label(run['request_rate'])} | {LATENCY_LABELS[key]} | {cells} |")
+    return lines
+
+
+def _notes(result: dict[str, Any]) -> list[str]:
+    notes = ["- TTFT and E2E latency are from sending each request; TPOT = (E2E − TTFT) / (output tokens − 1); ITL "
+             "is the gap between successive streamed chunks with text (one chunk may hold more than one token). "
+             "Token counts are the server's usage."]
+    for run in result["runs"]:
+        m, c = run["metrics"], run["metrics"]["checks"]
+        notes.append(
+            f"- {rate_label(run['request_rate'])}: prefix cache before the run: {run['flush_cache']}; server usage vs "
+            f"request: prompt tokens as built {c['prompt_tokens_as_expected']}/{m['completed']}, output tokens as asked "
+            f"{c['output_tokens_as_asked']}/{m['completed']}; prompt tokens served from the server's cache "
+            f"{m['cached_tokens']}; client-side wait for a concurrency slot p99 {_f(m['client_wait_ms']['p99'])} ms.")
+        load = run.get("load_average_1min") or {}
+        if load.get("before") is not None:
+            notes.append(f"  - machine load (1-min average) before / after: {load['before']:.1f} / {load['after']:.1f} "
+                         f"on {load['cpus']} CPUs")
+        server = _server_counters(run["server_metrics"])
+        if server:
+            notes.append(f"  - the server's /metrics over the run: {server}")
+        for e in m["errors"]:
+            notes.append(f"  - **{e['count']} failed**: {e['error']}")
+    return notes
+
+
+def _server_counters(snapshots: dict[str, Any]) -> str:
+    """What graphexec-serve's /metrics counted during the run (its generated tokens cross-check usage)."""
+    before, after = snapshots.get("before"), snapshots.get("after")
+    if not before or not after:
+        return ""
+    parts = [f"{after[k] - before[k]} {label}" for k, label in
+             (("generated_tokens_total", "tokens generated"), ("retractions_total", "retractions")) if k in before and k in after]
+    return ", ".join(parts)
+
+
+def _f(value: float | None) -> str:
+    if value is None:
+        return "—"
+    return f"{value:.3g}" if abs(value) < 100 else f"{value:.0f}"
+
+
+def _records(run: dict[str, Any]) -> list[RequestRecord]:
+    return [RequestRecord(**r) for r in run["records"]]
+
+
+def latency_values(run: dict[str, Any]) -> dict[str, list[float]]:
+    """Per metric, the successful requests' values in ms (ITL: every gap), for the CDF."""
+    ok = [r for r in _records(run) if r.success]
+    values: dict[str, list[float]] = {key: [] for key in LATENCIES}
+    for record in ok:
+        for key, value in per_request(record).items():
+            if value is not None:
+                values[key].append(value)
+        values["itl_ms"] += itl_ms(record)
+    return values
+
+
+def latency_cdf(path: Path, result: dict[str, Any]) -> str:
+    """One panel per latency metric, one empirical CDF line per request rate."""
+    import numpy as np
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(10, 6.4), dpi=110)
+    axes = fig.subplots(2, 2).ravel()
+    for ax, key in zip(axes, LATENCIES):
+        for run in result["runs"]:
+            values = np.sort(latency_values(run)[key])
+            if values.size:
+                ax.step(values, np.arange(1, values.size + 1) / values.size, where="post",
+                        label=f"rate {rate_label(run['request_rate'])}")
+        ax.set_title(f"{LATENCY_LABELS[key]} CDF")
+        ax.set_xlabel("ms")
+        if key == "itl_ms" and ax.has_data():
+            ax.set_xscale("log")  # gaps span a decode step to a whole prefill stall
+        ax.set_ylabel("share of requests" if key != "itl_ms" else "share of gaps")
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    return path.name
+
+
+def plots(result: dict[str, Any], out_dir: Path) -> list[str]:
+    rates = [rate_label(run["request_rate"]) for run in result["runs"]]
+    return [
+        latency_cdf(out_dir / "serve_latency_cdf.png", result),
+        grouped_bars(out_dir / "serve_throughput.png", "throughput per request rate", "tokens/s", rates,
+                     {"output tok/s": [run["metrics"]["output_throughput"] for run in result["runs"]],
+                      "total tok/s": [run["metrics"]["total_throughput"] for run in result["runs"]]},
+                     xlabel="request rate"),
+    ]
+
+
+def summary(result: dict[str, Any]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for run in result["runs"]:
+        m, at = run["metrics"], f"@{rate_label(run['request_rate'])}"
+        out |= {f"output tok/s {at}": m["output_throughput"], f"req/s {at}": m["request_throughput"],
+                f"TTFT median ms {at}": m["ttft_ms"]["median"], f"TPOT median ms {at}": m["tpot_ms"]["median"],
+                f"failed {at}": m["failed"]}
+        if m["goodput"] is not None:
+            out[f"goodput req/s {at}"] = m["goodput"]
+    return out
