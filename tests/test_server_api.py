@@ -231,3 +231,20 @@ def test_greedy_n_through_the_official_client(tiny_server, tiny):
     assert first == {tiny.generate(["greedy"], SamplingParams(max_new_tokens=5))[0].text}
     # tiny-llama has no chat template: chat with n runs on SmolLM2 (test_server_smol.py).
     _idle(tiny)
+
+
+def test_continuous_usage_stats_put_each_choices_usage_on_every_chunk(tiny_server, tiny):
+    """vLLM's stream_options.continuous_usage_stats, which load generators (guidellm) send."""
+    body = {"model": TINY, "prompt": ["ab", "cde"], "max_tokens": 5, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    with _http() as http, http.stream("POST", f"{tiny_server.url}/v1/completions", json=body) as answer:
+        assert answer.status_code == 200
+        chunks = [json.loads(line[6:]) for line in answer.iter_lines() if line.startswith("data: {")]
+    per_choice = [c for c in chunks if c["choices"]]
+    assert all("usage" in c for c in per_choice)
+    last = {c["choices"][0]["index"]: c["usage"] for c in per_choice}
+    assert [u["completion_tokens"] for u in last.values()] == [5, 5]
+    assert sum(u["prompt_tokens"] for u in last.values()) == chunks[-1]["usage"]["prompt_tokens"]
+    for c in per_choice:
+        assert c["usage"]["total_tokens"] == c["usage"]["prompt_tokens"] + c["usage"]["completion_tokens"]
+    _idle(tiny)

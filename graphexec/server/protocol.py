@@ -96,7 +96,9 @@ PromptField = str | list[int] | list[str] | list[list[int]]
 
 
 class StreamOptions(_Strict):
-    include_usage: bool = False
+    include_usage: bool = False  # a last chunk with the usage of the whole response
+    # vLLM's: every chunk carries its choice's usage so far (load generators such as guidellm ask).
+    continuous_usage_stats: bool = False
 
 
 class ChatMessage(_Strict):
@@ -168,6 +170,10 @@ class _GenerationRequest(_Strict):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
 
 
 class CompletionRequest(_GenerationRequest):

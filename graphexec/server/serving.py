@@ -136,7 +136,7 @@ class OpenAIServing:
             if body.echo:
                 echoed = [f.echo(ids, None)[0] for f, ids in zip(formatters, prepared.prompt_ids)]
                 opening = [header.completion_chunk(i, text, None, None) for i, text in enumerate(echoed)]
-            return self._sse(streams, prepared.n, opening, chunks, header, "text_completion", body.include_usage, request)
+            return self._sse(streams, prepared, opening, chunks, header, "text_completion", request)
         outputs = await self._results(streams, request)
         if outputs is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
@@ -166,7 +166,7 @@ class OpenAIServing:
                 return [header.chat_chunk(index, content, formatter.chat(delta.logprobs), delta.finish_reason)]
 
             opening = [header.chat_chunk(i, {"role": "assistant", "content": ""}, None, None) for i in range(len(streams))]
-            return self._sse(streams, prepared.n, opening, chunks, header, "chat.completion.chunk", body.include_usage, request)
+            return self._sse(streams, prepared, opening, chunks, header, "chat.completion.chunk", request)
         outputs = await self._results(streams, request)
         if outputs is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
@@ -260,14 +260,24 @@ class OpenAIServing:
     def _sse(
         self,
         streams: list[AsyncRequestStream],
-        n: int,
+        prepared: Prepared,
         opening: list[dict],
         chunks: Callable[[int, RequestDelta], list[dict]],
         header: ResponseHeader,
         object_name: str,
-        include_usage: bool,
         request: Request,
     ) -> StreamingResponse:
+        n, body = prepared.n, prepared.body
+        # continuous_usage_stats: completion tokens per choice so far (a stop token counts at the end).
+        completion_tokens = [0] * len(streams) if body.continuous_usage else None
+
+        def with_usage(index: int, chunk: dict) -> dict:
+            if completion_tokens is None:
+                return chunk
+            prompt_tokens = len(prepared.prompt_ids[index])
+            used = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens[index]}
+            return chunk | {"usage": used | {"total_tokens": prompt_tokens + completion_tokens[index]}}
+
         async def events() -> AsyncIterator[str]:
             outputs: list[RequestOutput | None] = [None] * len(streams)
             failed = False
@@ -276,12 +286,16 @@ class OpenAIServing:
                     yield sse(chunk)
                 async with contextlib.aclosing(fanout.merged(streams)) as deltas:
                     async for index, delta in deltas:
+                        if completion_tokens is not None and delta.finished:
+                            completion_tokens[index] = delta.output.completion_tokens
+                        elif completion_tokens is not None:
+                            completion_tokens[index] += len(delta.token_ids)
                         for chunk in chunks(index, delta):
-                            yield sse(chunk)
+                            yield sse(with_usage(index, chunk))
                         if delta.finished:
                             outputs[index] = delta.output
                             self.metrics.observe(delta.output)
-                if include_usage:
+                if body.include_usage:
                     yield sse(header.usage_chunk(usage(outputs, n), object_name))
             except RequestFailedError as error:
                 failed = True  # its siblings were aborted with it (fanout.merged)
