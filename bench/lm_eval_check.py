@@ -53,7 +53,7 @@ def task_configs() -> list[dict[str, Any]]:
             doc_to_text="{{question}}",
             doc_to_choice="{{choices}}",
             doc_to_target="{{answer}}",
-            metric_list=[{"metric": "acc"}, {"metric": "acc_norm"}],
+            metric_list=[_metric("acc", "mean", True), _metric("acc_norm", "mean", True)],
         ),
         local(
             "graphexec_gen",
@@ -61,16 +61,27 @@ def task_configs() -> list[dict[str, Any]]:
             doc_to_text="{{question}}",
             doc_to_target="{{answer}}",
             generation_kwargs={"until": ["\n"], "max_gen_toks": 16, "do_sample": False, "temperature": 0.0},
-            metric_list=[{"metric": "exact_match", "ignore_case": True, "ignore_punctuation": True}],
+            metric_list=[
+                _metric("exact_match", "mean", True)
+                | {"ignore_case": True, "ignore_punctuation": True, "regexes_to_ignore": [r"^\s+", r"\s+$"]}
+            ],
         ),
         local(
             "graphexec_ppl",
             output_type="loglikelihood_rolling",
             doc_to_text="",
             doc_to_target="{{text}}",
-            metric_list=[{"metric": m} for m in METRICS["graphexec_ppl"][1]],
+            metric_list=[
+                _metric("word_perplexity", "weighted_perplexity", False),
+                _metric("byte_perplexity", "weighted_perplexity", False),
+                _metric("bits_per_byte", "bits_per_byte", False),
+            ],
         ),
     ]
+
+
+def _metric(name: str, aggregation: str, higher_is_better: bool) -> dict[str, Any]:
+    return {"metric": name, "aggregation": aggregation, "higher_is_better": higher_is_better}
 
 
 def evaluate_server(base_url: str, model: str) -> dict[str, Any]:
