@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from graphexec.errors import InvalidRequestError
+from graphexec.structured.spec import StructuredSpec
 
 # OpenAI's API caps top_logprobs at 20; larger values would only cost a wider top-k per step.
 MAX_LOGPROBS = 20
@@ -41,6 +42,8 @@ class SamplingParams:
     k most likely alternatives.  Float fields accept ints and store floats.
     `stop` strings end the request when they appear in the decoded text; the
     match and anything after it are left out of the output text.
+    `structured` holds the output to a grammar (graphexec/structured/): only tokens it
+    allows are sampled, and EOS only where it is complete.
     """
 
     max_new_tokens: int = 128
@@ -53,6 +56,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    structured: StructuredSpec | None = None
 
     def __post_init__(self) -> None:
         self._check_max_new_tokens()
@@ -66,6 +70,7 @@ class SamplingParams:
         if not isinstance(self.ignore_eos, bool):
             raise InvalidRequestError(f"ignore_eos must be a bool, got {_describe(self.ignore_eos)}")
         self._check_logprobs()
+        self._check_structured()
 
     @property
     def is_greedy(self) -> bool:
@@ -146,3 +151,13 @@ class SamplingParams:
             raise InvalidRequestError(
                 f"logprobs must be None (off) or an int in [0, {MAX_LOGPROBS}], got {_describe(value)}"
             )
+
+    def _check_structured(self) -> None:
+        value = self.structured
+        if value is None:
+            return
+        if not isinstance(value, StructuredSpec):
+            raise InvalidRequestError(f"structured must be None or a StructuredSpec, got {_describe(value)}", param="structured")
+        if self.ignore_eos:
+            # The grammar decides where the output ends: EOS is what it allows there.
+            raise InvalidRequestError(f"{value.param}: cannot be combined with ignore_eos", param=value.param)

@@ -122,6 +122,7 @@ def test_defaults():
         ("stop", ()),
         ("ignore_eos", False),
         ("logprobs", None),
+        ("structured", None),
     ]
 
 

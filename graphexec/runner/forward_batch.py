@@ -104,6 +104,7 @@ class ForwardBatch:
                 [r.generator if s else None for r, s in zip(batch.reqs, batch.samples)],
                 vocab_size,
                 device,
+                grammars=[r.grammar if s else None for r, s in zip(batch.reqs, batch.samples)],
             )
         return cls(
             forward_mode=mode,

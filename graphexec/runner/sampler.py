@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from graphexec.sampling_params import SamplingParams
+from graphexec.structured.token_bitmask import RowGrammar, TokenBitmask
 
 # Below this temperature, treat a row as greedy: the scaled logits could overflow float32, and
 # the draw is the argmax anyway unless the top two logits are within ~2e-4 of each other (two
@@ -66,6 +67,8 @@ class SamplingBatchInfo:
     # Every sampled row has top-k on, so top-p only ever looks at the max_top_k best tokens.
     top_k_bounds_all: bool
     max_logprobs: int | None  # widest logprobs request in the batch; None when nobody asked
+    # Per row, the grammar its next token must fit (None: free); None when no row has one.
+    grammars: tuple[RowGrammar | None, ...] | None = None
 
     @classmethod
     def from_params(
@@ -74,6 +77,7 @@ class SamplingBatchInfo:
         generators: Sequence[torch.Generator | None],
         vocab_size: int,
         device: torch.device | str,
+        grammars: Sequence[RowGrammar | None] = (),
     ) -> SamplingBatchInfo:
         """vocab_size must be the last dimension of the logits this info will sample."""
         if len(generators) != len(params):
@@ -105,6 +109,7 @@ class SamplingBatchInfo:
             max_top_k=max((k for k in top_ks if k < vocab_size), default=0),
             top_k_bounds_all=all(g or k < vocab_size for k, g in zip(top_ks, greedy)),
             max_logprobs=max(requested_logprobs, default=None),
+            grammars=tuple(grammars) if any(g is not None for g in grammars) else None,
         )
 
 
@@ -125,10 +130,19 @@ class SamplerOutput:
 class Sampler:
     """Picks one next token per row of logits [B, V] according to a SamplingBatchInfo."""
 
+    def __init__(self, token_bitmask: TokenBitmask | None = None):
+        self.token_bitmask = token_bitmask
+
     def __call__(self, logits: Tensor, info: SamplingBatchInfo) -> SamplerOutput:
         # float32 even for bf16 models: dividing by small temperatures and summing ~50k
         # probabilities for top-p both lose too much in 8 mantissa bits.
         logits = logits.float()
+        raw_logits = logits
+        if info.grammars is not None:
+            if self.token_bitmask is None:  # a Sampler built by hand: sized by its first batch
+                self.token_bitmask = TokenBitmask(logits.shape[-1], logits.shape[0])
+            # Grammars mask a copy: log-probabilities stay the model's (raw, as documented above).
+            logits = self.token_bitmask.apply(logits.clone(), info.grammars)
         greedy_ids = logits.argmax(dim=-1)
         if info.all_greedy:
             next_ids = greedy_ids
@@ -136,7 +150,7 @@ class Sampler:
             next_ids = torch.where(info.greedy_rows, greedy_ids, _sample(logits, info))
         if info.max_logprobs is None:
             return SamplerOutput(next_token_ids=next_ids)
-        return _with_logprobs(logits, next_ids, info.max_logprobs)
+        return _with_logprobs(raw_logits, next_ids, info.max_logprobs)
 
 
 def _sample(logits: Tensor, info: SamplingBatchInfo) -> Tensor:
