@@ -14,6 +14,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, PlainValidator, ValidationInfo, field_validator
 
 from graphexec.sampling_params import MAX_STOP_STRINGS, SamplingParams
+from graphexec.server.response_format import StructuredOutputFields
 
 # OpenAI's legacy completions API caps logprobs at 5; chat's top_logprobs at 20.
 MAX_COMPLETION_LOGPROBS = 5
@@ -56,7 +57,7 @@ class ChatMessage(_Strict):
     name: str | None = None
 
 
-class _GenerationRequest(_Strict):
+class _GenerationRequest(_Strict, StructuredOutputFields):
     """Fields shared by /v1/completions and /v1/chat/completions.  None means "the server's
     default": the `sampling` config group, except max_tokens, whose default is the room the
     request has left after its prompt (the server decides it: graphexec/server/limits.py)."""
@@ -119,6 +120,7 @@ class _GenerationRequest(_Strict):
             "stop": [self.stop] if isinstance(self.stop, str) else self.stop,
             "ignore_eos": self.ignore_eos,
             "logprobs": logprobs,
+            "structured": self.structured_spec(),
         }
         return defaults.replace(**{k: v for k, v in changes.items() if v is not None})
 

@@ -129,7 +129,10 @@ class OpenAIServing:
             field, requested = body.requested_max_tokens()
             bound = TokenBound(self.engine.max_context, self.engine.max_request_tokens, self.config.clamp_max_tokens)
             max_new_tokens = bound.max_new_tokens(len(prompt_ids), requested, field=field, prompt_field=prompt_field)
-            return Prepared(body, prompt_ids, body.to_sampling_params(self.engine.config.sampling, max_new_tokens))
+            params = body.to_sampling_params(self.engine.config.sampling, max_new_tokens)
+            if params.structured is not None:
+                self.engine.prepare_grammar(params.structured)  # compiled here, not on the event loop
+            return Prepared(body, prompt_ids, params)
         except InvalidRequestError as error:
             raise from_invalid_request(error) from None
         finally:

@@ -17,6 +17,7 @@ from collections import OrderedDict
 import xgrammar as xgr
 
 from graphexec.errors import InvalidRequestError
+from graphexec.structured.json_grammar import json_schema_ebnf
 from graphexec.structured.spec import StructuredSpec
 
 # Threads one compile may use; the engine loop needs the machine's cores for the model.
@@ -57,9 +58,9 @@ class GrammarCache:
     def _compile(self, spec: StructuredSpec) -> xgr.CompiledGrammar:
         try:
             if spec.kind == "json_object":
-                return self._compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
+                return self._compiler.compile_grammar(json_schema_ebnf('{"type": "object"}', strict=False))
             if spec.kind == "json_schema":
-                return self._compiler.compile_json_schema(spec.value, any_whitespace=False, strict_mode=True)
+                return self._compiler.compile_grammar(json_schema_ebnf(spec.value, strict=True))
             if spec.kind == "regex":
                 return self._compiler.compile_regex(spec.value)
             return self._compiler.compile_grammar(_choice_ebnf(json.loads(spec.value)))
