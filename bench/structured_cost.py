@@ -1,0 +1,108 @@
+"""What structured output costs per decode step, at batch sizes B, on the configured model:
+
+1. the work itself, replayed outside the engine: for each step of real constrained outputs, fill
+   the bitmask for B matchers, apply it to [B, V] logits and accept the sampled tokens (what
+   the sampler and Req.append_token add to a step), with xgrammar's CPU kernel and with the
+   unpack + masked_fill path;
+2. through the engine: B greedy requests held to JSON schemas against the same prompts
+   unconstrained for the same number of tokens (ignore_eos), paired rounds, median time per
+   output token after the first (TPOT).
+
+    python -m bench.structured_cost --batch 1 8 -- capture=eager
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from graphexec import Engine, SamplingParams
+from graphexec.structured.spec import StructuredSpec
+from graphexec.structured.token_bitmask import TokenBitmask
+
+_STR = {"type": "string", "maxLength": 24}
+_SCHEMAS = [
+    {"type": "object", "properties": {"name": _STR, "age": {"type": "integer", "minimum": 0, "maximum": 120}, "city": _STR}, "required": ["name", "age", "city"]},
+    {"type": "object", "properties": {"title": _STR, "tags": {"type": "array", "items": _STR, "minItems": 2, "maxItems": 3}}, "required": ["title", "tags"]},
+    {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}, "reason": _STR, "score": {"type": "number", "minimum": 0, "maximum": 10}}, "required": ["answer", "reason", "score"]},
+    {"type": "object", "properties": {"user": {"type": "object", "properties": {"id": {"type": "integer"}, "email": _STR}, "required": ["id", "email"]}, "active": {"type": "boolean"}}, "required": ["user", "active"]},
+]
+_TOPICS = ["a person", "a book", "a yes/no question", "a user account", "a city", "a film", "a recipe", "a car"]
+
+
+def _workload(batch: int, max_new_tokens: int) -> tuple[list[str], list[SamplingParams]]:
+    prompts = [f"Reply with a JSON record about {_TOPICS[i % len(_TOPICS)]}." for i in range(batch)]
+    params = [
+        SamplingParams(max_new_tokens=max_new_tokens, structured=StructuredSpec.json_schema(_SCHEMAS[i % len(_SCHEMAS)]))
+        for i in range(batch)
+    ]
+    return prompts, params
+
+
+def replay_us(engine: Engine, params: list[SamplingParams], outputs: list[list[int]], unpacked: bool) -> float:
+    """Median µs per step of fill + apply + accept over the outputs' steps (a row leaves the batch
+    when its output ends, as in the engine)."""
+    backend = engine.grammar_backend()
+    vocab = engine.model_config.vocab_size
+    eos = engine.model_config.eos_token_ids[0]
+    sequences = [ids + [eos] for ids in outputs]  # the last step samples EOS
+    bitmask = TokenBitmask(vocab, len(params))
+    logits = torch.randn(len(params), vocab)
+    times = []
+    for _ in range(3):
+        grammars = [backend.matcher(p.structured) for p in params]
+        for step in range(max(map(len, sequences))):
+            live = [g if step < len(s) else None for g, s in zip(grammars, sequences)]
+            work = logits.clone()
+            t0 = time.perf_counter()
+            if unpacked:
+                rows = [row for row, g in enumerate(live) if g is not None]
+                for row in rows:
+                    live[row].fill_row(bitmask._buffer, row)
+                bitmask._apply_unpacked(work, rows)
+            else:
+                bitmask.apply(work, live)
+            for grammar, sequence in zip(live, sequences):
+                if grammar is not None:
+                    assert grammar.accept(sequence[step])
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
+def engine_tpot_ms(engine: Engine, prompts: list[str], params: list[SamplingParams], rounds: int) -> tuple[float, float, list[list[int]]]:
+    """Median TPOT (ms) constrained and unconstrained for the same token counts, paired rounds."""
+    constrained = engine.generate(prompts, params, chat=True)  # warm: grammars compiled, caches hot
+    outputs = [o.token_ids for o in constrained]
+    free = [SamplingParams(max_new_tokens=len(ids) + 1, ignore_eos=True) for ids in outputs]
+    with_grammar, without = [], []
+    for _ in range(rounds):
+        with_grammar += [o.tpot for o in engine.generate(prompts, params, chat=True) if o.tpot is not None]
+        without += [o.tpot for o in engine.generate(prompts, free, chat=True) if o.tpot is not None]
+    return statistics.median(with_grammar) * 1e3, statistics.median(without) * 1e3, outputs
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("overrides", nargs="*", help="engine overrides (after --)")
+    args = parser.parse_args(argv)
+    with Engine(overrides=args.overrides) as engine:
+        print("| B | mask fill + apply + accept, µs/step (xgrammar CPU apply) | same, unpack + masked_fill | "
+              "TPOT constrained ms | TPOT unconstrained ms | overhead |")
+        print("|---|---|---|---|---|---|")
+        for batch in args.batch:
+            prompts, params = _workload(batch, args.max_new_tokens)
+            constrained_ms, free_ms, outputs = engine_tpot_ms(engine, prompts, params, args.rounds)
+            kernel = replay_us(engine, params, outputs, unpacked=False)
+            unpacked = replay_us(engine, params, outputs, unpacked=True)
+            overhead = (constrained_ms / free_ms - 1) * 100
+            print(f"| {batch} | {kernel:.0f} | {unpacked:.0f} | {constrained_ms:.2f} | {free_ms:.2f} | {overhead:+.1f} % |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
