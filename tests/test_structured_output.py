@@ -184,6 +184,7 @@ def test_grammar_cache_is_a_bounded_lru_and_reports_compile_errors():
     for spec, reason in [
         (StructuredSpec.regex("(ab", param="guided_regex"), "parenthesis"),
         (StructuredSpec.json_schema({"type": "nope"}, param="guided_json"), "nope"),
+        (StructuredSpec.json_schema({"enum": []}, param="guided_json"), "admits no output"),
     ]:
         with pytest.raises(InvalidRequestError, match=reason) as error:
             cache.get(spec)

@@ -48,6 +48,7 @@ class GrammarCache:
                 return compiled
             self.misses += 1
         compiled = self._compile(spec)  # outside the lock: a long compile must not block hits
+        _check_has_a_first_token(compiled, spec)
         with self._lock:
             self._compiled[spec.key] = compiled
             self._compiled.move_to_end(spec.key)
@@ -70,6 +71,17 @@ class GrammarCache:
             reason = str(error).strip().split("\n")[0]
             reason = reason.split(": ", 1)[1] if ".cc:" in reason else reason
             raise InvalidRequestError(f"{spec.param}: cannot compile this {spec.kind.replace('_', ' ')}: {reason}", param=spec.param) from None
+
+
+def _check_has_a_first_token(compiled: xgr.CompiledGrammar, spec: StructuredSpec) -> None:
+    """Some grammars compile yet admit nothing to sample, or (xgrammar's rendering of
+    {"enum": []}) only the empty text, which is never JSON; refuse them here rather than let a
+    request sample from an all -inf row or answer "" as JSON."""
+    matcher = xgr.GrammarMatcher(compiled)
+    bitmask = xgr.allocate_token_bitmask(1, compiled.tokenizer_info.vocab_size)
+    matcher.fill_next_token_bitmask(bitmask)
+    if not bitmask.any() or (spec.kind.startswith("json") and matcher.is_completed()):
+        raise InvalidRequestError(f"{spec.param}: this {spec.kind.replace('_', ' ')} admits no output", param=spec.param)
 
 
 def _choice_ebnf(choices: list[str]) -> str:
