@@ -205,26 +205,29 @@ def test_matcher_accepts_exactly_the_grammar():
 
 
 def test_both_mask_paths_agree_and_leave_free_rows_alone():
-    """xgrammar's CPU kernel and the unpack + masked_fill path (other devices) give the same
-    logits; a row without a grammar keeps its values bit for bit."""
+    """xgrammar's CPU kernel and the unpack + masked_fill path give the same logits, and so does
+    `apply`, which picks one per row (here a sparse row, a free row, a dense row); a row without
+    a grammar keeps its values bit for bit."""
     from graphexec.structured.grammar_backend import GrammarBackend
     from graphexec.structured.token_bitmask import TokenBitmask
     from graphexec.text.tokenizer import ByteTokenizer
 
     backend = GrammarBackend(ByteTokenizer(300), 320, [257])
-    grammars = [backend.matcher(StructuredSpec.regex(r"[0-9]{2}z")), None, backend.matcher(StructuredSpec.json_schema(TINY_SCHEMA))]
+    grammars = [backend.matcher(StructuredSpec.regex(r"[0-9]{2}z")), None, backend.matcher(StructuredSpec.json_schema({"type": "string"}))]
     grammars[0].accept(ord("4"))
+    grammars[2].accept(ord('"'))  # inside a string: nearly every byte fits
     logits = torch.randn(3, 320)
-    cpu = TokenBitmask(320, 2).apply(logits.clone(), grammars)  # grows past its 2 planned rows
-    unpacked = logits.clone()
-    bitmask = TokenBitmask(320, 3)
-    for row in (0, 2):
-        grammars[row].fill_row(bitmask._buffer, row)
+    bitmask = TokenBitmask(320, 2)
+    chosen = bitmask.apply(logits.clone(), grammars)  # grows past its 2 planned rows
+    assert bitmask._mostly_allowed([0, 2]) == [False, True]  # so both paths ran
+    kernel, unpacked = logits.clone(), logits.clone()
+    bitmask._apply_cpu(kernel, [0, 2])
     bitmask._apply_unpacked(unpacked, [0, 2])
-    assert torch.equal(cpu, unpacked)
-    assert torch.equal(cpu[1], logits[1])
-    allowed = [torch.isfinite(cpu[row]).nonzero().flatten().tolist() for row in (0, 2)]
-    assert allowed == [list(range(ord("0"), ord("9") + 1)), [ord("{")]]
+    assert torch.equal(chosen, kernel) and torch.equal(chosen, unpacked)
+    assert torch.equal(chosen[1], logits[1])
+    assert torch.isfinite(chosen[0]).nonzero().flatten().tolist() == list(range(ord("0"), ord("9") + 1))
+    allowed = set(torch.isfinite(chosen[2]).nonzero().flatten().tolist())
+    assert ord("a") in allowed and ord('"') in allowed and 0x17 not in allowed and 257 not in allowed
 
 
 def test_real_vocabulary_masks_control_and_padding_tokens(smollm2_engine):
