@@ -292,6 +292,25 @@ def test_retracted_requests_resume_with_the_same_valid_json():
 # ---- the real model ----
 
 
+@pytest.mark.slow
+def test_retraction_on_the_real_model_still_yields_valid_json():
+    """Six JSON requests (greedy and seeded) in a pool that holds one of them at its worst (no
+    prefix cache, so every prompt costs its slots), admitted as if they would stop early (a low
+    new-token ratio): running requests are retracted and resume by recompute, and every output
+    still parses and validates."""
+    names = ["person", "nested", "array_of_objects", "answer", "tags", "matrix"]
+    params = [SamplingParams(max_new_tokens=64, structured=StructuredSpec.json_schema(SCHEMAS[n])) for n in names]
+    params = [p if i % 2 else p.replace(temperature=0.8, seed=i) for i, p in enumerate(params)]
+    with Engine(overrides=["model=smollm2-135m", "capture=eager", "cache.num_slots=120", "cache.prefix_cache=false",
+                         "scheduler.init_new_token_ratio=0.05", "scheduler.min_new_token_ratio=0.01"]) as small:
+        outputs = small.generate([_prompt(n) for n in names], params, chat=True)
+        assert small.metrics().retractions_total > 0
+        assert_no_leak(small)
+    for name, output in zip(names, outputs):
+        assert output.finish_reason == "stop", (name, output.text)
+        _assert_valid(output.text, SCHEMAS[name])
+
+
 def test_json_schemas_greedy_and_seeded(smollm2_engine):
     """Every schema, greedy and seeded, in one batch: each output parses, validates and ends with
     "stop"; a seeded run repeats itself."""
