@@ -8,7 +8,8 @@
    unconstrained for the same number of tokens (ignore_eos), paired rounds, median time per
    output token after the first (TPOT).
 
-    python -m bench.structured_cost --batch 1 8 -- capture=eager
+    python -m bench.structured_cost --batch 1 8 --rounds 7
+    OMP_NUM_THREADS=1 python -m bench.structured_cost --batch 1 8 --rounds 7 -- capture=eager
 """
 
 from __future__ import annotations
