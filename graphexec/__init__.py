@@ -12,6 +12,7 @@ _PUBLIC = {
     "RequestOutput": "graphexec.engine.request_output",
     "RequestDelta": "graphexec.engine.request_output",
     "SamplingParams": "graphexec.sampling_params",
+    "StructuredSpec": "graphexec.structured.spec",
     "GraphexecError": "graphexec.errors",
     "InvalidRequestError": "graphexec.errors",
     "ConfigError": "graphexec.errors",

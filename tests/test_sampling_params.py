@@ -161,6 +161,7 @@ def test_defaults():
         ("repetition_penalty", 1.0),
         ("logit_bias", ()),
         ("min_tokens", 0),
+        ("structured", None),
     ]
     assert not params.processes_logits
 

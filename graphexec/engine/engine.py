@@ -8,9 +8,11 @@ callers only validate, tokenize and wait.
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -29,7 +31,11 @@ from graphexec.runner.model_runner import ModelRunner
 from graphexec.sampling_params import SamplingParams
 from graphexec.scheduler.request import Req
 from graphexec.scheduler.scheduler import Scheduler
+from graphexec.structured.spec import StructuredSpec
 from graphexec.text.prompt_encoder import Prompt, PromptEncoder
+
+if TYPE_CHECKING:
+    from graphexec.structured.grammar_backend import GrammarBackend
 
 __all__ = ["Engine", "Prompt", "RequestDelta", "RequestOutput"]
 
@@ -54,6 +60,8 @@ class Engine:
         self.scheduler = Scheduler(self.runner, self.kv_cache, self.config.scheduler)
         self.prompt_encoder = PromptEncoder(self.tokenizer, self.model_config.name, self.model_config.vocab_size, self.max_context)
         self._request_ids = itertools.count()
+        self._grammar_backend: GrammarBackend | None = None  # built by the first constrained request
+        self._grammar_backend_lock = threading.Lock()
         self._loop = EngineLoop(self.scheduler, self.runner.device)
         # An engine dropped without shutdown() still stops its thread (the callback holds the
         # loop, not the engine, so it does not keep the engine alive).
@@ -173,6 +181,36 @@ class Engine:
         """Token ids of a conversation through the model's chat template, ready for the reply."""
         return self.prompt_encoder.encode_chat(messages)
 
+    def prepare_grammar(self, spec: StructuredSpec) -> None:
+        """Compile a structured-output constraint into the engine's grammar cache now.
+
+        Compiling a JSON schema can take tens of ms: an event loop should call this on a worker
+        thread before `astream`, which then finds the grammar cached.  InvalidRequestError (naming
+        spec.param) if the schema or regex cannot be compiled.
+        """
+        self.grammar_backend(spec.param).prepare(spec)
+
+    def grammar_backend(self, param: str = "structured") -> GrammarBackend:
+        """The engine's structured-output state, built on first use (xgrammar's import ~1.5 s);
+        InvalidRequestError naming `param` when this engine cannot constrain output."""
+        with self._grammar_backend_lock:
+            if self._grammar_backend is None:
+                if self.tokenizer is None:
+                    raise InvalidRequestError(
+                        f"{param}: structured output needs a tokenizer; model {self.model_config.name!r} has none", param=param
+                    )
+                try:
+                    from graphexec.structured.grammar_backend import GrammarBackend
+                except ImportError as error:
+                    raise InvalidRequestError(
+                        f"{param}: structured output needs xgrammar, which is not installed ({error}); see scripts/setup.sh",
+                        param=param,
+                    ) from None
+                self._grammar_backend = GrammarBackend(
+                    self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids
+                )
+            return self._grammar_backend
+
     def kv_slots_free(self) -> int:
         return self.kv_cache.num_free
 
@@ -214,6 +252,9 @@ class Engine:
                 f"but the pool has {self.kv_cache.num_slots}; lower max_new_tokens or raise cache.num_slots",
                 param="max_tokens",
             )
+        if params.structured is not None:
+            spec = params.structured
+            req.grammar = self.grammar_backend(spec.param).matcher(spec, params.stop_token_ids)
         return req
 
     def _check_logit_bias(self, params: SamplingParams) -> None:

@@ -113,6 +113,7 @@ class ForwardBatch:
                 vocab_size,
                 device,
                 histories=[r if s else None for r, s in zip(batch.reqs, batch.samples)],
+                grammars=[r.grammar if s else None for r, s in zip(batch.reqs, batch.samples)],
             )
         return cls(
             forward_mode=mode,

@@ -27,6 +27,7 @@ from graphexec.attention.forward_context import ForwardContext, forward_context
 from graphexec.forward_mode import ForwardMode
 from graphexec.runner.logits_processor import LogitsProcessor
 from graphexec.runner.sampler import Sampler, SamplerOutput
+from graphexec.structured.token_bitmask import TokenBitmask
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,7 @@ class ModelRunner:
         mc = self.model_config
         self.attn_backend = create_attention_backend(config.attention_backend, mc.num_heads, mc.num_kv_heads, mc.head_dim)
         self.logits_processor = LogitsProcessor(self.model.compute_logits)
-        self.sampler = Sampler()
+        self.sampler = Sampler(TokenBitmask(mc.vocab_size, config.scheduler.max_running_requests))
 
         self.capture_env = env = CaptureEnv(
             model=self.model,

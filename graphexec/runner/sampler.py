@@ -23,6 +23,7 @@ from torch import Tensor
 
 from graphexec.runner.penalties import LogitsPenalties, TokenHistory
 from graphexec.sampling_params import SamplingParams
+from graphexec.structured.token_bitmask import RowGrammar, TokenBitmask
 
 # Below this temperature, treat a row as greedy: the scaled logits could overflow float32, and
 # the draw is the argmax anyway unless the top two logits are within ~2e-4 of each other (two
@@ -71,6 +72,8 @@ class SamplingBatchInfo:
     max_logprobs: int | None  # widest logprobs request in the batch; None when nobody asked
     # None unless some row uses a penalty, logit_bias or an unmet min_tokens (the fast path).
     penalties: LogitsPenalties | None = None
+    # Per row, the grammar its next token must fit (None: free); None when no row has one.
+    grammars: tuple[RowGrammar | None, ...] | None = None
 
     @classmethod
     def from_params(
@@ -80,6 +83,7 @@ class SamplingBatchInfo:
         vocab_size: int,
         device: torch.device | str,
         histories: Sequence[TokenHistory | None] | None = None,
+        grammars: Sequence[RowGrammar | None] = (),
     ) -> SamplingBatchInfo:
         """vocab_size must be the last dimension of the logits this info will sample.
 
@@ -116,6 +120,7 @@ class SamplingBatchInfo:
             top_k_bounds_all=all(g or k < vocab_size for k, g in zip(top_ks, greedy)),
             max_logprobs=max(requested_logprobs, default=None),
             penalties=LogitsPenalties.build(params, histories, vocab_size, device),
+            grammars=tuple(grammars) if any(g is not None for g in grammars) else None,
         )
 
 
@@ -136,12 +141,20 @@ class SamplerOutput:
 class Sampler:
     """Picks one next token per row of logits [B, V] according to a SamplingBatchInfo."""
 
+    def __init__(self, token_bitmask: TokenBitmask | None = None):
+        self.token_bitmask = token_bitmask
+
     def __call__(self, logits: Tensor, info: SamplingBatchInfo) -> SamplerOutput:
         # float32 even for bf16 models: dividing by small temperatures and summing ~50k
         # probabilities for top-p both lose too much in 8 mantissa bits.
         logits = logits.float()
-        # Fast path: without penalties the model's logits are sampled as they are, no copy made.
+        # Fast path: without penalties or grammars the model's logits are sampled as they are, no
+        # copy made.  Both work on a copy, so log-probabilities stay the model's (raw, as documented).
         scores = logits if info.penalties is None else info.penalties.apply(logits)
+        if info.grammars is not None:
+            if self.token_bitmask is None:  # a Sampler built by hand: sized by its first batch
+                self.token_bitmask = TokenBitmask(logits.shape[-1], logits.shape[0])
+            scores = self.token_bitmask.apply(scores.clone() if scores is logits else scores, info.grammars)
         greedy_ids = scores.argmax(dim=-1)
         if info.all_greedy:
             next_ids = greedy_ids

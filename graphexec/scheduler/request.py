@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from graphexec.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from graphexec.structured.request_grammar import RequestGrammar
 
 
 class FinishReason(str, enum.Enum):
@@ -39,6 +43,8 @@ class Req:
     matched_stop_token: int | None = None
     generator: torch.Generator | None = None
     output_logprobs: list[dict] = field(default_factory=list)
+    # The matcher of params.structured; it sees each sampled token once, here in append_token.
+    grammar: RequestGrammar | None = None
     # One entry per prompt position when params.prompt_logprobs is set (position 0: None, nothing
     # predicts it); filled chunk by chunk as the prompt is prefilled.
     prompt_logprobs: list[dict | None] | None = None
@@ -78,6 +84,11 @@ class Req:
         if is_stop:
             self.matched_stop_token = token_id
             self.finish_reason = FinishReason.STOP
+            return
+        if self.grammar is not None and not self.grammar.accept(token_id):
+            # The mask lets only allowed tokens through, so this is an engine fault; the output
+            # could never match any more, so the request ends rather than run on unconstrained.
+            self.finish_reason = FinishReason.ABORT
             return
         self.output_ids.append(token_id)
         if len(self.output_ids) >= params.max_new_tokens or self.seq_len >= self.max_context:

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, PlainValidator, ValidationInf
 
 from graphexec.errors import InvalidRequestError
 from graphexec.sampling_params import MAX_STOP_STRINGS, SamplingParams
+from graphexec.server.response_format import StructuredOutputFields
 
 # OpenAI's legacy completions API caps logprobs at 5; chat's top_logprobs at 20.
 MAX_COMPLETION_LOGPROBS = 5
@@ -107,7 +108,7 @@ class ChatMessage(_Strict):
     name: str | None = None
 
 
-class _GenerationRequest(_Strict):
+class _GenerationRequest(_Strict, StructuredOutputFields):
     """Fields shared by /v1/completions and /v1/chat/completions.  None means "the server's
     default": the `sampling` config group, except max_tokens, whose default is the room the
     request has left after its prompt (the server decides it: graphexec/server/limits.py)."""
@@ -164,6 +165,7 @@ class _GenerationRequest(_Strict):
             "repetition_penalty": self.repetition_penalty,
             "logit_bias": self.logit_bias,
             "min_tokens": self.min_tokens,
+            "structured": self.structured_spec(),
         }
         return defaults.replace(**{k: v for k, v in changes.items() if v is not None})
 

@@ -186,6 +186,8 @@ class OpenAIServing:
             for prompt_ids in prompts:
                 max_new_tokens = bound.max_new_tokens(len(prompt_ids), requested, field=field, prompt_field=prompt_field)
                 base = body.to_sampling_params(self.engine.config.sampling, max_new_tokens)
+                if base.structured is not None:
+                    self.engine.prepare_grammar(base.structured)  # compiled here, not on the event loop
                 for i in range(body.n):
                     ids.append(prompt_ids)
                     params.append(_choice_params(base, i))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from functools import cached_property
 from pathlib import Path
@@ -109,6 +110,22 @@ def _token_text(value: Any) -> str | None:
     return value
 
 
+@dataclass(frozen=True)
+class VocabEncoding:
+    """How a vocabulary's token strings spell bytes: "byte_level" (GPT-2's byte alphabet),
+    "byte_fallback" (SentencePiece's "▁" and <0xNN> tokens) or "raw" (the text itself)."""
+
+    kind: str
+    add_prefix_space: bool
+
+
+def _flatten_steps(step: dict | None, children: str) -> list[dict]:
+    """A tokenizer.json component and, for a Sequence, the components inside it."""
+    if not step:
+        return []
+    return [step, *(inner for child in step.get(children) or [] for inner in _flatten_steps(child, children))]
+
+
 class Tokenizer:
     """A model's tokenizer: encode/decode plus its chat template."""
 
@@ -191,6 +208,31 @@ class Tokenizer:
     @property
     def bos_token_id(self) -> int | None:
         return self._bos_token_id
+
+    def token_strings(self) -> dict[int, str]:
+        """Each id's token as the vocabulary spells it (byte-level tokens in their byte alphabet,
+        "Ġa" for " a"), added tokens included: what a grammar engine decodes to match text."""
+        return {index: token for token, index in self._backend.get_vocab(with_added_tokens=True).items()}
+
+    @cached_property
+    def special_token_ids(self) -> frozenset[int]:
+        """Control tokens (<|im_end|> …): never text, though their spelling looks like some."""
+        return frozenset(i for i, token in self._backend.get_added_tokens_decoder().items() if token.special)
+
+    @cached_property
+    def vocab_encoding(self) -> VocabEncoding:
+        """How token strings map to bytes, read from the backend's decoder and normalizer."""
+        spec = json.loads(self._backend.to_str())
+        decoders_ = _flatten_steps(spec.get("decoder"), "decoders")
+        kinds = {step.get("type") for step in decoders_}
+        kind = "byte_level" if "ByteLevel" in kinds else "byte_fallback" if "ByteFallback" in kinds else "raw"
+        # SentencePiece-style vocabularies put "▁" before the first word of a text.
+        prefix = any(step.get("type") == "Prepend" for step in _flatten_steps(spec.get("normalizer"), "normalizers"))
+        prefix = prefix or any(
+            step.get("type") == "Metaspace" and step.get("prepend_scheme") in ("first", "always")
+            for step in _flatten_steps(spec.get("pre_tokenizer"), "pretokenizers")
+        )
+        return VocabEncoding(kind, prefix)
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:

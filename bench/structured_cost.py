@@ -1,0 +1,121 @@
+"""What structured output costs per decode step, at batch sizes B, on the configured model:
+
+1. the work itself, replayed outside the engine: for each step of real constrained outputs, fill
+   the bitmask for B matchers, apply it to [B, V] logits and accept the sampled tokens (what
+   the sampler and Req.append_token add to a step): as the sampler does it (each row the
+   cheaper way), and with xgrammar's CPU kernel or the unpack + masked_fill path for every row;
+2. through the engine: B greedy requests held to JSON schemas against the same prompts
+   unconstrained for the same number of tokens (ignore_eos), paired rounds, median time per
+   output token after the first (TPOT).
+
+    python -m bench.structured_cost --batch 1 8 --rounds 7
+    OMP_NUM_THREADS=1 python -m bench.structured_cost --batch 1 8 --rounds 7 -- capture=eager
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from graphexec import Engine, SamplingParams
+from graphexec.structured.spec import StructuredSpec
+from graphexec.structured.token_bitmask import TokenBitmask
+
+_STR = {"type": "string", "maxLength": 24}
+_SCHEMAS = [
+    {"type": "object", "properties": {"name": _STR, "age": {"type": "integer", "minimum": 0, "maximum": 120}, "city": _STR}, "required": ["name", "age", "city"]},
+    {"type": "object", "properties": {"title": _STR, "tags": {"type": "array", "items": _STR, "minItems": 2, "maxItems": 3}}, "required": ["title", "tags"]},
+    {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}, "reason": _STR, "score": {"type": "number", "minimum": 0, "maximum": 10}}, "required": ["answer", "reason", "score"]},
+    {"type": "object", "properties": {"user": {"type": "object", "properties": {"id": {"type": "integer"}, "email": _STR}, "required": ["id", "email"]}, "active": {"type": "boolean"}}, "required": ["user", "active"]},
+]
+_TOPICS = ["a person", "a book", "a yes/no question", "a user account", "a city", "a film", "a recipe", "a car"]
+
+
+def _workload(batch: int, max_new_tokens: int) -> tuple[list[str], list[SamplingParams]]:
+    prompts = [f"Reply with a JSON record about {_TOPICS[i % len(_TOPICS)]}." for i in range(batch)]
+    params = [
+        SamplingParams(max_new_tokens=max_new_tokens, structured=StructuredSpec.json_schema(_SCHEMAS[i % len(_SCHEMAS)]))
+        for i in range(batch)
+    ]
+    return prompts, params
+
+
+def replay_us(engine: Engine, params: list[SamplingParams], outputs: list[list[int]], mode: str) -> float:
+    """µs per step of fill + apply + accept, averaged over the outputs' steps (a row leaves the
+    batch when its output ends, as in the engine); the best of 5 passes, since on a shared
+    machine the least disturbed pass is the closest to the work's own cost."""
+    backend = engine.grammar_backend()
+    vocab = engine.model_config.vocab_size
+    eos = engine.model_config.eos_token_ids[0]
+    sequences = [ids + [eos] for ids in outputs]  # the last step samples EOS
+    bitmask = TokenBitmask(vocab, len(params))
+    logits = torch.randn(len(params), vocab)
+    passes = []
+    for _ in range(5):
+        times = []
+        grammars = [backend.matcher(p.structured) for p in params]
+        for step in range(max(map(len, sequences))):
+            live = [g if step < len(s) else None for g, s in zip(grammars, sequences)]
+            work = logits.clone()
+            t0 = time.perf_counter()
+            if mode == "per-row":
+                bitmask.apply(work, live)  # what the sampler runs
+            else:
+                rows = [row for row, g in enumerate(live) if g is not None]
+                for row in rows:
+                    live[row].fill_row(bitmask._buffer, row)
+                (bitmask._apply_cpu if mode == "kernel" else bitmask._apply_unpacked)(work, rows)
+            for grammar, sequence in zip(live, sequences):
+                if grammar is not None:
+                    assert grammar.accept(sequence[step])
+            times.append(time.perf_counter() - t0)
+        passes.append(statistics.mean(times))
+    return min(passes) * 1e6
+
+
+def engine_tpot_ms(engine: Engine, prompts: list[str], params: list[SamplingParams], rounds: int) -> tuple[tuple[float, float], tuple[float, float], list[list[int]]]:
+    """TPOT (ms) constrained and unconstrained for the same token counts, in paired rounds: for
+    each side the median over rounds of a round's median, and the best round (on a shared
+    machine the best round is the least disturbed one)."""
+    constrained = engine.generate(prompts, params, chat=True)  # warm: grammars compiled, caches hot
+    outputs = [o.token_ids for o in constrained]
+    free = [SamplingParams(max_new_tokens=len(ids) + 1, ignore_eos=True) for ids in outputs]
+    with_grammar, without = [], []
+    for _ in range(rounds):
+        with_grammar.append(statistics.median(o.tpot for o in engine.generate(prompts, params, chat=True) if o.tpot))
+        without.append(statistics.median(o.tpot for o in engine.generate(prompts, free, chat=True) if o.tpot))
+
+    def summary(values: list[float]) -> tuple[float, float]:
+        return statistics.median(values) * 1e3, min(values) * 1e3
+
+    return summary(with_grammar), summary(without), outputs
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("overrides", nargs="*", help="engine overrides (after --)")
+    args = parser.parse_args(argv)
+    with Engine(overrides=args.overrides) as engine:
+        print("| B | fill + apply + accept µs/step: per-row choice (default) / xgrammar kernel only / unpack only | "
+              "TPOT constrained ms: median / best round | TPOT unconstrained ms: median / best round | overhead (medians) |")
+        print("|---|---|---|---|---|")
+        for batch in args.batch:
+            prompts, params = _workload(batch, args.max_new_tokens)
+            constrained_ms, free_ms, outputs = engine_tpot_ms(engine, prompts, params, args.rounds)
+            replays = [replay_us(engine, params, outputs, mode) for mode in ("per-row", "kernel", "unpack")]
+            overhead = (constrained_ms[0] / free_ms[0] - 1) * 100
+            print(
+                f"| {batch} | {' / '.join(f'{us:.0f}' for us in replays)} | "
+                f"{constrained_ms[0]:.2f} / {constrained_ms[1]:.2f} | {free_ms[0]:.2f} / {free_ms[1]:.2f} | {overhead:+.1f} % |",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()
