@@ -140,14 +140,18 @@ def flush_prefix_cache(url: str) -> str:
 
 
 def server_metrics(url: str) -> dict[str, Any] | None:
-    """graphexec-serve's /metrics (JSON), or None from a server without it."""
+    """graphexec-serve's JSON snapshot (/metrics/json; /metrics on servers from before Prometheus),
+    or None from a server without either."""
     try:
         with httpx.Client(trust_env=False, timeout=10) as http:
-            response = http.get(f"{url}/metrics")
-        metrics = response.json() if response.status_code == 200 else None
+            for path in ("/metrics/json", "/metrics"):
+                response = http.get(f"{url}{path}")
+                if response.status_code == 200 and response.headers.get("content-type", "").startswith("application/json"):
+                    metrics = response.json()
+                    return metrics if isinstance(metrics, dict) else None
     except (httpx.HTTPError, ValueError):
         return None
-    return metrics if isinstance(metrics, dict) else None
+    return None
 
 
 def _rate(rate: float) -> float | str:

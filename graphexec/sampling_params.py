@@ -95,8 +95,8 @@ class SamplingParams:
         self._set_stop()
         if not isinstance(self.ignore_eos, bool):
             raise InvalidRequestError(f"ignore_eos must be a bool, got {_describe(self.ignore_eos)}")
-        self._check_logprobs()
-        self._check_prompt_logprobs()
+        self._check_logprob_count("logprobs")
+        self._check_logprob_count("prompt_logprobs")
         penalty_range = f"in [{-MAX_PENALTY:g}, {MAX_PENALTY:g}]"
         self._set_float("presence_penalty", lambda v: abs(v) <= MAX_PENALTY, penalty_range)
         self._set_float("frequency_penalty", lambda v: abs(v) <= MAX_PENALTY, penalty_range)
@@ -187,20 +187,12 @@ class SamplingParams:
                 raise InvalidRequestError(f"stop[{position}] must be a non-empty string, got {_describe(text)}")
         object.__setattr__(self, "stop", tuple(strings))
 
-    def _check_prompt_logprobs(self) -> None:
-        value = self.prompt_logprobs
+    def _check_logprob_count(self, name: str) -> None:
+        """logprobs / prompt_logprobs: None (off) or how many alternatives besides the token's own."""
+        value = getattr(self, name)
         if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
             raise InvalidRequestError(
-                f"prompt_logprobs must be None (off) or an int in [0, {MAX_LOGPROBS}], got {_describe(value)}"
-            )
-
-    def _check_logprobs(self) -> None:
-        value = self.logprobs
-        if value is None:
-            return
-        if not _is_int(value) or not 0 <= value <= MAX_LOGPROBS:
-            raise InvalidRequestError(
-                f"logprobs must be None (off) or an int in [0, {MAX_LOGPROBS}], got {_describe(value)}"
+                f"{name} must be None (off) or an int in [0, {MAX_LOGPROBS}], got {_describe(value)}"
             )
 
     def _set_logit_bias(self) -> None:

@@ -29,7 +29,7 @@ BAD_REQUESTS = [
     ("completions", {"model": TINY, "prompt": [[1], LONG_PROMPT]}, 400, "prompt", "prompt[1] has 600 tokens"),
     ("completions", {"model": TINY, "prompt": ["a"] * 257}, 400, "prompt", "at most 256 prompts per request (server.max_prompts_per_request), got 257"),
     ("completions", {"model": TINY, "prompt": "x", "max_tokens": "5"}, 400, "max_tokens", "valid integer"),
-    ("completions", {"model": TINY, "prompt": "x", "max_tokens": 0}, 400, "max_tokens", "greater than or equal to 1"),
+    ("completions", {"model": TINY, "prompt": "x", "max_tokens": 0}, 400, "max_tokens", "allowed only with echo=true"),
     ("completions", {"model": TINY, "prompt": "x", "temperature": 2.5}, 400, "temperature", "less than or equal to 2"),
     ("completions", {"model": TINY, "prompt": "x", "temperature": True}, 400, "temperature", "valid number"),
     ("completions", {"model": TINY, "prompt": "x", "top_p": 0}, 400, "top_p", "greater than 0"),
