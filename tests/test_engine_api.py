@@ -224,3 +224,27 @@ def test_dropped_engine_stops_its_thread():
     del engine
     gc.collect()
     wait_until(lambda: loop_threads() == before)
+
+
+def test_a_finished_request_is_counted_before_its_caller_hears_of_it(engine, monkeypatch):
+    """The engine loop forgets a request (unfinished set, finish counters) before it delivers the
+    last delta, so metrics read as soon as an answer arrives already count it (the delivery used
+    to come first, and a client polling /metrics could still see its request running)."""
+    from graphexec.engine import request_tracker
+
+    seen_at_delivery = []
+    init = request_tracker.RequestTracker.__init__
+
+    def recording_init(self, req, sink, *args, **kwargs):
+        def sink_and_look(delta):
+            if getattr(delta, "finished", False):
+                seen_at_delivery.append((engine.num_unfinished(), sum(engine.metrics().finished.values())))
+            return sink(delta)
+
+        init(self, req, sink_and_look, *args, **kwargs)
+
+    monkeypatch.setattr(request_tracker.RequestTracker, "__init__", recording_init)
+    before = sum(engine.metrics().finished.values())
+    engine.generate(["ab", "cd"], SamplingParams(max_new_tokens=2))
+    # Each answer arrives with its own request already counted (the other may still be running).
+    assert sorted(seen_at_delivery) == [(0, before + 2), (1, before + 1)]

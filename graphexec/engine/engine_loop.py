@@ -192,10 +192,12 @@ class EngineLoop:
             if tracker.stop_string_matched and not tracker.req.finished:
                 # Release the KV before anyone hears the request is over.
                 self._scheduler.finish(tracker.rid, FinishReason.STOP)
-            delivered = tracker.sink(delta)
             if delta.finished:
+                # Forgotten (unfinished set, finish counters) before the caller hears of it: a
+                # client that reads the metrics right after its answer must see it finished.
                 self._forget(tracker, delta.finish_reason)
-            elif not delivered:  # the consumer's event loop is gone: stop generating for it
+                tracker.sink(delta)
+            elif not tracker.sink(delta):  # the consumer's event loop is gone: stop generating for it
                 self._scheduler.abort(tracker.rid)
                 self._forget(tracker, "abort")
         self.stats.record_tokens(now, new_tokens)
