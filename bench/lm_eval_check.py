@@ -18,16 +18,15 @@ packed Q4_1/Q8_0 weights, transformers their fp32 dequantization: logits agree t
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
-import socket
-import subprocess
 import sys
+import tempfile
 import time
-import urllib.request
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
+
+from bench.serve_server import launched_server
 
 DATA = Path(__file__).resolve().parent / "lm_eval_data"
 PPL_RTOL = 2e-3
@@ -134,33 +133,6 @@ def _score(results: dict[str, Any], task: str, metric: str) -> float:
     return float(results["results"][task][f"{metric},none"])
 
 
-@contextlib.contextmanager
-def serving(extra_args: list[str]) -> Iterator[str]:
-    """graphexec-serve in a child process on a free port; its base URL until the block ends."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "graphexec.entrypoints.serve", f"server.port={port}", "server.log_level=warning", *extra_args]
-    process = subprocess.Popen(cmd)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 600
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"graphexec-serve exited with {process.returncode}: {' '.join(cmd)}")
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=2):
-                    break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(1)
-        yield url
-    finally:
-        process.terminate()
-        process.wait(timeout=60)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--url", help="a running OpenAI-compatible server (default: start graphexec-serve)")
@@ -172,8 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.url:
         server = evaluate_server(args.url, args.model)
     else:
-        with serving(args.serve_args) as url:
-            server = evaluate_server(url, args.model)
+        with tempfile.TemporaryDirectory() as logs, launched_server(args.serve_args, Path(logs), 600) as target:
+            server = evaluate_server(target.url, args.model)
     server_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     hf = evaluate_hf()

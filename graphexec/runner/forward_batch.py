@@ -107,13 +107,14 @@ class ForwardBatch:
         if batch.reqs:
             # A prompt chunk's row is computed but not sampled: greedy and generator-free, so it
             # never advances a seeded request's random stream; with no history it is never penalised.
+            sampled = [r if s else None for r, s in zip(batch.reqs, batch.samples)]
             sampling_info = SamplingBatchInfo.from_params(
-                [r.params if s else _NO_SAMPLING for r, s in zip(batch.reqs, batch.samples)],
-                [r.generator if s else None for r, s in zip(batch.reqs, batch.samples)],
+                [_NO_SAMPLING if r is None else r.params for r in sampled],
+                [None if r is None else r.generator for r in sampled],
                 vocab_size,
                 device,
-                histories=[r if s else None for r, s in zip(batch.reqs, batch.samples)],
-                grammars=[r.grammar if s else None for r, s in zip(batch.reqs, batch.samples)],
+                histories=sampled,
+                grammars=[None if r is None else r.grammar for r in sampled],
             )
         return cls(
             forward_mode=mode,
