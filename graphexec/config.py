@@ -25,6 +25,7 @@ _WEIGHT_MODES = ("native", "dequantize")
 _MODEL_SOURCES = ("gguf", "hf", "random")
 _ADMISSION_POLICIES = ("optimistic", "reserve")
 _DEFAULT_PREFILL_TOKENS = 2048
+_DIST_BACKENDS = ("auto", "gloo", "nccl")
 
 
 def config_dir() -> Path:
@@ -134,6 +135,25 @@ class CacheConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """How many processes serve the model (graphexec/parallel/)."""
+
+    # Tensor-parallel ranks, one process each: attention heads, MLP columns and the vocabulary are
+    # split across them and every layer all-reduces.  Rank 0 owns the scheduler (and the HTTP front).
+    tp_size: int = 1
+    # Data-parallel replicas behind one graphexec-serve: each its own process, scheduler and KV
+    # cache (each replica may itself be tp_size ranks).
+    dp_size: int = 1
+    # torch.distributed backend: auto (nccl on CUDA, gloo on CPU) | gloo | nccl.
+    dist_backend: str = "auto"
+    # A rank that has not joined a collective (a step, start-up) within this many seconds fails
+    # the engine's requests with WorkerFailedError and stops the engine.
+    timeout_s: float = 60.0
+    # CPU threads each rank uses; null: the machine's cores divided among the ranks.
+    threads_per_rank: int | None = None
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelSourceConfig
     capture: CapturePlan
@@ -143,6 +163,7 @@ class EngineConfig:
     device: str
     attention_backend: str
     seed: int
+    parallel: ParallelConfig = ParallelConfig()
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -170,6 +191,7 @@ class EngineConfig:
             device=device,
             attention_backend=str(raw["attention_backend"]),
             seed=int(raw["seed"]),
+            parallel=_parallel(raw.get("parallel") or {}),
         )
 
 
@@ -224,6 +246,21 @@ def _cache(values: Mapping[str, Any]) -> CacheConfig:
         if dtype not in _DTYPES:
             raise ConfigError(f"cache.dtype must be null or one of {sorted(_DTYPES)}, got {values['dtype']!r}")
     return CacheConfig(**(values | {"dtype": dtype}))
+
+
+def _parallel(values: Mapping[str, Any]) -> ParallelConfig:
+    values = _known(ParallelConfig, values, "parallel")
+    for key in ("tp_size", "dp_size"):
+        _check_positive_int(values.get(key, 1), f"parallel.{key}")
+    if values.get("dist_backend", "auto") not in _DIST_BACKENDS:
+        raise ConfigError(f"parallel.dist_backend must be one of {list(_DIST_BACKENDS)}, got {values['dist_backend']!r}")
+    timeout = values.get("timeout_s", ParallelConfig.timeout_s)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+        raise ConfigError(f"parallel.timeout_s must be a number of seconds > 0, got {timeout!r}")
+    values["timeout_s"] = float(timeout)
+    if values.get("threads_per_rank") is not None:
+        _check_positive_int(values["threads_per_rank"], "parallel.threads_per_rank")
+    return ParallelConfig(**values)
 
 
 def _model_source(values: Mapping[str, Any]) -> ModelSourceConfig:

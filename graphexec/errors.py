@@ -35,3 +35,8 @@ class RequestFailedError(RuntimeError):
 
 class EngineClosedError(RuntimeError):
     """The engine was shut down and takes no more requests."""
+
+
+class WorkerFailedError(RequestFailedError):
+    """A tensor-parallel rank died or stopped answering (parallel.timeout_s): the engine fails its
+    requests with this error and stops; a new engine must be started."""
