@@ -21,6 +21,7 @@ import torch
 from graphexec.cache.kv_pool import TokenToKVPool
 from graphexec.cache.prefix_cache import RadixCache
 from graphexec.cache.req_to_token_pool import ReqToTokenPool
+from graphexec.parallel.group import SINGLE, TPGroup
 
 if TYPE_CHECKING:
     from graphexec.config import EngineConfig
@@ -48,9 +49,12 @@ class KVCacheManager:
         self._held: dict[Req, _Holding] = {}
 
     @classmethod
-    def from_config(cls, config: EngineConfig, model: ModelConfig, max_context: int) -> KVCacheManager:
+    def from_config(cls, config: EngineConfig, model: ModelConfig, max_context: int, tp: TPGroup = SINGLE) -> KVCacheManager:
+        """A rank's cache.  Rank 0's table keeps a journal when other tensor-parallel ranks mirror
+        it (graphexec/parallel/step_sync.py)."""
         device = torch.device(config.device)
-        rows = ReqToTokenPool(config.scheduler.max_running_requests, max_context, device)
+        journal = tp.is_parallel and tp.is_driver
+        rows = ReqToTokenPool(config.scheduler.max_running_requests, max_context, device, journal=journal)
         slots = TokenToKVPool(
             config.cache.num_slots, model.num_layers, model.num_kv_heads, model.head_dim,
             config.cache.torch_dtype or config.torch_dtype, device,
@@ -159,8 +163,7 @@ class KVCacheManager:
             rows += [held.row] * n
             cols += range(held.allocated, held.allocated + n)
             held.allocated += n
-        table = self.req_to_token_pool.req_to_token
-        table[torch.tensor(rows, device=table.device), torch.tensor(cols, device=table.device)] = slots.to(table.device)
+        self.req_to_token_pool.write_points(rows, cols, slots)
         return slots
 
     def cache_computed(self, req: Req) -> None:

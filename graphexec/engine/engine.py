@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from graphexec.cache.manager import KVCacheManager
 from graphexec.config import EngineConfig
 from graphexec.engine.engine_loop import EngineLoop
 from graphexec.engine.engine_metrics import EngineMetrics
@@ -25,9 +24,9 @@ from graphexec.engine.request_stream import AsyncRequestStream, RequestStream
 from graphexec.engine.request_tracker import RequestTracker
 from graphexec.engine.threads import call_in_thread
 from graphexec.errors import InvalidRequestError, RequestFailedError
-from graphexec.loader import LoadedCheckpoint
-from graphexec.loader.resolve import load_checkpoint
-from graphexec.runner.model_runner import ModelRunner
+from graphexec.engine.rank_setup import load_and_capture
+from graphexec.engine.tp_driver import TPDriver
+from graphexec.parallel.group import SINGLE
 from graphexec.sampling_params import SamplingParams
 from graphexec.scheduler.request import Req
 from graphexec.scheduler.scheduler import Scheduler
@@ -51,9 +50,24 @@ class Engine:
     def __init__(self, overrides: Sequence[str] = (), *, config: EngineConfig | None = None):
         self.config = config if config is not None else EngineConfig.from_overrides(overrides)
         torch.manual_seed(self.config.seed)
+        # Tensor parallelism: the other ranks start (or, under torchrun, are joined) first; they
+        # load and capture in lockstep with this process, rank 0.
+        self._tp = TPDriver(self.config) if self.config.parallel.tp_size > 1 else None
+        tp = SINGLE if self._tp is None else self._tp.tp
+        if self._tp is not None:
+            self.config = self._tp.config
         # Loading and capture run on a thread that then exits, so the engine loop's thread is the
         # only one holding an OpenMP team (graphexec/engine/threads.py: two teams cost ~40 % per step).
-        checkpoint, self.runner = call_in_thread(self._load_and_capture)
+        try:
+            checkpoint, self.runner = call_in_thread(lambda: load_and_capture(self.config, tp))
+        except BaseException:
+            if self._tp is not None:
+                self._tp.close()
+            raise
+        keep_alive_s = None
+        if self._tp is not None:
+            self.runner.peers = self._tp.start_serving()
+            keep_alive_s = self.runner.peers.keep_alive_s
         self.model_config = checkpoint.config
         self.tokenizer = checkpoint.tokenizer
         self.kv_cache = self.runner.kv_cache
@@ -62,22 +76,10 @@ class Engine:
         self._request_ids = itertools.count()
         self._grammar_backend: GrammarBackend | None = None  # built by the first constrained request
         self._grammar_backend_lock = threading.Lock()
-        self._loop = EngineLoop(self.scheduler, self.runner.device)
-        # An engine dropped without shutdown() still stops its thread (the callback holds the
-        # loop, not the engine, so it does not keep the engine alive).
-        self._stop_loop = weakref.finalize(self, self._loop.shutdown)
-
-    def _load_and_capture(self) -> tuple[LoadedCheckpoint, ModelRunner]:
-        device = torch.device(self.config.device)
-        if device.type == "cuda" and device.index is not None:
-            torch.cuda.set_device(device)  # the current CUDA device is per thread (as in EngineLoop)
-        checkpoint = load_checkpoint(self.config.model, self.config.torch_dtype)
-        model = checkpoint.config
-        max_context = min(self.config.cache.max_context or model.max_context, model.max_context)
-        kv_cache = KVCacheManager.from_config(self.config, model, max_context)
-        runner = ModelRunner(self.config, checkpoint, kv_cache)
-        runner.capture()
-        return checkpoint, runner
+        self._loop = EngineLoop(self.scheduler, self.runner.device, keep_alive_s=keep_alive_s)
+        # An engine dropped without shutdown() still stops its thread and its other ranks (the
+        # callback holds the loop and the driver, not the engine, so it does not keep it alive).
+        self._stop_loop = weakref.finalize(self, _shutdown, self._loop, self._tp)
 
     @property
     def max_context(self) -> int:
@@ -280,6 +282,12 @@ class Engine:
 
     def _asyncio_stream(self, rid: str) -> AsyncRequestStream:
         return AsyncRequestStream(rid, self._loop.abort)
+
+
+def _shutdown(loop: EngineLoop, tp: TPDriver | None) -> None:
+    loop.shutdown()
+    if tp is not None:
+        tp.close()  # after the loop thread is done with the process group
 
 
 def _drain(stream: RequestStream) -> None:

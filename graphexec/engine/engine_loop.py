@@ -7,7 +7,13 @@ unaware of threads: only this thread touches it once the loop has started.
 
 A step that raises fails only the requests of that batch (their streams end with the error);
 the loop keeps serving the rest.  The thread starts on the first submission, so code that drives
-`engine.scheduler.step()` itself on a fresh engine never races with it.
+`engine.scheduler.step()` itself on a fresh engine never races with it (except under tensor
+parallelism, where it starts at once: the other ranks need its keep-alives from the start).
+
+Under tensor parallelism a failed step is different: the ranks are out of step
+(WorkerFailedError), so the loop fails every request and stops; the engine takes no more.  While
+idle it sends the other ranks a keep-alive every `keep_alive_s`, so that they can tell an idle
+rank 0 from a hung one.
 
 On a CPU this thread must be the process's only OpenMP master, or every parallel region pays
 a futex wake-up (~40 % of a decode step on 2 cores): Engine loads and captures on a thread that
@@ -26,7 +32,7 @@ import torch
 
 from graphexec.engine.request_tracker import RequestTracker
 from graphexec.engine.serving_stats import ServingStats
-from graphexec.errors import EngineClosedError
+from graphexec.errors import EngineClosedError, WorkerFailedError
 from graphexec.scheduler.request import FinishReason
 from graphexec.scheduler.scheduler import Scheduler
 
@@ -52,19 +58,27 @@ class _FlushCache:
 
 
 class EngineLoop:
-    def __init__(self, scheduler: Scheduler, device: torch.device, name: str = "graphexec-engine-loop"):
+    def __init__(
+        self, scheduler: Scheduler, device: torch.device, name: str = "graphexec-engine-loop", keep_alive_s: float | None = None
+    ):
         self._scheduler = scheduler
         self._device = device
         self._name = name
+        self._keep_alive_s = keep_alive_s
         self.stats = ServingStats()
         self._wakeup = threading.Condition()
         # Guarded by _wakeup: the inbox, the ids of unfinished requests, the stop flag, the thread.
         self._inbox: list[_Submit | _Abort | _FlushCache] = []
         self._unfinished: set[str] = set()
         self._stopping = False
+        self._broken: WorkerFailedError | None = None  # why the loop stopped by itself
         self._thread: threading.Thread | None = None
         # Loop thread only.
         self._trackers: dict[str, RequestTracker] = {}
+        if keep_alive_s is not None:
+            # Other ranks wait on this loop from now on, requests or not.
+            with self._wakeup:
+                self._start_thread()
 
     # ---- any thread ----
 
@@ -72,13 +86,16 @@ class EngineLoop:
         """Queue requests; all of them reach the scheduler in the same step, in order."""
         with self._wakeup:
             if self._stopping:
-                raise EngineClosedError("the engine was shut down; create a new Engine")
+                raise self._closed_error()
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
-                self._thread.start()
+                self._start_thread()
             self._inbox.append(_Submit(tuple(trackers)))
             self._unfinished.update(t.rid for t in trackers)
             self._wakeup.notify()
+
+    def _start_thread(self) -> None:
+        self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+        self._thread.start()
 
     def abort(self, rid: str) -> bool:
         """Ask the loop to abort a request; False if it is unknown or already finished."""
@@ -94,13 +111,18 @@ class EngineLoop:
         are in flight.  Returns the slots freed."""
         with self._wakeup:
             if self._stopping:
-                raise EngineClosedError("the engine was shut down; create a new Engine")
+                raise self._closed_error()
             if self._thread is None:  # nothing has run on a loop thread: the scheduler is ours
                 return self._scheduler.flush_cache()
             done: Future = Future()
             self._inbox.append(_FlushCache(done))
             self._wakeup.notify()
         return done.result(timeout=_JOIN_TIMEOUT_S)
+
+    def _closed_error(self) -> EngineClosedError:
+        if self._broken is not None:
+            return EngineClosedError(f"the engine stopped after a failure and takes no requests: {self._broken}")
+        return EngineClosedError("the engine was shut down; create a new Engine")
 
     def num_unfinished(self) -> int:
         with self._wakeup:
@@ -136,7 +158,8 @@ class EngineLoop:
         while True:
             with self._wakeup:
                 while not (self._inbox or self._trackers or self._stopping):
-                    self._wakeup.wait()
+                    if not self._wakeup.wait(self._keep_alive_s) and self._keep_alive_s is not None:
+                        break  # idle for keep_alive_s: tell the other ranks we are alive
                 commands, self._inbox = self._inbox, []
                 stopping = self._stopping
             if stopping:
@@ -147,10 +170,30 @@ class EngineLoop:
                     self._apply(command)
                 if self._trackers:
                     self._step()
+                elif self._keep_alive_s is not None:
+                    self._scheduler.runner.keep_alive()
                 self._publish()
+            except WorkerFailedError as error:
+                self._stop_broken(error, commands)
+                return
             except Exception as error:  # a bug outside the model step: fail what is running, keep serving
                 _log.exception("engine loop iteration failed")
                 self._fail(list(self._trackers.values()), error)
+
+    def _stop_broken(self, error: WorkerFailedError, commands: list) -> None:
+        """The ranks are out of step: fail every request, take no more."""
+        _log.error("%s", error)
+        with self._wakeup:
+            self._stopping = True
+            self._broken = error
+            late, self._inbox = self._inbox, []
+        for command in [*commands, *late]:
+            if isinstance(command, _Submit):
+                for tracker in command.trackers:
+                    self._trackers.setdefault(tracker.rid, tracker)
+            elif isinstance(command, _FlushCache) and not command.done.done():
+                command.done.set_exception(self._closed_error())
+        self._fail(list(self._trackers.values()), error)
 
     def _apply(self, command: _Submit | _Abort | _FlushCache) -> None:
         if isinstance(command, _FlushCache):
@@ -171,6 +214,8 @@ class EngineLoop:
     def _step(self) -> None:
         try:
             self._scheduler.step()
+        except WorkerFailedError:
+            raise
         except Exception as error:
             # The scheduler released the failed batch and marked it aborted; those are the
             # requests to fail, unless the caller had asked for the abort anyway.

@@ -71,7 +71,9 @@ class _StreamState:
     def _accept(self, item: Item) -> RequestDelta:
         if isinstance(item, BaseException):
             self._end()
-            raise RequestFailedError(f"request {self.request_id} failed: {item}") from item
+            # A named engine failure (WorkerFailedError) keeps its type for the caller.
+            error_type = type(item) if isinstance(item, RequestFailedError) else RequestFailedError
+            raise error_type(f"request {self.request_id} failed: {item}") from item
         if item.finished:
             self._end()
             self._output = item.output

@@ -13,6 +13,7 @@ from graphexec.errors import GraphexecError
 
 def _run(cfg: DictConfig) -> None:
     from graphexec.engine.engine import Engine
+    from graphexec.engine.tp_worker import run_if_worker
 
     prompts = list(cfg.prompts) if cfg.prompts else [cfg.prompt]
     empty = [i for i, p in enumerate(prompts) if p == "" or p is None]
@@ -24,10 +25,14 @@ def _run(cfg: DictConfig) -> None:
         sys.exit(2)
     try:
         t0 = time.perf_counter()
-        engine = Engine(config=EngineConfig.from_dictconfig(cfg))
+        config = EngineConfig.from_dictconfig(cfg)
+        if run_if_worker(config):  # torchrun, rank != 0: this process serves rank 0's forwards
+            return
+        engine = Engine(config=config)
         t1 = time.perf_counter()
         outputs = engine.generate(prompts, chat=bool(cfg.chat))
         t2 = time.perf_counter()
+        engine.shutdown()
     except GraphexecError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)

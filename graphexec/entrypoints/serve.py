@@ -20,13 +20,17 @@ def _run(cfg: DictConfig) -> None:
     import uvicorn
 
     from graphexec.engine.engine import Engine
+    from graphexec.engine.tp_worker import run_if_worker
     from graphexec.server.app import create_app
     from graphexec.server.config import ServerConfig
     from graphexec.server.uvicorn_setup import log_config, uvicorn_options
 
     try:
         server = ServerConfig.from_mapping(OmegaConf.to_container(cfg.server, resolve=True))
-        engine = Engine(config=EngineConfig.from_dictconfig(cfg))
+        config = EngineConfig.from_dictconfig(cfg)
+        if run_if_worker(config):  # torchrun, rank != 0: no HTTP front, only rank 0's forwards
+            return
+        engine = Engine(config=config)
     except GraphexecError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 
@@ -25,9 +25,14 @@ from graphexec.quant import QuantEmbedding, QuantLinear, ensure_kernels
 from graphexec.runner.forward_batch import ForwardBatch, padding_policy
 from graphexec.attention.forward_context import ForwardContext, forward_context
 from graphexec.forward_mode import ForwardMode
+from graphexec.parallel.group import SINGLE, TPGroup
 from graphexec.runner.logits_processor import LogitsProcessor
+from graphexec.runner.prompt_logprobs import PromptLogprobs
 from graphexec.runner.sampler import Sampler, SamplerOutput
 from graphexec.structured.token_bitmask import TokenBitmask
+
+if TYPE_CHECKING:
+    from graphexec.parallel.step_sync import StepSender
 
 
 @dataclass(frozen=True)
@@ -40,8 +45,11 @@ class StepOutput:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, checkpoint: LoadedCheckpoint, kv_cache: KVCacheManager):
+    def __init__(self, config: EngineConfig, checkpoint: LoadedCheckpoint, kv_cache: KVCacheManager, tp: TPGroup = SINGLE):
         self.config = config
+        self.tp = tp
+        # Rank 0 of several: announces each forward to the other ranks (set by the Engine).
+        self.peers: StepSender | None = None
         self.model_config: ModelConfig = checkpoint.config
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype
@@ -144,12 +152,28 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward_and_sample(self, fb: ForwardBatch) -> StepOutput:
+        if self.peers is None:
+            logits, prompt_logprobs = self.forward_logits(fb)
+        else:
+            # The other ranks run the same forward and LM-head rows; sampling is rank 0's alone.
+            with self.peers.step(fb, self.kv_cache.req_to_token_pool.take_journal()):
+                logits, prompt_logprobs = self.forward_logits(fb)
+        entries = [] if prompt_logprobs is None else fb.prompt_logprobs.entries(prompt_logprobs)
+        return StepOutput(self.sampler(logits, fb.sampling_info), logits, entries)
+
+    def keep_alive(self) -> None:
+        """Rank 0, idle: let the other ranks know it is alive (no-op with one rank)."""
+        if self.peers is not None:
+            self.peers.keep_alive(self.kv_cache.req_to_token_pool.take_journal())
+
+    @torch.inference_mode()
+    def forward_logits(self, fb: ForwardBatch) -> tuple[torch.Tensor, PromptLogprobs | None]:
+        """The sampled rows' logits and, if the batch asked, its prompt logprobs: everything of a
+        step that runs on every tensor-parallel rank."""
         hidden = self.forward(fb)
         logits = self.logits_processor(hidden, fb)
-        prompt_logprobs = []
-        if (plan := fb.prompt_logprobs) is not None:
-            prompt_logprobs = plan.entries(plan.compute(hidden, self.model.compute_logits))
-        return StepOutput(self.sampler(logits, fb.sampling_info), logits, prompt_logprobs)
+        plan = fb.prompt_logprobs
+        return logits, None if plan is None else plan.compute(hidden, self.model.compute_logits)
 
     def backend_stats(self) -> dict[str, dict]:
         """Per-mode counters: capture cost, executions, fallbacks, padded rows.  Modes that share

@@ -1,0 +1,28 @@
+"""What every rank builds before serving: the checkpoint (its shard), the KV cache, the runner,
+and its captured graphs.  Rank 0 (the Engine) and the other tensor-parallel ranks
+(graphexec/engine/tp_worker.py) build through the same function, so their capture plans match
+collective for collective."""
+
+from __future__ import annotations
+
+import torch
+
+from graphexec.cache.manager import KVCacheManager
+from graphexec.config import EngineConfig
+from graphexec.loader import LoadedCheckpoint
+from graphexec.loader.resolve import load_checkpoint
+from graphexec.parallel.group import SINGLE, TPGroup
+from graphexec.runner.model_runner import ModelRunner
+
+
+def load_and_capture(config: EngineConfig, tp: TPGroup = SINGLE) -> tuple[LoadedCheckpoint, ModelRunner]:
+    device = torch.device(config.device)
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)  # the current CUDA device is per thread (as in EngineLoop)
+    checkpoint = load_checkpoint(config.model, config.torch_dtype)
+    model = checkpoint.config
+    max_context = min(config.cache.max_context or model.max_context, model.max_context)
+    kv_cache = KVCacheManager.from_config(config, model, max_context, tp)
+    runner = ModelRunner(config, checkpoint, kv_cache, tp)
+    runner.capture()
+    return checkpoint, runner

@@ -1,0 +1,74 @@
+"""A tensor-parallel rank other than 0: build the same runner on its shard, then run every
+forward rank 0 announces, until told to stop or the group breaks.
+
+    python -m graphexec.engine.tp_worker RANK WORLD INIT_METHOD PARENT_PID  < pickled config
+        (started by rank 0 on one machine: graphexec/parallel/launch.py LocalWorkers)
+    run_worker(config, info)
+        (under torchrun: graphexec-serve / graphexec-generate on ranks != 0)
+
+A worker samples nothing and schedules nothing: it replays rank 0's request → token table
+changes and computes its share of each forward, whose collectives rank 0 joins.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import torch
+
+from graphexec.config import EngineConfig
+from graphexec.engine.rank_setup import load_and_capture
+from graphexec.parallel import launch
+from graphexec.parallel.step_sync import StepKind, batch_to, receive
+
+_log = logging.getLogger(__name__)
+
+
+def run_worker(config: EngineConfig, info: launch.RankInfo) -> None:
+    config = launch.rank_config(config, info)
+    torch.set_num_threads(launch.threads_per_rank(config, info))
+    ctx = launch.join(config, info)
+    try:
+        with torch.inference_mode():
+            _, runner = load_and_capture(config, ctx.tp)
+            launch.serving(ctx, config.parallel.timeout_s)
+            table = runner.kv_cache.req_to_token_pool
+            while True:
+                message = receive(ctx.control)
+                table.replay(list(message.table_changes))
+                if message.kind is StepKind.STOP:
+                    return
+                if message.kind is StepKind.FORWARD:
+                    runner.forward_logits(batch_to(message.batch, runner.device))
+    finally:
+        launch.leave()
+
+
+def run_if_worker(config: EngineConfig) -> bool:
+    """Under torchrun, on a rank other than 0: serve as a worker until rank 0 stops, then True.
+    False everywhere else (the caller goes on to build the Engine)."""
+    info = launch.from_torchrun()
+    if info is None or config.parallel.tp_size == 1 and info.world_size == 1:
+        return False
+    launch.check_world(config, info)
+    if info.is_driver:
+        return False
+    run_worker(config, info)
+    return True
+
+
+def main() -> None:
+    rank, world, init_method, parent = sys.argv[1:5]
+    launch.watch_parent(int(parent))
+    config = launch.load_config(sys.stdin.buffer)
+    info = launch.RankInfo(int(rank), int(world), int(rank), int(world), init_method)
+    try:
+        run_worker(config, info)
+    except Exception:
+        _log.exception("tensor-parallel rank %s failed", rank)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""Rank 0 → the other tensor-parallel ranks, once per step: what to run next.
+
+Rank 0 owns the scheduler and the KV allocation; the other ranks own only their shard of the
+weights and of the KV pool.  Before every forward rank 0 broadcasts a `StepMessage`: the
+ForwardBatch without its sampling state (only rank 0 samples) and the changes its request →
+token table made since the last message (graphexec/cache/req_to_token_pool.py's journal).  Every
+rank then runs the same forward and the same LM-head rows, whose collectives keep them in step.
+
+The broadcast is torch.distributed's own (`broadcast_object_list` over a gloo group, also on
+CUDA, where the model's collectives use NCCL); a pickled batch of small tensors costs a few
+hundred µs (bench/tp_step.py).
+
+Any failure inside a step leaves the ranks out of step (some wait in a collective the others
+will never join), so it is fatal: `StepSender.step` turns it into WorkerFailedError, and the
+engine fails its requests and stops.  A rank that hangs is caught by the process group's
+timeout (`parallel.timeout_s`); an idle rank 0 sends keep-alive messages so that waiting
+workers never mistake idleness for a hang.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import enum
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterator
+
+import torch
+import torch.distributed as dist
+
+from graphexec.errors import WorkerFailedError
+
+if TYPE_CHECKING:
+    from graphexec.runner.forward_batch import ForwardBatch
+
+
+class StepKind(enum.Enum):
+    FORWARD = "forward"
+    KEEP_ALIVE = "keep_alive"
+    STOP = "stop"
+
+
+@dataclass(frozen=True)
+class StepMessage:
+    kind: StepKind
+    batch: "ForwardBatch | None" = None  # FORWARD only: sampling state stripped, tensors on the CPU
+    table_changes: tuple = ()  # rank 0's req_to_token journal since the previous message
+
+
+def batch_to(fb: "ForwardBatch", device: torch.device | str) -> "ForwardBatch":
+    """fb with every tensor (the prompt-logprob plan's too) on `device`."""
+    moved = {}
+    for f in dataclasses.fields(fb):
+        value = getattr(fb, f.name)
+        if isinstance(value, torch.Tensor):
+            moved[f.name] = value.to(device)
+        elif f.name == "prompt_logprobs" and value is not None:
+            moved[f.name] = dataclasses.replace(value, rows=value.rows.to(device), targets=value.targets.to(device))
+    return dataclasses.replace(fb, **moved)
+
+
+class StepSender:
+    """Rank 0's end.  `group` is the gloo control group; `ranks` the other ranks (for errors)."""
+
+    def __init__(self, group: dist.ProcessGroup, world_size: int, keep_alive_s: float):
+        self.group = group
+        self.world_size = world_size
+        self.keep_alive_s = keep_alive_s
+        self._last_sent = time.monotonic()
+        self._failed: WorkerFailedError | None = None
+
+    @contextlib.contextmanager
+    def step(self, fb: "ForwardBatch", table_changes: list) -> Iterator[None]:
+        """Send fb, then run the body (this rank's share of the same forward); any error on the
+        way is fatal (WorkerFailedError)."""
+        batch = batch_to(dataclasses.replace(fb, sampling_info=None), "cpu")
+        with self._fatal("a step"):
+            self._send(StepMessage(StepKind.FORWARD, batch, tuple(table_changes)))
+            yield
+
+    def keep_alive(self, table_changes: list) -> None:
+        """Send a no-op if nothing was sent for keep_alive_s (the engine loop calls it when idle)."""
+        if time.monotonic() - self._last_sent >= self.keep_alive_s:
+            with self._fatal("a keep-alive"):
+                self._send(StepMessage(StepKind.KEEP_ALIVE, table_changes=tuple(table_changes)))
+
+    def stop(self) -> None:
+        """Tell the workers to exit (best effort: they may already be gone)."""
+        if self._failed is None:
+            with contextlib.suppress(Exception):
+                self._send(StepMessage(StepKind.STOP))
+
+    @property
+    def failed(self) -> WorkerFailedError | None:
+        return self._failed
+
+    def _send(self, message: StepMessage) -> None:
+        if self._failed is not None:
+            raise self._failed
+        dist.broadcast_object_list([message], src=0, group=self.group)
+        self._last_sent = time.monotonic()
+
+    @contextlib.contextmanager
+    def _fatal(self, what: str) -> Iterator[None]:
+        try:
+            yield
+        except WorkerFailedError:
+            raise
+        except Exception as error:
+            self._failed = WorkerFailedError(
+                f"tensor parallelism ({self.world_size} ranks) failed during {what}: {error}. The ranks are out "
+                "of step, so the engine stops; a rank that died, hung past parallel.timeout_s, or raised is the "
+                "usual cause (see that rank's log)"
+            )
+            raise self._failed from error
+
+
+def receive(group: dist.ProcessGroup) -> StepMessage:
+    """A worker's end: block for rank 0's next message."""
+    box: list = [None]
+    dist.broadcast_object_list(box, src=0, group=group)
+    return box[0]
