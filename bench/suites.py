@@ -23,6 +23,7 @@ SUITES = {
     "e2e": "bench.e2e",
     "peer": "bench.peer",
     "serve": "bench.serve",
+    "parallel": "bench.parallel",
 }
 
 

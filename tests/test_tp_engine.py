@@ -151,3 +151,42 @@ def test_table_journal_replays_to_an_equal_table():
     mirror.replay(driver.take_journal())
     assert torch.equal(mirror.req_to_token, driver.req_to_token)
     assert driver.take_journal() == []
+
+
+def _exchange(rank: int, port: int, sizes: list[int], out) -> None:
+    import torch.distributed as dist
+
+    from graphexec.parallel.step_sync import StepKind, StepMessage, StepSender, receive
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    sender = StepSender(dist.group.WORLD, 2, keep_alive_s=60.0)
+    for n in sizes:
+        changes = (("span", 1, 0, torch.arange(n)),)
+        if rank == 0:
+            sender._send(StepMessage(StepKind.KEEP_ALIVE, table_changes=changes))
+        else:
+            message = receive(dist.group.WORLD)
+            out.put((message.kind.value, torch.equal(message.table_changes[0][3], changes[0][3])))
+    dist.destroy_process_group()
+
+
+def test_step_messages_of_any_length_arrive_whole():
+    """A message past the one-broadcast buffer (a long prompt chunk) follows in a second broadcast."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    sizes = [1, 8_000, 20_000, 100_000]  # int64 slots: 8 B .. 800 KB
+    procs = [ctx.Process(target=_exchange, args=(rank, port, sizes, out)) for rank in range(2)]
+    for p in procs:
+        p.start()
+    received = [out.get(timeout=120) for _ in sizes]
+    for p in procs:
+        p.join(60)
+    assert received == [("keep_alive", True)] * len(sizes)
+    assert [p.exitcode for p in procs] == [0, 0]

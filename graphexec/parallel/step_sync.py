@@ -6,9 +6,10 @@ ForwardBatch without its sampling state (only rank 0 samples) and the changes it
 token table made since the last message (graphexec/cache/req_to_token_pool.py's journal).  Every
 rank then runs the same forward and the same LM-head rows, whose collectives keep them in step.
 
-The broadcast is torch.distributed's own (`broadcast_object_list` over a gloo group, also on
-CUDA, where the model's collectives use NCCL); a pickled batch of small tensors costs a few
-hundred µs (bench/tp_step.py).
+The broadcast is torch.distributed's own, over a gloo group (also on CUDA, where the model's
+collectives use NCCL): the pickled message in a fixed-size byte buffer, so a step costs one
+broadcast (`broadcast_object_list` costs two, a size then the bytes); a message longer than the
+buffer (a long prompt's chunk) follows in a second.
 
 Any failure inside a step leaves the ranks out of step (some wait in a collective the others
 will never join), so it is fatal: `StepSender.step` turns it into WorkerFailedError, and the
@@ -22,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
+import pickle
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator
@@ -33,6 +35,11 @@ from graphexec.errors import WorkerFailedError
 
 if TYPE_CHECKING:
     from graphexec.runner.forward_batch import ForwardBatch
+
+
+# One broadcast carries a message up to this size (a decode step's is ~1 KiB); the rest follows.
+_BUFFER_BYTES = 64 * 1024
+_LENGTH_BYTES = 8
 
 
 class StepKind(enum.Enum):
@@ -98,7 +105,14 @@ class StepSender:
     def _send(self, message: StepMessage) -> None:
         if self._failed is not None:
             raise self._failed
-        dist.broadcast_object_list([message], src=0, group=self.group)
+        payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        head = torch.zeros(_BUFFER_BYTES, dtype=torch.uint8)
+        head[:_LENGTH_BYTES] = torch.tensor([len(payload)], dtype=torch.int64).view(torch.uint8)
+        first = payload[: _BUFFER_BYTES - _LENGTH_BYTES]
+        head[_LENGTH_BYTES : _LENGTH_BYTES + len(first)] = torch.frombuffer(bytearray(first), dtype=torch.uint8)
+        dist.broadcast(head, src=0, group=self.group)
+        if len(payload) > len(first):
+            dist.broadcast(torch.frombuffer(bytearray(payload[len(first) :]), dtype=torch.uint8), src=0, group=self.group)
         self._last_sent = time.monotonic()
 
     @contextlib.contextmanager
@@ -118,6 +132,12 @@ class StepSender:
 
 def receive(group: dist.ProcessGroup) -> StepMessage:
     """A worker's end: block for rank 0's next message."""
-    box: list = [None]
-    dist.broadcast_object_list(box, src=0, group=group)
-    return box[0]
+    head = torch.empty(_BUFFER_BYTES, dtype=torch.uint8)
+    dist.broadcast(head, src=0, group=group)
+    length = int(head[:_LENGTH_BYTES].view(torch.int64).item())
+    payload = head[_LENGTH_BYTES : _LENGTH_BYTES + length].numpy().tobytes()
+    if length > len(payload):
+        rest = torch.empty(length - len(payload), dtype=torch.uint8)
+        dist.broadcast(rest, src=0, group=group)
+        payload += rest.numpy().tobytes()
+    return pickle.loads(payload)

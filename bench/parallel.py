@@ -1,0 +1,143 @@
+"""Parallel suite: the same requests at several `parallel.tp_size` values, side by side.
+
+Boundary: orchestration and report.  Each tensor-parallel size runs as a fresh process per round
+(`python -m bench.peer_worker --side graphexec` with `parallel.tp_size=N`, which starts its own
+N-1 worker ranks), alternated (tp=1, tp=N, tp=1, ...) so machine noise lands on every side alike.
+The prompts, shapes and per-round numbers are the peer suite's (bench/peer.py): B=1 decode
+ms/token, prompt tok/s, batched decode tok/s, start-up, rank 0's peak RSS.
+
+What 2 cores can show: with tp ranks pinned to one thread each, tp=N spreads one step's GEMMs
+over N cores, so it can only win where tp=1 could not use the cores itself; on 2 cores tp=3
+oversubscribes.  The all-reduce's share of a step is measured separately (bench/tp_step.py).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from bench import peer
+from bench.plots import grouped_bars
+
+COMPARE_UNIT = "tok/s"
+
+_ROWS = (
+    ("decode_ms", "B=1 decode ms/token ↓"),
+    ("decode_tok_s", "B=1 decode tok/s ↑"),
+    ("decode_ttft_s", "B=1 time to first token s ↓"),
+    ("batch_tok_s", "batched decode tok/s ↑"),
+    ("pp_tok_s", "prompt processing tok/s ↑"),
+    ("start_s", "start-up s (all ranks load and capture) ↓"),
+    ("peak_rss_mib", "rank 0 peak RSS MiB ↓"),
+)
+
+
+def options(bench_cfg) -> dict[str, Any]:
+    o = OmegaConf.to_container(bench_cfg, resolve=True)
+    sizes = o.get("tp_sizes")
+    if not isinstance(sizes, list) or not sizes or not all(isinstance(n, int) and n >= 1 for n in sizes):
+        raise ValueError(f"bench.tp_sizes={sizes!r} must be a non-empty list of integers >= 1")
+    for key in ("rounds", "threads", "worker_timeout_s", "decode_new_tokens", "prompt_len", "batch_size", "prefill_len"):
+        if not isinstance(o.get(key), int) or isinstance(o.get(key), bool) or o[key] < 1:
+            raise ValueError(f"bench.{key}={o.get(key)!r} must be an integer >= 1")
+    return o
+
+
+def _peer_options(o: dict[str, Any]) -> dict[str, Any]:
+    """The peer suite's spec options for this suite's shapes (llama.cpp never runs here)."""
+    return {
+        "threads": o["threads"], "warmup": True, "repeats": 1,
+        "decode": {"prompt_len": o["prompt_len"], "new_tokens": o["decode_new_tokens"]},
+        "prefill": {"lengths": [o["prefill_len"]]},
+        "batch": {"sizes": [o["batch_size"]], "prompt_len": o["prompt_len"], "new_tokens": o["decode_new_tokens"]},
+        "llamacpp": {"enabled": False, "n_ctx": 1, "n_batch": 1, "flash_attn": False},
+    }
+
+
+def run(cfg, ctx) -> dict[str, Any]:
+    from graphexec.config import EngineConfig
+
+    opts = options(cfg.bench)
+    source = EngineConfig.from_dictconfig(cfg).model
+    gguf = peer.gguf_path(source)
+    spec = peer.build_spec(peer._tokenizer(source, gguf), _peer_options(opts), gguf)
+    ctx.out_dir.mkdir(parents=True, exist_ok=True)
+    spec_path = ctx.out_dir / "parallel_spec.json"
+    spec_path.write_text(json.dumps(spec))
+    base = [o for o in ctx.overrides if not o.startswith("parallel.tp_size=")]
+    sides = [f"tp={n}" for n in opts["tp_sizes"]]
+
+    def one(side: str, round_index: int) -> dict[str, Any]:
+        tp = int(side.removeprefix("tp="))
+        if ctx.progress:
+            print(f"parallel suite: round {round_index + 1}/{opts['rounds']}, {side} (fresh process) ...", file=sys.stderr, flush=True)
+        result = peer.run_worker("graphexec", spec_path, [*base, f"parallel.tp_size={tp}"], opts["threads"], opts["worker_timeout_s"])
+        if ctx.progress:
+            print(f"parallel suite: {side}: {result['error'] or 'ok'} ({result['process_seconds']:.0f} s)", file=sys.stderr, flush=True)
+        return result
+
+    raw, sequence = peer.alternate(sides, opts["rounds"], one)
+    per_side = {side: [_metrics(peer.round_metrics(w), opts) for w in rounds] for side, rounds in raw.items()}
+    rows = []
+    for key, label in _ROWS:
+        cells = {side: peer.stats([m[key] for m in per_side[side] if key in m]) for side in sides}
+        rows.append({"key": key, "label": label, "sides": cells})
+    errors = {side: [w["error"] for w in rounds if w.get("error")] for side, rounds in raw.items()}
+    tokens = {side: [w["decode"][0]["token_ids"] for w in rounds if not w.get("error")] for side, rounds in raw.items()}
+    same = [tokens[s][0] == tokens[sides[0]][0] for s in sides if tokens[s] and tokens[sides[0]]]
+    return {
+        "options": opts, "model": source.name, "overrides": list(base), "sides": sides, "sequence": sequence,
+        "rows": rows, "errors": errors, "greedy_tokens_equal": all(same) if same else None,
+    }
+
+
+def _metrics(m: dict[str, float], o: dict[str, Any]) -> dict[str, float]:
+    renamed = dict(m)
+    if f"batch_tok_s@{o['batch_size']}" in m:
+        renamed["batch_tok_s"] = m[f"batch_tok_s@{o['batch_size']}"]
+    if f"pp_tok_s@{o['prefill_len']}" in m:
+        renamed["pp_tok_s"] = m[f"pp_tok_s@{o['prefill_len']}"]
+    return renamed
+
+
+def markdown(result: dict[str, Any]) -> str:
+    o, sides = result["options"], result["sides"]
+    lines = [
+        f"# Parallel suite: {result['model']}, tensor-parallel sizes {', '.join(sides)}",
+        "",
+        f"{o['rounds']} fresh process(es) per size, alternated; B=1 decode of {o['decode_new_tokens']} tokens after a "
+        f"{o['prompt_len']}-token prompt; batch of {o['batch_size']}; a {o['prefill_len']}-token prompt for prefill. "
+        f"Cells: median (min-max) over rounds. Greedy tokens equal across sizes: {result['greedy_tokens_equal']}.",
+        "",
+        "| | " + " | ".join(sides) + " |",
+        "|---|" + "---|" * len(sides),
+    ]
+    for row in result["rows"]:
+        lines.append(f"| {row['label']} | " + " | ".join(peer._cell(row["sides"][s]) for s in sides) + " |")
+    for side, errors in result["errors"].items():
+        for error in errors:
+            lines.append(f"\n{side} failed a round: {error}")
+    return "\n".join(lines) + "\n"
+
+
+def plots(result: dict[str, Any], out_dir: Path) -> list[str]:
+    keys = ["decode_tok_s", "batch_tok_s", "pp_tok_s"]
+    medians = {
+        side: [(row["sides"][side] or {}).get("median") or 0.0 for row in result["rows"] if row["key"] in keys]
+        for side in result["sides"]
+    }
+    return [grouped_bars(out_dir / "parallel_throughput.png", f"{result['model']}: throughput by tensor-parallel size",
+                         "tok/s", keys, medians)]
+
+
+def summary(result: dict[str, Any]) -> dict[str, float]:
+    out = {}
+    for row in result["rows"]:
+        for side, cell in row["sides"].items():
+            if cell:
+                out[f"{row['key']} {side}"] = cell["median"]
+    return out
