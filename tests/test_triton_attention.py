@@ -8,9 +8,11 @@ few heads, blocks of 16 where the test needs many blocks and splits per row.  Th
 Tolerances.  fp32 (CPU): both sides compute softmax(q k^T) v in fp32 and differ only in the order
 of the sums (blocks, splits, then their merge), a few ulps of an output whose entries are convex
 combinations of N(0, 1) values: atol 1e-5 is about 100 ulps at 1.0 and still fails on any
-wrong key, mask or weight (those move entries by ~1e-1).  bf16 (GPU): the kernels round the
-probabilities to bf16 before p @ v and the output to bf16 (2^-8 relative each); against an fp32
-reference, atol 2e-2.  fp32 on the GPU: 1e-4, for sums of up to 4k terms in another order.
+wrong key, mask or weight (those move entries by ~1e-1).  bf16: both sides round the output to
+bf16 (8 bits of mantissa), the kernels also the probabilities before p @ v (on the GPU; the
+interpreter's dots run in fp32, see triton_kernels._dot_args): up to two roundings of 2^-8
+relative, so rtol 1.6e-2 (torch's bf16 default, 2 ulps) and atol 2e-2 for entries near zero.
+fp32 on the GPU: atol 1e-4, for sums of up to 4k terms in another order.
 """
 
 from __future__ import annotations
@@ -31,7 +33,6 @@ from graphexec.attention import triton_kernels as tk  # noqa: E402
 from graphexec.attention.backend import create_attention_backend, resolve_attention_backend  # noqa: E402
 from graphexec.attention.forward_context import ForwardContext, forward_context  # noqa: E402
 from graphexec.attention.op import PYTHON_ROUTED_OPS  # noqa: E402
-from graphexec.attention.torch_native import TorchNativeAttnBackend  # noqa: E402
 from graphexec.attention.triton_backend import TritonAttnBackend  # noqa: E402
 from graphexec.cache.kv_pool import DUMMY_SLOT, TokenToKVPool  # noqa: E402
 from graphexec.cache.req_to_token_pool import DUMMY_REQ_ROW, ReqToTokenPool  # noqa: E402
@@ -41,13 +42,15 @@ from graphexec.runner.forward_batch import ForwardBatch  # noqa: E402
 from tests.helpers import recorded_batches  # noqa: E402
 from tests.invariants import assert_no_leak  # noqa: E402
 
-ON_CPU = pytest.mark.skipif(not tk.INTERPRETED, reason="CPU tensors need Triton's interpreter (TRITON_INTERPRET=1 before triton is imported)")
+ON_CPU = pytest.mark.skipif(
+    not tk.INTERPRETED, reason="CPU tensors need Triton's interpreter (TRITON_INTERPRET=1 before triton is imported)"
+)
 COMPILED_ON_CUDA = pytest.mark.skipif(
     not torch.cuda.is_available() or tk.INTERPRETED, reason="needs CUDA and compiled (not interpreted) Triton"
 )
 ATOL_FP32 = 1e-5
 ATOL_FP32_GPU = 1e-4  # sums of up to 4k terms, in a different order
-ATOL_BF16 = 2e-2
+BF16 = dict(atol=2e-2, rtol=1.6e-2)
 KV_HEADS, HEAD_DIM, MAX_CONTEXT = 2, 16, 512
 
 
@@ -239,6 +242,25 @@ def test_extend_matches_torch_native(group):
     real = fb.num_token_non_padded
     torch.testing.assert_close(out.view(q.shape)[:real], expected[:real], atol=ATOL_FP32, rtol=0)
     assert out[real:].isnan().all()  # tokens of no request are not written
+
+
+@ON_CPU
+def test_bf16_activations_and_pool_match_torch_native():
+    """The dtype casts: bf16 q/k/v and pool, bf16 output (decode and extend, GQA 4)."""
+    heads, dtype = KV_HEADS * 4, torch.bfloat16
+    triton_be, native_be = _backends(heads)
+    world = _world(DECODE_LENS, dtype=dtype)
+    fb = _decode_batch(world, pad=1)
+    q, k, v = _qkv(fb.batch_size, heads, dtype=dtype)
+    got, expected = _attend(triton_be, world, fb, q, k, v), _attend(native_be, world, fb, q, k, v)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), expected.float(), **BF16)
+
+    world = _world([p + n for p, n in EXTEND_RUNS], dtype=dtype)
+    fb = _extend_batch(world, [p for p, _ in EXTEND_RUNS])
+    q, k, v = _qkv(fb.num_tokens, heads, dtype=dtype)
+    got, expected = _attend(triton_be, world, fb, q, k, v), _attend(native_be, world, fb, q, k, v)
+    torch.testing.assert_close(got.float(), expected.float(), **BF16)
 
 
 @ON_CPU
@@ -455,8 +477,8 @@ def test_gpu_decode_matches_torch_native(heads, kv_heads, head_dim, dtype):
     q, k, v = _qkv(fb.batch_size, heads, kv_heads, head_dim, "cuda", dtype)
     expected = _attend(native_be, world, fb, q, k, v)
     got = _attend(triton_be, world, fb, q, k, v)
-    atol = ATOL_FP32_GPU if dtype == torch.float32 else ATOL_BF16
-    torch.testing.assert_close(got.float(), expected.float(), atol=atol, rtol=0)
+    tol = dict(atol=ATOL_FP32_GPU, rtol=0) if dtype == torch.float32 else BF16
+    torch.testing.assert_close(got.float(), expected.float(), **tol)
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim", GPU_SHAPES)
@@ -471,8 +493,8 @@ def test_gpu_extend_matches_torch_native(heads, kv_heads, head_dim, dtype):
     q, k, v = _qkv(fb.num_tokens, heads, kv_heads, head_dim, "cuda", dtype)
     expected = _attend(native_be, world, fb, q, k, v)
     got = _attend(triton_be, world, fb, q, k, v)
-    atol = ATOL_FP32_GPU if dtype == torch.float32 else ATOL_BF16
-    torch.testing.assert_close(got.float(), expected.float(), atol=atol, rtol=0)
+    tol = dict(atol=ATOL_FP32_GPU, rtol=0) if dtype == torch.float32 else BF16
+    torch.testing.assert_close(got.float(), expected.float(), **tol)
 
 
 @pytest.mark.gpu
@@ -518,5 +540,5 @@ def test_gpu_decode_under_a_cuda_graph_reads_rewritten_metadata():
     world.pool.k_pool.copy_(pool_before[0])
     world.pool.v_pool.copy_(pool_before[1])
     reference = _attend(native_be, world, fresh, q2, k2, v2)
-    torch.testing.assert_close(out.float(), reference.float(), atol=ATOL_BF16, rtol=0)
+    torch.testing.assert_close(out.float(), reference.float(), **BF16)
     assert (out[4:] == 0).all()

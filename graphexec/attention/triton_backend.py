@@ -75,7 +75,9 @@ class TritonAttnBackend(AttentionBackend):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
         super().__init__(num_heads, num_kv_heads, head_dim)
         if num_heads % num_kv_heads:
-            raise ConfigError(f"attention_backend=triton needs num_heads ({num_heads}) a multiple of num_kv_heads ({num_kv_heads})")
+            raise ConfigError(
+                f"attention_backend=triton needs num_heads ({num_heads}) a multiple of num_kv_heads ({num_kv_heads})"
+            )
         self._kernels = load_kernels()
         self._static: _DecodeWorkspace | None = None
         self._req_to_token: torch.Tensor | None = None
@@ -95,7 +97,9 @@ class TritonAttnBackend(AttentionBackend):
             self._workspace = self._static
         else:
             splits = self._kernels.num_splits_for(max(fb.seq_lens_cpu, default=1))
-            self._workspace = _DecodeWorkspace.allocate(fb.batch_size, self.num_heads, self.head_dim, splits, req_to_token.device)
+            self._workspace = _DecodeWorkspace.allocate(
+                fb.batch_size, self.num_heads, self.head_dim, splits, req_to_token.device
+            )
 
     def end_forward(self) -> None:
         self._req_to_token = self._workspace = None

@@ -71,6 +71,7 @@ def _decode_partial(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,  # what the operands of the dots are cast to
     DOT_PRECISION: tl.constexpr,
 ):
     """One (row, KV head, split): the split's keys against the KV head's GROUP query heads."""
@@ -90,7 +91,8 @@ def _decode_partial(
         d = tl.arange(0, BLOCK_D)
         h_ok = h < GROUP
         d_ok = d < head_dim
-        qv = tl.load(q + row * stride_qr + heads[:, None] * stride_qh + d[None, :], mask=h_ok[:, None] & d_ok[None, :], other=0.0)
+        hd_ok = h_ok[:, None] & d_ok[None, :]
+        qv = tl.load(q + row * stride_qr + heads[:, None] * stride_qh + d[None, :], mask=hd_ok, other=0.0).to(DOT_DTYPE)
         table = req_to_token + tl.load(req_pool_indices + row) * stride_table
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -101,7 +103,7 @@ def _decode_partial(
             slot = tl.load(table + pos // PAGE_SIZE, mask=live, other=0) * PAGE_SIZE + pos % PAGE_SIZE
             kv_ok = live[:, None] & d_ok[None, :]
             k = tl.load(k_buf + slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :], mask=kv_ok, other=0.0)
-            qk = tl.dot(qv, tl.trans(k.to(qv.dtype)), input_precision=DOT_PRECISION) * scale
+            qk = tl.dot(qv, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * scale
             qk = tl.where(live[None, :], qk, float("-inf"))
             # Every block holds a live key, so m_new is finite from the first block on.
             m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -109,15 +111,14 @@ def _decode_partial(
             p = tl.exp(qk - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(v_buf + slot[:, None] * stride_vs + kv_head * stride_vh + d[None, :], mask=kv_ok, other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(qv.dtype), v.to(qv.dtype), input_precision=DOT_PRECISION)
+            acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
             m_i = m_new
-        out_ok = h_ok[:, None] & d_ok[None, :]
         o = acc / l_i[:, None]
         if num_splits == 1:
             # The whole row in one split: its output is final, the reduce skips the row.
-            tl.store(out + row * stride_or + heads[:, None] * stride_oh + d[None, :], o.to(out.dtype.element_ty), mask=out_ok)
+            tl.store(out + row * stride_or + heads[:, None] * stride_oh + d[None, :], o.to(out.dtype.element_ty), mask=hd_ok)
         else:
-            tl.store(part_acc + row * stride_ar + heads[:, None] * stride_ah + split * stride_as + d[None, :], o, mask=out_ok)
+            tl.store(part_acc + row * stride_ar + heads[:, None] * stride_ah + split * stride_as + d[None, :], o, mask=hd_ok)
             tl.store(part_lse + row * stride_lr + heads * stride_lh + split, m_i + tl.log(l_i), mask=h_ok)
 
 
@@ -169,7 +170,8 @@ def _decode_reduce(
             other=0.0,
         )
         o = tl.sum(w[:, :, None] * acc, 1) / tl.maximum(tl.sum(w, 1), 1e-30)[:, None]
-        tl.store(out + row * stride_or + heads[:, None] * stride_oh + d[None, :], o.to(out.dtype.element_ty), mask=h_ok[:, None] & d_ok[None, :])
+        out_ptrs = out + row * stride_or + heads[:, None] * stride_oh + d[None, :]
+        tl.store(out_ptrs, o.to(out.dtype.element_ty), mask=h_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit
@@ -199,6 +201,7 @@ def _extend(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,  # what the operands of the dots are cast to
     DOT_PRECISION: tl.constexpr,
 ):
     """One (request, block of its new tokens, query head): the tokens attend to the cached
@@ -218,6 +221,7 @@ def _extend(
         d_ok = d < head_dim
         q_ok = i_ok[:, None] & d_ok[None, :]
         qv = tl.load(q + (first + i[:, None]) * stride_qt + head * stride_qh + d[None, :], mask=q_ok, other=0.0)
+        qv = qv.to(DOT_DTYPE)
         table = req_to_token + tl.load(req_pool_indices + req) * stride_table
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -231,14 +235,14 @@ def _extend(
             slot = tl.load(table + pos // PAGE_SIZE, mask=live, other=0) * PAGE_SIZE + pos % PAGE_SIZE
             kv_ok = live[:, None] & d_ok[None, :]
             k = tl.load(k_buf + slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :], mask=kv_ok, other=0.0)
-            qk = tl.dot(qv, tl.trans(k.to(qv.dtype)), input_precision=DOT_PRECISION) * scale
+            qk = tl.dot(qv, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * scale
             qk = tl.where(live[None, :] & (pos[None, :] <= q_pos[:, None]), qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(qk - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(v_buf + slot[:, None] * stride_vs + kv_head * stride_vh + d[None, :], mask=kv_ok, other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(qv.dtype), v.to(qv.dtype), input_precision=DOT_PRECISION)
+            acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
             m_i = m_new
         o = acc / l_i[:, None]
         tl.store(out + (first + i[:, None]) * stride_ot + head * stride_oh + d[None, :], o.to(out.dtype.element_ty), mask=q_ok)
@@ -260,10 +264,16 @@ def _interpreted() -> bool:
 INTERPRETED = _interpreted()
 
 
-def _dot_precision(dtype: torch.dtype) -> str | None:
-    """fp32 dots would run as tf32 on the GPU by default (10 mantissa bits, visibly off the
-    reference); half-precision inputs take the default."""
-    return "ieee" if dtype == torch.float32 else None
+_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+
+def _dot_args(dtype: torch.dtype) -> dict:
+    """The dots' operand dtype and precision for activations of `dtype`: the activations' own,
+    except bf16 in the interpreter, whose tl.dot multiplies bf16 bit patterns as integers
+    (triton-lang/triton#11584, unsupported there): fp32 instead.  fp32 dots would run as tf32
+    on the GPU by default (10 mantissa bits, visibly off the reference): "ieee"."""
+    dot_dtype = torch.float32 if INTERPRETED and dtype == torch.bfloat16 else dtype
+    return dict(DOT_DTYPE=_TL_DTYPES[dot_dtype], DOT_PRECISION="ieee" if dot_dtype == torch.float32 else None)
 
 
 def _check_head_dim_contiguous(*tensors: torch.Tensor) -> None:
@@ -318,7 +328,7 @@ def decode(
         part_lse.stride(0), part_lse.stride(1),
         head_dim, min_split_len,
         GROUP=group, BLOCK_H=_block(group), BLOCK_D=block_d, BLOCK_N=block_n, PAGE_SIZE=page_size,
-        DOT_PRECISION=_dot_precision(q.dtype),
+        **_dot_args(q.dtype),
     )  # fmt: skip
     if num_splits == 1:
         return  # every row was one split, written to `out` by _decode_partial
@@ -365,7 +375,7 @@ def extend(
         req_to_token.stride(0),
         head_dim,
         GROUP=heads // k_buf.shape[1], BLOCK_M=block_m, BLOCK_D=_block(head_dim), BLOCK_N=block_n,
-        PAGE_SIZE=page_size, DOT_PRECISION=_dot_precision(q.dtype),
+        PAGE_SIZE=page_size, **_dot_args(q.dtype),
     )  # fmt: skip
 
 
