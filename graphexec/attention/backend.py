@@ -27,6 +27,10 @@ class AttentionBackend(ABC):
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
 
+    @classmethod
+    def check_device(cls, device: torch.device) -> None:
+        """Raise ConfigError (naming attention_backend) if this backend cannot run on `device`."""
+
     @abstractmethod
     def init_forward_metadata(self, fb: "ForwardBatch", req_to_token: torch.Tensor) -> None:
         """Build whatever the layers need (KV index lists, masks) for this forward.
@@ -60,12 +64,26 @@ _BACKENDS = {
     "torch_native": "graphexec.attention.torch_native:TorchNativeAttnBackend",
     # C++ paged kernels for CPU tensors (graphexec/kernels/csrc/attention.cpp); torch_native elsewhere.
     "cpu": "graphexec.attention.cpu:CpuAttnBackend",
+    # Triton paged kernels: GPU tensors, or CPU tensors under Triton's interpreter (tests).
+    "triton": "graphexec.attention.triton_backend:TritonAttnBackend",
 }
+# `auto`: the paged kernels made for the device, the reference anywhere else.
+_AUTO = {"cuda": "triton", "cpu": "cpu"}
 
 
-def create_attention_backend(name: str, num_heads: int, num_kv_heads: int, head_dim: int) -> AttentionBackend:
+def resolve_attention_backend(name: str, device: torch.device) -> str:
+    """The backend `name` means on `device` (`auto` picks by device type)."""
+    if name == "auto":
+        return _AUTO.get(device.type, "torch_native")
     if name not in _BACKENDS:
-        raise ConfigError(f"attention_backend={name!r} is unknown; choose one of {sorted(_BACKENDS)}")
-    module_name, class_name = _BACKENDS[name].split(":")
+        raise ConfigError(f"attention_backend={name!r} is unknown; choose one of {sorted(_BACKENDS) + ['auto']}")
+    return name
+
+
+def create_attention_backend(
+    name: str, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device
+) -> AttentionBackend:
+    module_name, class_name = _BACKENDS[resolve_attention_backend(name, device)].split(":")
     backend_cls = getattr(importlib.import_module(module_name), class_name)
+    backend_cls.check_device(device)
     return backend_cls(num_heads, num_kv_heads, head_dim)

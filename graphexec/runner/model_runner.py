@@ -66,7 +66,9 @@ class ModelRunner:
         self.model = model.to(device=self.device).eval()
 
         mc = self.model_config
-        self.attn_backend = create_attention_backend(config.attention_backend, mc.num_heads, mc.num_kv_heads, mc.head_dim)
+        self.attn_backend = create_attention_backend(
+            config.attention_backend, mc.num_heads, mc.num_kv_heads, mc.head_dim, self.device
+        )
         self.logits_processor = LogitsProcessor(self.model.compute_logits)
         self.sampler = Sampler(TokenBitmask(mc.vocab_size, config.scheduler.max_running_requests))
 
