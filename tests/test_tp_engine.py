@@ -190,3 +190,18 @@ def test_step_messages_of_any_length_arrive_whole():
         p.join(60)
     assert received == [("keep_alive", True)] * len(sizes)
     assert [p.exitcode for p in procs] == [0, 0]
+
+
+@pytest.mark.gpu
+def test_gpu_tp2_nccl_with_the_all_reduce_inside_cuda_graphs():
+    """NCCL for the model's collectives, CUDA graphs (decode) and piecewise pieces capturing them."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"tensor parallelism over NCCL needs 2 GPUs (one rank each); this machine has {torch.cuda.device_count()}")
+    cuda = ["model=tiny-llama", "device=cuda", "cache.num_slots=2048", "attention_backend=torch_native",
+            "capture.decode.buckets=[1,2,4]", "capture.extend.buckets=[16,64]"]
+    with Engine([*cuda, "capture=eager"]) as engine:
+        expected = _tokens(engine, SamplingParams(max_new_tokens=10, temperature=0.0))
+    with Engine([*cuda, "capture=graph_first", "parallel.tp_size=2"]) as engine:
+        assert _tokens(engine, SamplingParams(max_new_tokens=10, temperature=0.0)) == expected
+        stats = engine.metrics().backends
+    assert len(stats["decode"]["capture_seconds"]) == 3 and stats["decode"]["executions"] > 0
