@@ -10,7 +10,7 @@ of the sums (blocks, splits, then their merge), a few ulps of an output whose en
 combinations of N(0, 1) values: atol 1e-5 is about 100 ulps at 1.0 and still fails on any
 wrong key, mask or weight (those move entries by ~1e-1).  bf16: both sides round the output to
 bf16 (8 bits of mantissa), the kernels also the probabilities before p @ v (on the GPU; the
-interpreter's dots run in fp32, see triton_kernels._dot_args): up to two roundings of 2^-8
+interpreter's dots run in fp32, see triton_ops._dot_args): up to two roundings of 2^-8
 relative, so rtol 1.6e-2 (torch's bf16 default, 2 ulps) and atol 2e-2 for entries near zero.
 fp32 on the GPU: atol 1e-4, for sums of up to 4k terms in another order.
 """
@@ -29,7 +29,7 @@ pytest.importorskip("triton")
 
 from capture.op_tape import TapeRecorder  # noqa: E402
 from graphexec import Engine, SamplingParams  # noqa: E402
-from graphexec.attention import triton_kernels as tk  # noqa: E402
+from graphexec.attention import triton_ops as tk  # noqa: E402
 from graphexec.attention.backend import create_attention_backend, resolve_attention_backend  # noqa: E402
 from graphexec.attention.forward_context import ForwardContext, forward_context  # noqa: E402
 from graphexec.attention.op import PYTHON_ROUTED_OPS  # noqa: E402
@@ -454,8 +454,9 @@ def test_triton_on_the_cpu_without_the_interpreter_is_refused():
 
 def test_a_missing_triton_is_a_config_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "triton", None)  # `import triton` raises ImportError
-    monkeypatch.delitem(sys.modules, "graphexec.attention.triton_kernels")
-    monkeypatch.delattr("graphexec.attention.triton_kernels", raising=False)
+    for module in ("triton_ops", "triton_kernels"):
+        monkeypatch.delitem(sys.modules, f"graphexec.attention.{module}")
+        monkeypatch.delattr(f"graphexec.attention.{module}", raising=False)
     with pytest.raises(ConfigError, match="attention_backend=triton needs the triton package"):
         create_attention_backend("triton", 4, 2, 16, torch.device("cuda"))
 

@@ -1,6 +1,7 @@
-"""The `triton` attention backend: paged decode and extend kernels (attention/triton_kernels.py)
-that read the KV pool in place through the request -> token table, on GPU tensors, or on CPU
-tensors through Triton's interpreter (TRITON_INTERPRET=1, for tests).
+"""The `triton` attention backend: paged decode and extend kernels (attention/triton_kernels.py,
+launched as ops by attention/triton_ops.py) that read the KV pool in place through the
+request -> token table, on GPU tensors, or on CPU tensors through Triton's interpreter
+(TRITON_INTERPRET=1, for tests).
 
 Graph-ready decode: a launch reads only fixed-address tensors (the batch's req_pool_indices and
 seq_lens, which a captured batch's static inputs already are; the table; the pool; a workspace
@@ -30,15 +31,16 @@ if TYPE_CHECKING:
 
 
 def load_kernels() -> ModuleType:
-    """The kernel module (imports triton); a ConfigError naming the option if triton is missing."""
+    """The launch module (imports triton, registers the ops); a ConfigError naming the option if
+    triton is missing."""
     try:
-        from graphexec.attention import triton_kernels
+        from graphexec.attention import triton_ops
     except ImportError as error:
         raise ConfigError(
             f"attention_backend=triton needs the triton package ({error}); install graphexec[gpu] "
             "or choose attention_backend=auto"
         ) from error
-    return triton_kernels
+    return triton_ops
 
 
 @dataclass(frozen=True)

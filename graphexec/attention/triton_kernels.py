@@ -1,16 +1,11 @@
 """Triton paged-attention kernels: decode (split keys, then reduce) and extend, reading the KV pool
-in place through the request -> token table.  Imported only by the triton backend, so that
-`import graphexec` never needs triton.
+in place through the request -> token table.  Their launches are attention/triton_ops.py's;
+imported only through the triton backend, so that `import graphexec` never needs triton.
 
 Compiled or interpreted is decided once per process: Triton's own library functions
 (`tl.sum`, `tl.cdiv`, ...) are compiled or interpreted when `triton.language` is first imported,
 by TRITON_INTERPRET=1 in the environment then.  Interpreted, the kernels run on the host with
 numpy, on CPU tensors (and on GPU tensors, copied to the host and back per launch).
-
-The launches are torch ops (`graphexec::triton_decode`, `graphexec::triton_extend`) so that a
-recorder that writes down ops (capture/op_tape.py) records the launch itself, with its arguments
-and its grid, exactly what a CUDA graph records of a kernel launch; an interpreted kernel issues
-no aten op the tape could see.
 
 Addressing: the table maps (request row, position) to a page; a key's slot is
 `page * PAGE_SIZE + position % PAGE_SIZE`.  The pool has pages of one slot today (PAGE_SIZE 1,
@@ -19,7 +14,6 @@ the table holds slots); a larger page size changes that line only.
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
@@ -36,6 +30,60 @@ EXTEND_BLOCK_N = 64
 def num_splits_for(max_len: int) -> int:
     """The split dimension of the decode grid for rows of up to `max_len` keys."""
     return max(1, min(MAX_SPLITS, triton.cdiv(max_len, MIN_KEYS_PER_SPLIT)))
+
+
+@triton.jit
+def _online_softmax(
+    qv,  # [ROWS, BLOCK_D] queries, already DOT_DTYPE
+    q_pos,  # [ROWS] the queries' positions (read only when CAUSAL)
+    table,  # this request's row of the request -> token table
+    k_buf,
+    v_buf,
+    kv_head,
+    start,
+    end,
+    scale,
+    stride_ks,
+    stride_kh,
+    stride_vs,
+    stride_vh,
+    d,
+    d_ok,
+    ROWS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Keys start..end-1 of one KV head against ROWS queries, a block of BLOCK_N keys at a time.
+
+    Returns (acc, m, l): the unnormalized output, each row's running max and its sum of
+    exponentials; the output is acc / l, the log-sum-exp m + log(l).  The caller guarantees every
+    row sees a live key in the first block, so m is finite from then on."""
+    m_i = tl.full([ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        live = pos < end
+        slot = tl.load(table + pos // PAGE_SIZE, mask=live, other=0) * PAGE_SIZE + pos % PAGE_SIZE
+        kv_ok = live[:, None] & d_ok[None, :]
+        k = tl.load(k_buf + slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :], mask=kv_ok, other=0.0)
+        qk = tl.dot(qv, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * scale
+        if CAUSAL:
+            qk = tl.where(live[None, :] & (pos[None, :] <= q_pos[:, None]), qk, float("-inf"))
+        else:
+            qk = tl.where(live[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_buf + slot[:, None] * stride_vs + kv_head * stride_vh + d[None, :], mask=kv_ok, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
 
 
 @triton.jit
@@ -94,25 +142,12 @@ def _decode_partial(
         hd_ok = h_ok[:, None] & d_ok[None, :]
         qv = tl.load(q + row * stride_qr + heads[:, None] * stride_qh + d[None, :], mask=hd_ok, other=0.0).to(DOT_DTYPE)
         table = req_to_token + tl.load(req_pool_indices + row) * stride_table
-        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_H], tl.float32)
-        acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-        for n0 in range(start, end, BLOCK_N):
-            pos = n0 + tl.arange(0, BLOCK_N)
-            live = pos < end
-            slot = tl.load(table + pos // PAGE_SIZE, mask=live, other=0) * PAGE_SIZE + pos % PAGE_SIZE
-            kv_ok = live[:, None] & d_ok[None, :]
-            k = tl.load(k_buf + slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :], mask=kv_ok, other=0.0)
-            qk = tl.dot(qv, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * scale
-            qk = tl.where(live[None, :], qk, float("-inf"))
-            # Every block holds a live key, so m_new is finite from the first block on.
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(qk - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_buf + slot[:, None] * stride_vs + kv_head * stride_vh + d[None, :], mask=kv_ok, other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
-            m_i = m_new
+        acc, m_i, l_i = _online_softmax(
+            qv, h, table, k_buf, v_buf, kv_head, start, end, scale,
+            stride_ks, stride_kh, stride_vs, stride_vh, d, d_ok,
+            ROWS=BLOCK_H, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, CAUSAL=False, PAGE_SIZE=PAGE_SIZE,
+            DOT_DTYPE=DOT_DTYPE, DOT_PRECISION=DOT_PRECISION,
+        )  # fmt: skip
         o = acc / l_i[:, None]
         if num_splits == 1:
             # The whole row in one split: its output is final, the reduce skips the row.
@@ -223,27 +258,14 @@ def _extend(
         qv = tl.load(q + (first + i[:, None]) * stride_qt + head * stride_qh + d[None, :], mask=q_ok, other=0.0)
         qv = qv.to(DOT_DTYPE)
         table = req_to_token + tl.load(req_pool_indices + req) * stride_table
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        # Keys up to this block's last query; the first block holds key 0, which every query
-        # sees, so each row's running max is finite from then on.
+        # Keys up to this block's last query; the first block holds key 0, which every query sees.
         end = prefix + tl.minimum((m_block + 1) * BLOCK_M, q_len)
-        for n0 in range(0, end, BLOCK_N):
-            pos = n0 + tl.arange(0, BLOCK_N)
-            live = pos < end
-            slot = tl.load(table + pos // PAGE_SIZE, mask=live, other=0) * PAGE_SIZE + pos % PAGE_SIZE
-            kv_ok = live[:, None] & d_ok[None, :]
-            k = tl.load(k_buf + slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :], mask=kv_ok, other=0.0)
-            qk = tl.dot(qv, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * scale
-            qk = tl.where(live[None, :] & (pos[None, :] <= q_pos[:, None]), qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(qk - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_buf + slot[:, None] * stride_vs + kv_head * stride_vh + d[None, :], mask=kv_ok, other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
-            m_i = m_new
+        acc, m_i, l_i = _online_softmax(
+            qv, q_pos, table, k_buf, v_buf, kv_head, 0, end, scale,
+            stride_ks, stride_kh, stride_vs, stride_vh, d, d_ok,
+            ROWS=BLOCK_M, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, CAUSAL=True, PAGE_SIZE=PAGE_SIZE,
+            DOT_DTYPE=DOT_DTYPE, DOT_PRECISION=DOT_PRECISION,
+        )  # fmt: skip
         o = acc / l_i[:, None]
         tl.store(out + (first + i[:, None]) * stride_ot + head * stride_oh + d[None, :], o.to(out.dtype.element_ty), mask=q_ok)
 
@@ -262,144 +284,3 @@ def _interpreted() -> bool:
 
 # Whether this process runs Triton kernels in the interpreter (see the module docstring).
 INTERPRETED = _interpreted()
-
-
-_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
-
-
-def _dot_args(dtype: torch.dtype) -> dict:
-    """The dots' operand dtype and precision for activations of `dtype`: the activations' own,
-    except bf16 in the interpreter, whose tl.dot multiplies bf16 bit patterns as integers
-    (triton-lang/triton#11584, unsupported there): fp32 instead.  fp32 dots would run as tf32
-    on the GPU by default (10 mantissa bits, visibly off the reference): "ieee"."""
-    dot_dtype = torch.float32 if INTERPRETED and dtype == torch.bfloat16 else dtype
-    return dict(DOT_DTYPE=_TL_DTYPES[dot_dtype], DOT_PRECISION="ieee" if dot_dtype == torch.float32 else None)
-
-
-def _check_head_dim_contiguous(*tensors: torch.Tensor) -> None:
-    # The kernels step through a head's values with stride 1.
-    if any(t.stride(-1) != 1 for t in tensors):
-        raise ValueError("the Triton attention kernels need head_dim contiguous (stride 1) in q, out and the KV buffers")
-
-
-def _block(n: int, at_least: int = 16) -> int:
-    """A power of two >= n (tl.arange's sizes), and >= 16 (tl.dot's smallest tile)."""
-    return max(at_least, triton.next_power_of_2(n))
-
-
-def decode(
-    q: torch.Tensor,
-    out: torch.Tensor,
-    k_buf: torch.Tensor,
-    v_buf: torch.Tensor,
-    req_to_token: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    seq_lens: torch.Tensor,
-    part_acc: torch.Tensor,
-    part_lse: torch.Tensor,
-    scale: float,
-    num_splits: int,
-    min_split_len: int = MIN_KEYS_PER_SPLIT,
-    block_n: int = DECODE_BLOCK_N,
-    page_size: int = 1,
-) -> None:
-    """out[r] = attention of q[r] over the first seq_lens[r] keys of table row req_pool_indices[r].
-
-    q, out: [rows, heads, head_dim]; k_buf, v_buf: [slots, kv_heads, head_dim]; part_acc/part_lse:
-    the workspace (see _decode_partial), with room for `num_splits` splits.  The grid depends on
-    rows, heads and num_splits only, never on the lengths.
-    """
-    rows, heads, head_dim = q.shape
-    kv_heads = k_buf.shape[1]
-    if rows == 0:
-        return
-    _check_head_dim_contiguous(q, out, k_buf, v_buf)
-    if num_splits > 1 and (part_acc.shape[2] < num_splits or part_lse.shape[2] < num_splits):
-        raise ValueError(f"decode workspace holds {part_acc.shape[2]} splits, {num_splits} asked")
-    group = heads // kv_heads
-    block_d = _block(head_dim)
-    _decode_partial[(rows, kv_heads, num_splits)](
-        q, out, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, part_acc, part_lse,
-        scale,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
-        req_to_token.stride(0),
-        part_acc.stride(0), part_acc.stride(1), part_acc.stride(2),
-        part_lse.stride(0), part_lse.stride(1),
-        head_dim, min_split_len,
-        GROUP=group, BLOCK_H=_block(group), BLOCK_D=block_d, BLOCK_N=block_n, PAGE_SIZE=page_size,
-        **_dot_args(q.dtype),
-    )  # fmt: skip
-    if num_splits == 1:
-        return  # every row was one split, written to `out` by _decode_partial
-    _decode_reduce[(rows, kv_heads)](
-        out, seq_lens, part_acc, part_lse,
-        out.stride(0), out.stride(1),
-        part_acc.stride(0), part_acc.stride(1), part_acc.stride(2),
-        part_lse.stride(0), part_lse.stride(1),
-        head_dim, min_split_len, num_splits,
-        GROUP=group, BLOCK_H=_block(group, 1), BLOCK_S=_block(num_splits, 1), BLOCK_D=block_d,
-    )  # fmt: skip
-
-
-def extend(
-    q: torch.Tensor,
-    out: torch.Tensor,
-    k_buf: torch.Tensor,
-    v_buf: torch.Tensor,
-    req_to_token: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    extend_prefix_lens: torch.Tensor,
-    extend_seq_lens: torch.Tensor,
-    extend_start_loc: torch.Tensor,
-    scale: float,
-    max_extend_len: int,
-    block_m: int = EXTEND_BLOCK_M,
-    block_n: int = EXTEND_BLOCK_N,
-    page_size: int = 1,
-) -> None:
-    """Each request's new tokens (rows extend_start_loc[r] ... + extend_seq_lens[r] of q) over its
-    prefix and, causally, themselves.  q, out: [tokens, heads, head_dim]; rows of out that belong
-    to no request are not written."""
-    requests = req_pool_indices.shape[0]
-    _, heads, head_dim = q.shape
-    if requests == 0 or max_extend_len == 0:
-        return
-    _check_head_dim_contiguous(q, out, k_buf, v_buf)
-    _extend[(requests, triton.cdiv(max_extend_len, block_m), heads)](
-        q, out, k_buf, v_buf, req_to_token, req_pool_indices,
-        extend_prefix_lens, extend_seq_lens, extend_start_loc,
-        scale,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
-        req_to_token.stride(0),
-        head_dim,
-        GROUP=heads // k_buf.shape[1], BLOCK_M=block_m, BLOCK_D=_block(head_dim), BLOCK_N=block_n,
-        PAGE_SIZE=page_size, **_dot_args(q.dtype),
-    )  # fmt: skip
-
-
-# The launches as ops (see the module docstring): what a recorder writes down is the launch.
-_LIB = torch.library.Library("graphexec", "FRAGMENT")  # noqa: the library object keeps the ops alive
-_LIB.define(
-    "triton_decode(Tensor q, Tensor(a!) out, Tensor k_buf, Tensor v_buf, Tensor req_to_token, "
-    "Tensor req_pool_indices, Tensor seq_lens, Tensor(b!) part_acc, Tensor(c!) part_lse, float scale, "
-    "int num_splits) -> ()"
-)
-_LIB.define(
-    "triton_extend(Tensor q, Tensor(a!) out, Tensor k_buf, Tensor v_buf, Tensor req_to_token, "
-    "Tensor req_pool_indices, Tensor extend_prefix_lens, Tensor extend_seq_lens, Tensor extend_start_loc, "
-    "float scale, int max_extend_len) -> ()"
-)
-_LIB.impl("triton_decode", decode, "CompositeExplicitAutograd")
-_LIB.impl("triton_extend", extend, "CompositeExplicitAutograd")
-
-
-@torch.library.register_fake("graphexec::triton_decode")
-def _decode_fake(*args) -> None:
-    return None
-
-
-@torch.library.register_fake("graphexec::triton_extend")
-def _extend_fake(*args) -> None:
-    return None
