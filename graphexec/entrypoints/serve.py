@@ -84,7 +84,8 @@ def _run_front(server, config: EngineConfig) -> None:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(1)
     try:
-        app = create_front_app(replicas.urls, Router(parallel.dp_size, parallel.dp_affinity_slack), server)
+        router = Router(parallel.dp_size, parallel.dp_affinity_slack)
+        app = create_front_app(replicas.urls, router, server, on_shutdown=replicas.stop)
         print(
             f"graphexec-serve: model={config.model.name} dp_size={parallel.dp_size} (replicas at "
             f"{', '.join(replicas.urls)}) on http://{server.host}:{server.port}",
@@ -92,11 +93,15 @@ def _run_front(server, config: EngineConfig) -> None:
         )
         uvicorn.run(app, **uvicorn_options(server, log_config=log_config(server.log_level)))
     finally:
-        replicas.stop()
+        replicas.stop()  # start-up failed, or already done by the app's shutdown (then a no-op)
 
 
 def main() -> None:
     import hydra
+
+    from graphexec.parallel.replicas import die_with_front
+
+    die_with_front()  # a data-parallel replica goes when its front goes
 
     hydra.main(version_base=None, config_path=str(config_dir()), config_name="serve")(_run)()
 

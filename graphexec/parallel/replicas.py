@@ -6,9 +6,10 @@ plus its own: a free loopback port, `parallel.dp_size=1`, and its share of the C
 `parallel.tp_size > 1` starts its own tensor-parallel ranks, as any graphexec-serve does.
 
 Replicas never outlive the front: each asks Linux for SIGTERM when the front dies
-(PR_SET_PDEATHSIG), and `stop` terminates them, then kills what has not exited after a grace
-period.  They run in sessions of their own, so a Ctrl-C at the terminal reaches the front only,
-which stops them in order.  Their stderr is echoed with a `[replica i]` prefix; its tail goes
+(PR_SET_PDEATHSIG, in `die_with_front`, which graphexec-serve calls first thing), and `stop`
+terminates them, then kills what has not exited after a grace period.  They run in sessions of
+their own, so a Ctrl-C at the terminal reaches the front only, which stops them in order.  Their
+stderr is echoed with a `[replica i]` prefix; its tail goes
 into the error when a replica exits during start-up.
 """
 
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import collections
 import ctypes
-import functools
 import os
 import signal
 import socket
@@ -36,6 +36,7 @@ STARTUP_TIMEOUT_S = 900.0
 STOP_GRACE_S = 10.0
 _STDERR_TAIL_LINES = 40
 _PR_SET_PDEATHSIG = 1
+_FRONT_PID_ENV = "GRAPHEXEC_REPLICA_OF"  # the front's pid, in a replica's environment
 # The options a replica's command line sets itself, dropped from the front's overrides.
 _OWN_OPTIONS = ("server.port", "server.host", "parallel.dp_size", "parallel.threads_per_rank")
 
@@ -141,13 +142,12 @@ class ReplicaSet:
 def _spawn(index: int, overrides: Sequence[str], threads: int) -> Replica:
     port = _free_port()
     command = [sys.executable, "-m", "graphexec.entrypoints.serve", *replica_overrides(overrides, port, threads)]
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), **{_FRONT_PID_ENV: str(os.getpid())})
     proc = subprocess.Popen(
         command,
         stdin=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         env=env,
-        preexec_fn=functools.partial(_die_with_parent, os.getpid()),
         start_new_session=True,
     )
     replica = Replica(index, port, proc)
@@ -155,12 +155,17 @@ def _spawn(index: int, overrides: Sequence[str], threads: int) -> Replica:
     return replica
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """In the child before exec: SIGTERM when the parent dies (Linux; elsewhere `stop` only)."""
+def die_with_front() -> None:
+    """In a replica, first thing: SIGTERM when the front that started it dies (Linux
+    PR_SET_PDEATHSIG; elsewhere the front's `stop` only).  Done here rather than in a Popen
+    preexec_fn, which is unsafe in a front that already runs threads."""
+    front = os.environ.pop(_FRONT_PID_ENV, None)
+    if front is None:
+        return
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        os._exit(1)
+    if os.getppid() != int(front):  # the front died before prctl took effect
+        sys.exit(f"graphexec-serve replica: its front (pid {front}) is gone")
 
 
 def _echo(replica: Replica) -> None:

@@ -172,8 +172,11 @@ def _all_down() -> APIError:
     return APIError(503, "every data-parallel replica is down", type="server_error", code="replica_unavailable")
 
 
-def create_front_app(upstreams: Sequence[str], router: Router, config: ServerConfig) -> FastAPI:
-    """The front for replica servers at `upstreams` (base URLs, replica i at index i)."""
+def create_front_app(
+    upstreams: Sequence[str], router: Router, config: ServerConfig, on_shutdown: Callable[[], None] | None = None
+) -> FastAPI:
+    """The front for replica servers at `upstreams` (base URLs, replica i at index i);
+    `on_shutdown` (stopping the replicas) runs when the app shuts down."""
     front = Front(upstreams, router)
 
     @asynccontextmanager
@@ -183,6 +186,10 @@ def create_front_app(upstreams: Sequence[str], router: Router, config: ServerCon
             yield
         finally:
             await front.close()
+            # Here, not after uvicorn.run returns: on SIGTERM uvicorn re-raises the signal once the
+            # app has shut down, and the process ends before its caller's `finally`.
+            if on_shutdown is not None:
+                await asyncio.to_thread(on_shutdown)
 
     # The OpenAPI schema and docs are the replicas' (their request models), proxied below.
     app = FastAPI(title="graphexec front", lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None)
