@@ -197,7 +197,7 @@ def create_front_app(
     app.state.front = front
     install_error_handlers(app)
     _generation_routes(app, front, config)
-    _single_replica_routes(app, front)
+    _single_replica_routes(app, front, config)
     _aggregate_routes(app, front)
     return app
 
@@ -220,9 +220,11 @@ def _generation_routes(app: FastAPI, front: Front, config: ServerConfig) -> None
         app.add_api_route(path, routed, methods=["POST"], include_in_schema=False)
 
 
-def _single_replica_routes(app: FastAPI, front: Front) -> None:
+def _single_replica_routes(app: FastAPI, front: Front, config: ServerConfig) -> None:
     async def any_replica(request: Request) -> Response:
-        body = bytes(await request.body()) if request.method == "POST" else None
+        body = None
+        if request.method == "POST":
+            body = bytes(await read_body(request, config.max_body_bytes, config.request_read_timeout_s))
         try:
             replica = front.router.pick_any(front.loads)
         except NoReplicaError:
