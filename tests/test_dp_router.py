@@ -101,6 +101,15 @@ def test_affinity_slack_config():
         EngineConfig.from_overrides(["model=tiny-llama", "parallel.dp_affinity_slack=-1"])
 
 
+def test_replica_overrides_replace_the_fronts_own():
+    from graphexec.parallel.replicas import replica_overrides
+
+    front = ["model=tiny-llama", "parallel.dp_size=2", "server.port=8000", "+parallel.threads_per_rank=2"]
+    assert replica_overrides(front, 4321, 1) == [
+        "model=tiny-llama", "server.port=4321", "server.host=127.0.0.1", "parallel.dp_size=1", "parallel.threads_per_rank=1",
+    ]
+
+
 # --- merged metrics -----------------------------------------------------------------------------
 
 _REPLICA_METRICS = """# HELP graphexec_prompt_tokens_total Prompt tokens

@@ -124,6 +124,13 @@ def test_sigterm_to_the_front_stops_every_replica(tiny_dp):
     assert _all_gone(replicas) == []
 
 
+def test_replica_failing_at_start_up_is_reported_with_its_stderr():
+    from graphexec.parallel.replicas import ReplicaSet, ReplicaStartError
+
+    with pytest.raises(ReplicaStartError, match=r"(?s)replica 0 exited with code 2.*cache\.num_slots"):
+        ReplicaSet.start(["model=tiny-llama", "cache.num_slots=0"], dp_size=1, threads=1, startup_timeout_s=120)
+
+
 @pytest.mark.slow
 def test_chat_system_prompt_affinity_and_sigkill_leaves_no_replica():
     """SmolLM2 (it has a chat template): a shared system prompt on several chats goes to one
