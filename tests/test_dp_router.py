@@ -3,6 +3,7 @@ prefix affinity and its slack, the LRU bound, counters), the Prometheus merge, a
 proxying to fake replica servers (streaming, errors, a client leaving, a dead replica, metrics)."""
 
 import asyncio
+import socket
 import threading
 
 import httpx
@@ -270,6 +271,30 @@ def test_dead_replica_answers_503_and_is_routed_around(front):
     assert again.status_code == 200 and again.headers[REPLICA_HEADER] == str(1 - dead)
     health = httpx.get(server.url + "/health", timeout=15)
     assert health.status_code == 200 and health.json()["status"] == "degraded"
+
+
+def test_connection_closed_under_a_request_is_retried_once():
+    """A replica that closes a connection without answering (as on keep-alive expiry) costs a
+    retry on a new connection, not a 503 and a replica marked down."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def serve() -> None:
+        first, _ = listener.accept()
+        first.recv(65536)
+        first.close()  # read, then closed without a response
+        second, _ = listener.accept()
+        second.recv(65536)
+        second.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}")
+        second.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    app = create_front_app([f"http://127.0.0.1:{port}"], Router(1), server_config())
+    with ServerThread(app) as server:
+        answer = httpx.post(server.url + "/v1/completions", json={"prompt": "p"}, timeout=10)
+    listener.close()
+    assert answer.status_code == 200 and answer.json() == {}
+    assert not app.state.front.router.is_down(0)
 
 
 def test_front_metrics_relabel_and_total(front):

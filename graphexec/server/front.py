@@ -55,16 +55,21 @@ _CONNECT_TIMEOUT_S = 5.0
 class Front:
     """The front's state: replica URLs, their in-flight requests, the router, the HTTP client."""
 
-    def __init__(self, upstreams: Sequence[str], router: Router):
+    def __init__(self, upstreams: Sequence[str], router: Router, replica_keep_alive_s: float):
         self.upstreams = [u.rstrip("/") for u in upstreams]
         self.router = router
         self.loads = [0] * len(self.upstreams)
         self.client: httpx.AsyncClient | None = None
+        self._replica_keep_alive_s = replica_keep_alive_s
 
     def open(self) -> None:
         timeout = httpx.Timeout(None, connect=_CONNECT_TIMEOUT_S)
         # Requests in flight are bounded by the front's uvicorn (server.limit_concurrency), not here.
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        # An idle connection is dropped well before the replica's keep-alive timeout closes it, so
+        # a request rarely meets a connection the replica is closing (`_send` retries the rest).
+        limits = httpx.Limits(
+            max_connections=None, max_keepalive_connections=64, keepalive_expiry=self._replica_keep_alive_s / 2
+        )
         self.client = httpx.AsyncClient(timeout=timeout, limits=limits)
 
     async def close(self) -> None:
@@ -82,10 +87,9 @@ class Front:
         assert self.client is not None
         url = self.upstreams[replica] + request.url.path + (f"?{request.url.query}" if request.url.query else "")
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _DROPPED_HEADERS | {"content-length"}}
-        outgoing = self.client.build_request(request.method, url, headers=headers, content=body)
         self.loads[replica] += 1
         try:
-            upstream = await _unless_disconnected(request, self.client.send(outgoing, stream=True))
+            upstream = await _unless_disconnected(request, self._send(request.method, url, headers, body))
         except httpx.TransportError as error:
             self.loads[replica] -= 1
             raise self._replica_failed(replica, error) from None
@@ -96,6 +100,15 @@ class Front:
             self.loads[replica] -= 1
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         return _Relay(upstream, replica, self._relay_done)
+
+    async def _send(self, method: str, url: str, headers: dict[str, str], body: bytes | None) -> httpx.Response:
+        """Send; once more on a new connection when a kept-alive one was closed under the request
+        (the replica never read it).  A replica that refuses connections fails at once."""
+        assert self.client is not None
+        try:
+            return await self.client.send(self.client.build_request(method, url, headers=headers, content=body), stream=True)
+        except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError):
+            return await self.client.send(self.client.build_request(method, url, headers=headers, content=body), stream=True)
 
     def _relay_done(self, replica: int, error: BaseException | None) -> None:
         self.loads[replica] -= 1
@@ -175,9 +188,10 @@ def _all_down() -> APIError:
 def create_front_app(
     upstreams: Sequence[str], router: Router, config: ServerConfig, on_shutdown: Callable[[], None] | None = None
 ) -> FastAPI:
-    """The front for replica servers at `upstreams` (base URLs, replica i at index i);
-    `on_shutdown` (stopping the replicas) runs when the app shuts down."""
-    front = Front(upstreams, router)
+    """The front for replica servers at `upstreams` (base URLs, replica i at index i), which run
+    with the same `config` (so the same keep-alive timeout); `on_shutdown` (stopping the
+    replicas) runs when the app shuts down."""
+    front = Front(upstreams, router, config.keep_alive_timeout_s)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
