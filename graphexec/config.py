@@ -144,6 +144,11 @@ class ParallelConfig:
     # Data-parallel replicas behind one graphexec-serve: each its own process, scheduler and KV
     # cache (each replica may itself be tp_size ranks).
     dp_size: int = 1
+    # dp_size > 1: a request whose prompt prefix (system prompt, first turns) a replica served
+    # before goes back to that replica, for its prefix cache, unless that replica has more than
+    # this many requests in flight beyond the least-loaded one (then the least-loaded takes it).
+    # 0: it goes back only when that replica is as little loaded as any.
+    dp_affinity_slack: int = 4
     # torch.distributed backend: auto (nccl on CUDA, gloo on CPU) | gloo | nccl.
     dist_backend: str = "auto"
     # A rank that has not joined a collective (a step, start-up) within this many seconds fails
@@ -252,6 +257,9 @@ def _parallel(values: Mapping[str, Any]) -> ParallelConfig:
     values = _known(ParallelConfig, values, "parallel")
     for key in ("tp_size", "dp_size"):
         _check_positive_int(values.get(key, 1), f"parallel.{key}")
+    slack = values.get("dp_affinity_slack", ParallelConfig.dp_affinity_slack)
+    if not isinstance(slack, int) or isinstance(slack, bool) or slack < 0:
+        raise ConfigError(f"parallel.dp_affinity_slack must be an integer >= 0, got {slack!r}")
     if values.get("dist_backend", "auto") not in _DIST_BACKENDS:
         raise ConfigError(f"parallel.dist_backend must be one of {list(_DIST_BACKENDS)}, got {values['dist_backend']!r}")
     timeout = values.get("timeout_s", ParallelConfig.timeout_s)

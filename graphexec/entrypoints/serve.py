@@ -4,6 +4,10 @@ uvicorn runs with graphexec's protocol and connection options (graphexec/server/
 a read deadline for request headers and refused bodies (`server.request_read_timeout_s`),
 `server.keep_alive_timeout_s`, `server.limit_concurrency`, and a log config that also shows
 graphexec's INFO lines.
+
+`parallel.dp_size > 1`: this process is only the front (graphexec/server/front.py); it starts
+dp_size replicas, each a graphexec-serve of its own on a loopback port (graphexec/parallel/
+replicas.py), routes requests among them and stops them when it exits.
 """
 
 from __future__ import annotations
@@ -28,8 +32,12 @@ def _run(cfg: DictConfig) -> None:
     try:
         server = ServerConfig.from_mapping(OmegaConf.to_container(cfg.server, resolve=True))
         config = EngineConfig.from_dictconfig(cfg)
+        if config.parallel.dp_size > 1:
+            _check_dp_outside_torchrun()
         if run_if_worker(config):  # torchrun, rank != 0: no HTTP front, only rank 0's forwards
             return
+        if config.parallel.dp_size > 1:
+            return _run_front(server, config)
         engine = Engine(config=config)
     except GraphexecError as err:
         print(f"error: {err}", file=sys.stderr)
@@ -46,8 +54,54 @@ def _run(cfg: DictConfig) -> None:
         engine.shutdown()
 
 
+def _check_dp_outside_torchrun() -> None:
+    from graphexec.errors import ConfigError
+    from graphexec.parallel.launch import from_torchrun
+
+    if from_torchrun() is not None:
+        raise ConfigError(
+            "parallel.dp_size > 1 starts its replicas itself and cannot run under torchrun; "
+            "run graphexec-serve directly (each replica starts its own parallel.tp_size ranks)"
+        )
+
+
+def _run_front(server, config: EngineConfig) -> None:
+    """Start the replicas, serve the front until it is stopped, then stop them."""
+    import uvicorn
+    from hydra.core.hydra_config import HydraConfig
+
+    from graphexec.parallel.replicas import ReplicaSet, ReplicaStartError, threads_per_replica_rank
+    from graphexec.parallel.router import Router
+    from graphexec.server.front import create_front_app
+    from graphexec.server.uvicorn_setup import log_config, uvicorn_options
+
+    parallel = config.parallel
+    threads = threads_per_replica_rank(parallel.dp_size, parallel.tp_size, parallel.threads_per_rank)
+    print(f"graphexec-serve: starting {parallel.dp_size} replicas ({threads} threads per rank)", file=sys.stderr)
+    try:
+        replicas = ReplicaSet.start(list(HydraConfig.get().overrides.task), parallel.dp_size, threads)
+    except ReplicaStartError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(1)
+    try:
+        router = Router(parallel.dp_size, parallel.dp_affinity_slack)
+        app = create_front_app(replicas.urls, router, server, on_shutdown=replicas.stop)
+        print(
+            f"graphexec-serve: model={config.model.name} dp_size={parallel.dp_size} (replicas at "
+            f"{', '.join(replicas.urls)}) on http://{server.host}:{server.port}",
+            file=sys.stderr,
+        )
+        uvicorn.run(app, **uvicorn_options(server, log_config=log_config(server.log_level)))
+    finally:
+        replicas.stop()  # start-up failed, or already done by the app's shutdown (then a no-op)
+
+
 def main() -> None:
     import hydra
+
+    from graphexec.parallel.replicas import die_with_front
+
+    die_with_front()  # a data-parallel replica goes when its front goes
 
     hydra.main(version_base=None, config_path=str(config_dir()), config_name="serve")(_run)()
 

@@ -25,13 +25,12 @@ from fastapi.responses import JSONResponse, Response
 from graphexec.engine.engine import Engine
 from graphexec.server.config import ServerConfig
 from graphexec.server.errors import ERROR_RESPONSES, APIError, install_error_handlers
+from graphexec.server.front_metrics import PROMETHEUS_TEXT
 from graphexec.server.metrics import ServerMetrics
 from graphexec.server.protocol import ChatCompletionRequest, CompletionRequest
 from graphexec.server.routing import BodyRoute
 from graphexec.server.serving import OpenAIServing
 from graphexec.server.tokenize import DetokenizeRequest, TokenizeRequest, TokenizerEndpoints
-
-PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 
 
 def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
