@@ -154,7 +154,8 @@ class ParallelConfig:
     # A rank that has not joined a collective (a step, start-up) within this many seconds fails
     # the engine's requests with WorkerFailedError and stops the engine.
     timeout_s: float = 60.0
-    # CPU threads each rank uses; null: the machine's cores divided among the ranks.
+    # CPU threads each rank (or, at tp_size=1, the engine) uses; null: the machine's cores divided
+    # among the ranks (at tp_size=1: torch's default).
     threads_per_rank: int | None = None
 
 

@@ -39,3 +39,19 @@ def test_engine_loads_and_captures_off_the_calling_thread(monkeypatch):
     assert seen and seen[0] is not threading.current_thread() and not seen[0].is_alive()
     assert engine.generate([[5, 6, 7]])[0].completion_tokens > 0
     engine.shutdown()
+
+
+def test_threads_per_rank_applies_at_tp_size_1():
+    """A dp replica (tp_size=1) gets its share of the cores from parallel.threads_per_rank."""
+    import torch
+
+    from graphexec.engine.engine import Engine
+
+    before = torch.get_num_threads()
+    wanted = 1 if before > 1 else 2
+    try:
+        engine = Engine(overrides=[*TINY_OVERRIDES, "capture=eager", f"parallel.threads_per_rank={wanted}"])
+        assert call_in_thread(torch.get_num_threads) == wanted  # what a new thread (the engine loop's) gets
+        engine.shutdown()
+    finally:
+        torch.set_num_threads(before)

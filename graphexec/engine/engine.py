@@ -56,6 +56,8 @@ class Engine:
         tp = SINGLE if self._tp is None else self._tp.tp
         if self._tp is not None:
             self.config = self._tp.config
+        elif self.config.parallel.threads_per_rank is not None:
+            torch.set_num_threads(self.config.parallel.threads_per_rank)  # a dp replica's share of the cores
         # Loading and capture run on a thread that then exits, so the engine loop's thread is the
         # only one holding an OpenMP team (graphexec/engine/threads.py: two teams cost ~40 % per step).
         try:
