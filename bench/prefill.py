@@ -29,7 +29,7 @@ def run(cfg, ctx) -> dict[str, Any]:
         variants[name] = backend
     rows = []
     for bucket in tqdm(buckets, desc="prefill buckets", disable=not ctx.progress):
-        fb, release = _extend_batch(engine, bucket)
+        fb, release = extend_batch(engine, bucket)
         sides = {"eager": lambda: runner.execute(runner.eager, fb)}
         sides |= {name: (lambda b=b: runner.execute(b, fb)) for name, b in variants.items()}
         with torch.inference_mode():
@@ -47,7 +47,7 @@ def run(cfg, ctx) -> dict[str, Any]:
     return {"variants": list(variants), "buckets": rows, "lines_of_code": loc}
 
 
-def _extend_batch(engine, tokens: int):
+def extend_batch(engine, tokens: int):
     """One prefill batch of exactly `tokens` new tokens (two requests), and how to free it."""
     from graphexec import SamplingParams
     from graphexec.scheduler.request import Req

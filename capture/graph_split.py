@@ -9,8 +9,9 @@ in: Dynamo records a custom op as its OpOverloadPacket, AOT graphs hold the OpOv
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
-from typing import Any, Collection
+from typing import Any, Callable, Collection
 
 import torch
 from torch.fx import GraphModule, Node
@@ -74,9 +75,8 @@ def split_at_ops(gm: GraphModule, split_ops: Collection[str]) -> SplitGraph:
     # keep_original_order: a split op that mutates an argument (attention writes `out`) has no
     # data edge to the piece that reads the result, so a topological order of the pieces could
     # run the reader first.  The original order is the only correct one.
-    # tuple_return: every piece returns a tuple, the calling convention inductor compiles to.
     module = split_module(
-        gm, None, lambda node: partition_of[node], keep_original_order=True, tuple_return=True
+        gm, None, lambda node: partition_of[node], keep_original_order=True, **tuple_return_kwargs(split_module)
     )
     pieces = tuple(
         Piece(node.target, _holds_split_op(getattr(module, node.target), split_ops))
@@ -84,6 +84,15 @@ def split_at_ops(gm: GraphModule, split_ops: Collection[str]) -> SplitGraph:
         if node.op == "call_module"
     )
     return SplitGraph(module=module, pieces=pieces)
+
+
+def tuple_return_kwargs(split: Callable[..., Any]) -> dict[str, bool]:
+    """`tuple_return=True` where `split` takes it (torch >= 2.12): every piece then returns a
+    tuple, the convention inductor compiles to.  torch 2.11 (the GPU image's) lacks the option: a
+    one-output piece returns its value bare and the split module's code uses it bare, which runs
+    the same, since compile_fx compiles a graph that returns no tuple into a callable returning
+    the same structure (tests/test_tc_piecewise.py covers both)."""
+    return {"tuple_return": True} if "tuple_return" in inspect.signature(split).parameters else {}
 
 
 def _holds_split_op(piece: GraphModule, split_ops: Collection[str]) -> bool:

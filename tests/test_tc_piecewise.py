@@ -138,6 +138,52 @@ def test_structure_key_ignores_names_not_ops():
     assert len({structure_key(first), structure_key(middle1), structure_key(last)}) == 3
 
 
+
+def _split_module_without_tuple_return(m, root_m, split_callback, qualname_map=None, keep_original_order=False,
+                                       keep_original_node_name=False):
+    """torch 2.11's split_module (the GPU image's): no tuple_return, one-output pieces return bare."""
+    from torch.fx.passes.split_module import split_module
+
+    return split_module(m, root_m, split_callback, qualname_map, keep_original_order=keep_original_order,
+                        keep_original_node_name=keep_original_node_name)
+
+
+def test_split_without_tuple_return_runs_the_same(monkeypatch):
+    import capture.graph_split as graph_split
+
+    def graph():
+        g = fx.Graph()
+        x = g.placeholder("x")
+        h = g.call_function(torch.ops.aten.mul.Tensor, (x, 3.0))
+        s = g.call_function(torch.ops.aten.sin.default, (h,))
+        g.output((g.call_function(torch.ops.aten.add.Tensor, (s, h)),))
+        return fx.GraphModule(torch.nn.Module(), g)
+
+    x = torch.randn(5)
+    tupled = split_at_ops(graph(), {"aten::sin"})
+    monkeypatch.setattr(graph_split, "split_module", _split_module_without_tuple_return)
+    bare = split_at_ops(graph(), {"aten::sin"})
+    first = [getattr(split.module, split.pieces[0].name) for split in (tupled, bare)]
+    # The piece before sin has one output: a tuple only with tuple_return.
+    assert [isinstance(piece(x), tuple) for piece in first] == [True, False]
+    for split in (tupled, bare):
+        assert [p.is_split_op for p in split.pieces] == [False, True, False]
+        torch.testing.assert_close(split.module(x)[0], torch.sin(x * 3) + x * 3)
+
+
+@pytest.mark.slow
+def test_tc_piecewise_with_inductor_pieces_on_torch_2_11s_split_module(monkeypatch, eager_engine):
+    """The GPU image's torch lacks tuple_return: inductor's compiled pieces still return what the
+    split module's code expects (compile_fx keeps a bare output bare)."""
+    import capture.graph_split as graph_split
+
+    monkeypatch.setattr(graph_split, "split_module", _split_module_without_tuple_return)
+    engine = Engine(overrides=_plan(buckets="[32]"))
+    batches = _batches()[3:5]  # 31 and 32 tokens: both run the 32-token pieces
+    assert _generate(engine, batches) == _generate(eager_engine, batches)
+    backend = engine.runner.backends[ForwardMode.EXTEND]
+    assert backend.piece_cache.compiles > 0 and backend.stats.executions >= 2
+
 # -- the backend on the tiny model -------------------------------------------------------------
 
 
