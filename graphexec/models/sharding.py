@@ -40,19 +40,20 @@ def cut_for(name: str, layout: TPLayout) -> Cut | None:
     name = name.removeprefix("model.")
     if name in ("embed_tokens.weight", "lm_head.weight"):
         return Cut(0, *layout.vocab)
-    parts = name.split(".")
-    if len(parts) != 4 or parts[0] != "layers":
+    parts = name.split(".")  # layers.<i>.<self_attn|mlp>.<module>.<weight|bias>
+    if len(parts) != 5 or parts[0] != "layers":
         return None
-    module = parts[2]
-    if module in ("q_proj",):
+    module, kind = parts[3], parts[4]
+    if module == "q_proj":
         return Cut(0, *layout.q_rows())
     if module in ("k_proj", "v_proj"):
         return Cut(0, *layout.kv_rows())
-    if module == "o_proj" and parts[3] == "weight":
-        return Cut(1, *layout.q_rows())
     if module in ("gate_proj", "up_proj"):
         return Cut(0, *layout.intermediate)
-    if module == "down_proj" and parts[3] == "weight":
+    # Row-parallel: the input columns are cut; a bias (none in these models) would stay whole.
+    if module == "o_proj" and kind == "weight":
+        return Cut(1, *layout.q_rows())
+    if module == "down_proj" and kind == "weight":
         return Cut(1, *layout.intermediate)
     return None
 
