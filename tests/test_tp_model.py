@@ -228,7 +228,9 @@ def _rank(rank: int, size: int, store: str, overrides: list[str], out) -> None:
             decode_hidden=decode_hidden, decode_logits=decode_logits,
         )
         kv_heads = runner.kv_cache.token_pool.k_pool.shape[2]
-        out.put((rank, {k: v.clone().numpy() for k, v in result.items()}, runner.weight_nbytes(), kv_heads))
+        stats = runner.backend_stats()
+        ran = {mode: (stats[mode]["backend"], stats[mode]["executions"], stats[mode]["fallbacks"]) for mode in ("extend", "decode")}
+        out.put((rank, {k: v.clone().numpy() for k, v in result.items()}, runner.weight_nbytes(), kv_heads, ran))
     finally:
         if size > 1:
             dist.destroy_process_group()
@@ -264,12 +266,12 @@ def _check_sharded(size: int, overrides: list[str], reference_overrides: list[st
     diffs = _max_diff(ranks[0][1], reference[1])
     print(f"tp={size} {overrides}: max |diff| vs tp=1: {diffs}")
     assert max(diffs.values()) < ATOL, diffs
-    for _, result, _, _ in ranks[1:]:  # every rank ends with the same whole rows
+    for _, result, *_ in ranks[1:]:  # every rank ends with the same whole rows
         assert max(_max_diff(result, ranks[0][1]).values()) == 0.0
     # The KV cache holds only the rank's KV heads (one each here, replicated at tp_size 4).
-    assert [kv_heads for *_, kv_heads in ranks] == [max(1, reference[3] // size)] * size
+    assert [r[3] for r in ranks] == [max(1, reference[3] // size)] * size
     # Each rank holds a part of the weights, well under the whole.
-    assert all(nbytes < reference[2] * (0.75 if size == 2 else 0.6) for _, _, nbytes, _ in ranks)
+    assert all(r[2] < reference[2] * (0.75 if size == 2 else 0.6) for r in ranks)
     return ranks
 
 
@@ -289,4 +291,9 @@ def test_smollm2_q4_1_tp3_matches_unsharded(capture, tmp_path):
     """Native Q4_1 weights cut on block boundaries; graph_first puts the all-reduces inside the
     compiled decode graph and the extend pieces."""
     plan = ["capture=eager"] if capture == "eager" else GRAPH
-    _check_sharded(3, [*SMOL, *plan], [*SMOL, "capture=eager"], tmp_path)
+    ranks = _check_sharded(3, [*SMOL, *plan], [*SMOL, "capture=eager"], tmp_path)
+    if capture == "graph_first":
+        # Both steps ran in the captured graphs (16 tokens = the extend bucket, 2 rows a decode bucket).
+        for *_, ran in ranks:
+            assert ran["decode"][0] == "full_graph" and ran["extend"][0] == "tc_piecewise", ran
+            assert all(executions == 1 and fallbacks == 0 for _, executions, fallbacks in ran.values()), ran
