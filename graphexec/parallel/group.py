@@ -47,7 +47,9 @@ class TPGroup:
             return x
         from torch.distributed import _functional_collectives as fc
 
-        return fc.all_gather_single(x.contiguous(), dim % x.dim(), self.group)
+        # Waited here: the logits are gathered outside any graph, and a rank that discards them
+        # (every rank but 0) would otherwise leave the collective unwaited.
+        return fc.wait_tensor(fc.all_gather_single(x.contiguous(), dim % x.dim(), self.group))
 
 
 SINGLE = TPGroup()
