@@ -11,7 +11,10 @@ all-reduce changes the summation order; the measured maximum is printed).
 from __future__ import annotations
 
 
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -194,7 +197,7 @@ GRAPH = ["capture=graph_first", "capture.decode.buckets=[1,2]", "capture.extend.
 PROMPTS = [[5, 17, 33, 100, 7, 8, 9, 250, 61, 2], [40, 41, 42, 43, 44, 45]]
 
 
-def _rank(rank: int, size: int, store: str, overrides: list[str], out) -> None:
+def _rank(rank: int, size: int, store: str, overrides: list[str], out_file: str) -> None:
     import torch.distributed as dist
 
     from graphexec.config import EngineConfig
@@ -234,30 +237,31 @@ def _rank(rank: int, size: int, store: str, overrides: list[str], out) -> None:
         kv_heads = runner.kv_cache.token_pool.k_pool.shape[2]
         stats = runner.backend_stats()
         ran = {mode: (stats[mode]["backend"], stats[mode]["executions"], stats[mode]["fallbacks"]) for mode in ("extend", "decode")}
-        out.put((rank, {k: v.clone().numpy() for k, v in result.items()}, runner.weight_nbytes(), kv_heads, ran))
+        torch.save((rank, {k: v.clone().numpy() for k, v in result.items()}, runner.weight_nbytes(), kv_heads, ran), out_file)
     finally:
         if size > 1:
             dist.destroy_process_group()
 
 
 def _run_ranks(size: int, overrides: list[str], tmp_path) -> list[tuple]:
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
+    """Ranks as plain subprocesses (not multiprocessing: its resource tracker would outlive the
+    test, and tests/test_tp_engine.py checks that nothing does)."""
     store = f"file://{tmp_path}/store-{size}"
-    procs = [ctx.Process(target=_rank, args=(r, size, store, overrides, out)) for r in range(size)]
-    for p in procs:
-        p.start()
+    outs = [tmp_path / f"rank{r}-of-{size}.pt" for r in range(size)]
+    procs = [
+        subprocess.Popen([sys.executable, "-c", f"from tests.test_tp_model import _rank; _rank{(r, size, store, overrides, str(outs[r]))!r}"],
+                         cwd=Path(__file__).parent.parent)
+        for r in range(size)
+    ]
     try:
-        results = sorted((out.get(timeout=900) for _ in range(size)), key=lambda r: r[0])
+        codes = [p.wait(timeout=900) for p in procs]
     finally:
         for p in procs:
-            p.join(60)
-            if p.is_alive():
+            if p.poll() is None:
                 p.kill()
-    assert [p.exitcode for p in procs] == [0] * size
-    return results
+                p.wait()
+    assert codes == [0] * size
+    return [torch.load(out, weights_only=False) for out in outs]
 
 
 def _max_diff(a: dict, b: dict) -> dict[str, float]:
@@ -279,7 +283,7 @@ def _check_sharded(size: int, overrides: list[str], reference_overrides: list[st
     return ranks
 
 
-@pytest.mark.parametrize("size", [2, pytest.param(4, marks=pytest.mark.slow)])  # 4 ranks: ~27 s here
+@pytest.mark.parametrize("size", [2, pytest.param(4, marks=pytest.mark.slow)])  # 4 ranks: 12-27 s here
 def test_tiny_llama_sharded_matches_unsharded(size, tmp_path):
     _check_sharded(size, TINY, TINY, tmp_path)
 
