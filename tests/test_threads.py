@@ -25,15 +25,17 @@ def test_reraises_the_error_on_the_caller():
 def test_engine_loads_and_captures_off_the_calling_thread(monkeypatch):
     """So the engine loop's thread can be the process's only OpenMP master."""
     import graphexec.engine.engine as engine_module
+    import graphexec.engine.rank_setup as rank_setup
 
     seen = []
-    real_load = engine_module.load_checkpoint
+    real_load = rank_setup.load_checkpoint
 
     def spy(*args, **kwargs):
         seen.append(threading.current_thread())
         return real_load(*args, **kwargs)
 
-    monkeypatch.setattr(engine_module, "load_checkpoint", spy)
+    # Every rank loads through rank_setup (the Engine's rank 0 included).
+    monkeypatch.setattr(rank_setup, "load_checkpoint", spy)
     engine = engine_module.Engine(overrides=TINY_OVERRIDES)
     assert seen and seen[0] is not threading.current_thread() and not seen[0].is_alive()
     assert engine.generate([[5, 6, 7]])[0].completion_tokens > 0
