@@ -171,6 +171,27 @@ def _nbytes(weight) -> int:
     return weight.nbytes() if isinstance(weight, QuantizedWeight) else weight.numel() * weight.element_size()
 
 
+def test_gguf_column_cut_inside_a_block_falls_back_clearly(tmp_path):
+    """tiny's o_proj has 32 input columns: at tp_size 2 each rank's 16 lie inside one block.
+    Kept packed that is refused, naming the way out; dequantized it loads, equal to the whole cut."""
+    from graphexec.loader import load_gguf
+    from tests.test_loader import save_tiny, write_tiny_gguf
+
+    reference = save_tiny("llama", tmp_path / "hf", tie_word_embeddings=False).state_dict()
+    from gguf import GGMLQuantizationType as Q
+
+    types = {"attn_output.weight": Q.Q4_1, "attn_q.weight": Q.Q4_0, "ffn_down.weight": Q.Q8_0}
+    write_tiny_gguf(tmp_path / "tiny.gguf", "llama", reference, types=types)
+    with pytest.raises(ConfigError, match="o_proj.*model.weights=dequantize"):
+        load_gguf(tmp_path / "tiny.gguf", "tiny", weights="native", tp_size=2, tp_rank=1)
+    whole = load_gguf(tmp_path / "tiny.gguf", "tiny", weights="dequantize")
+    part = load_gguf(tmp_path / "tiny.gguf", "tiny", weights="dequantize", tp_size=2, tp_rank=1)
+    expected = shard_state_dict(whole.state_dict, TPLayout.build(whole.config, 2, 1))
+    assert set(part.state_dict) == set(expected)
+    for key, tensor in part.state_dict.items():
+        assert torch.equal(tensor, expected[key]), key
+
+
 @pytest.mark.parametrize("kind, tied", [("llama", False), ("qwen2", True)])
 def test_hf_loader_reads_only_the_rank_slices(kind, tied, tmp_path):
     from graphexec.loader import load_hf_dir
