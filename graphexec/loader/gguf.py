@@ -17,8 +17,9 @@ from graphexec.errors import CheckpointError
 from graphexec.loader.checkpoint import LoadedCheckpoint, check_state_dict
 from graphexec.models.config import ModelConfig
 from graphexec.models.sharding import Cut, check_block_cut, cut_for
-from graphexec.models.tp_layout import QBLOCK, TPLayout
+from graphexec.models.tp_layout import TPLayout
 from graphexec.quant import SUPPORTED_GGUF_TYPES, QuantizedWeight, from_gguf_blocks
+from graphexec.quant.ops import QBLOCK
 from graphexec.text.tokenizer import Tokenizer
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")

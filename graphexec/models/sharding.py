@@ -15,8 +15,9 @@ from typing import Mapping
 import torch
 
 from graphexec.errors import ConfigError
-from graphexec.models.tp_layout import QBLOCK, TPLayout
+from graphexec.models.tp_layout import TPLayout
 from graphexec.quant import QuantizedWeight
+from graphexec.quant.ops import QBLOCK
 
 Weight = torch.Tensor | QuantizedWeight
 

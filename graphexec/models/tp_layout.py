@@ -16,8 +16,7 @@ from dataclasses import dataclass
 
 from graphexec.errors import ConfigError
 from graphexec.models.config import ModelConfig
-
-QBLOCK = 32  # a GGUF block along the input dimension (graphexec/quant/ops.py QBLOCK)
+from graphexec.quant.ops import QBLOCK
 
 Span = tuple[int, int]  # [start, stop)
 
