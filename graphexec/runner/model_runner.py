@@ -203,7 +203,7 @@ class ModelRunner:
 
 def _rank_state_dict(checkpoint: LoadedCheckpoint, layout: TPLayout) -> dict:
     """The checkpoint's weights for layout's rank: as loaded when the loader already cut them
-    for it, cut here from a whole checkpoint (random weights, tests, benchmarks)."""
+    for it (every loader does, through rank_setup), else cut here from a whole one (tests, benchmarks)."""
     if checkpoint.tp_shard == (layout.size, layout.rank):
         return checkpoint.state_dict
     if checkpoint.tp_shard != (1, 0):
