@@ -11,6 +11,7 @@ from graphexec.cache.manager import KVCacheManager
 from graphexec.config import EngineConfig
 from graphexec.loader import LoadedCheckpoint
 from graphexec.loader.resolve import load_checkpoint
+from graphexec.models.tp_layout import TPLayout
 from graphexec.parallel.group import SINGLE, TPGroup
 from graphexec.runner.model_runner import ModelRunner
 
@@ -19,10 +20,12 @@ def load_and_capture(config: EngineConfig, tp: TPGroup = SINGLE) -> tuple[Loaded
     device = torch.device(config.device)
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)  # the current CUDA device is per thread (as in EngineLoop)
-    checkpoint = load_checkpoint(config.model, config.torch_dtype)
+    # Each rank reads only its part of the weights and caches only its KV heads.
+    checkpoint = load_checkpoint(config.model, config.torch_dtype, tp_size=tp.size, tp_rank=tp.rank)
     model = checkpoint.config
     max_context = min(config.cache.max_context or model.max_context, model.max_context)
-    kv_cache = KVCacheManager.from_config(config, model, max_context, tp)
+    local = TPLayout.build(model, tp.size, tp.rank).local_config()
+    kv_cache = KVCacheManager.from_config(config, local, max_context, tp)
     runner = ModelRunner(config, checkpoint, kv_cache, tp)
     runner.capture()
     return checkpoint, runner

@@ -9,6 +9,8 @@ import torch
 
 from graphexec.errors import CheckpointError
 from graphexec.models.config import ModelConfig
+from graphexec.models.sharding import cut_for
+from graphexec.models.tp_layout import TPLayout
 from graphexec.text.tokenizer import Tokenizer
 
 
@@ -20,9 +22,11 @@ class LoadedCheckpoint:
     Tied checkpoints carry no "lm_head.weight": the model reuses "model.embed_tokens.weight".
     """
 
-    config: ModelConfig
+    config: ModelConfig  # the whole model's, even when the weights are one rank's part
     state_dict: dict[str, torch.Tensor]
     tokenizer: Tokenizer | None
+    # (tp_size, tp_rank) the weights were cut for (graphexec/models/sharding.py); (1, 0): whole.
+    tp_shard: tuple[int, int] = (1, 0)
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -52,9 +56,14 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def check_state_dict(config: ModelConfig, state_dict: dict[str, torch.Tensor], source: Path) -> None:
-    """Fail loudly at load time rather than with a shape error deep inside a forward pass."""
+def check_state_dict(
+    config: ModelConfig, state_dict: dict[str, torch.Tensor], source: Path, layout: TPLayout | None = None
+) -> None:
+    """Fail loudly at load time rather than with a shape error deep inside a forward pass.
+    With a layout, the shapes are those of its rank's part."""
     expected = expected_shapes(config)
+    if layout is not None:
+        expected = {key: _cut_shape(key, shape, layout) for key, shape in expected.items()}
     missing = sorted(expected.keys() - state_dict.keys())
     unexpected = sorted(state_dict.keys() - expected.keys())
     if missing or unexpected:
@@ -64,3 +73,8 @@ def check_state_dict(config: ModelConfig, state_dict: dict[str, torch.Tensor], s
     for key, shape in expected.items():
         if tuple(state_dict[key].shape) != shape:
             raise CheckpointError(f"{source}: {key} has shape {tuple(state_dict[key].shape)}, expected {shape}")
+
+
+def _cut_shape(key: str, shape: tuple[int, ...], layout: TPLayout) -> tuple[int, ...]:
+    cut = cut_for(key, layout)
+    return shape if cut is None else cut.shape(shape)

@@ -16,7 +16,10 @@ import torch
 from graphexec.errors import CheckpointError
 from graphexec.loader.checkpoint import LoadedCheckpoint, check_state_dict
 from graphexec.models.config import ModelConfig
+from graphexec.models.sharding import Cut, check_block_cut, cut_for
+from graphexec.models.tp_layout import TPLayout
 from graphexec.quant import SUPPORTED_GGUF_TYPES, QuantizedWeight, from_gguf_blocks
+from graphexec.quant.ops import QBLOCK
 from graphexec.text.tokenizer import Tokenizer
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
@@ -130,7 +133,8 @@ def _config_from_metadata(metadata: dict[str, Any], tensor_names: set[str], name
     )
 
 
-def _state_dict(reader, config: ModelConfig, gguf_arch: str, dtype: torch.dtype, weights: str, path: Path):
+def _state_dict(reader, config: ModelConfig, gguf_arch: str, dtype: torch.dtype, weights: str, path: Path,
+                layout: TPLayout):
     state_dict: dict[str, torch.Tensor | QuantizedWeight] = {}
     for tensor in reader.tensors:
         hf_name = hf_tensor_name(tensor.name)
@@ -139,33 +143,56 @@ def _state_dict(reader, config: ModelConfig, gguf_arch: str, dtype: torch.dtype,
         # GGUF lists dimensions innermost first; torch wants [out_features, in_features].
         shape = tuple(int(d) for d in reversed(tensor.shape))
         qtype = tensor.tensor_type.name
+        cut = cut_for(hf_name, layout)
         if weights == "native" and qtype in SUPPORTED_GGUF_TYPES:
-            weight: torch.Tensor | QuantizedWeight = from_gguf_blocks(np.asarray(tensor.data), qtype, shape)
+            raw, part_shape = _cut_blocks(hf_name, np.asarray(tensor.data), qtype, shape, cut)
+            weight: torch.Tensor | QuantizedWeight = from_gguf_blocks(raw, qtype, part_shape)
         elif weights == "native" and qtype not in _DENSE_TYPES:
             raise CheckpointError(
                 f"{path}: tensor {tensor.name} is {qtype}, which model.weights=native cannot keep quantized "
                 f"(supported: {', '.join(SUPPORTED_GGUF_TYPES)}); load it with model.weights=dequantize"
             )
         else:
-            weight = _dequantized(tensor, shape, path).to(dtype)
-        # Only llama-arch files were permuted by the converter; Qwen2 files keep HF's layout.
-        heads = {"q_proj": config.num_heads, "k_proj": config.num_kv_heads}.get(hf_name.split(".")[-2])
-        if gguf_arch == "llama" and heads is not None and ".self_attn." in hf_name:
-            weight = _unpermute(weight, heads)
+            weight = _dequantized(tensor, shape, path, cut).to(dtype)
+        # Only llama-arch files were permuted by the converter; Qwen2 files keep HF's layout.  The
+        # permutation is within a head, so a rank's whole heads unpermute on their own.
+        if gguf_arch == "llama" and hf_name.split(".")[-2] in ("q_proj", "k_proj"):
+            weight = _unpermute(weight, weight.shape[0] // config.head_dim)
         state_dict[hf_name] = weight
     return state_dict
 
 
-def _dequantized(tensor, shape: tuple[int, ...], path: Path) -> torch.Tensor:
+def _cut_blocks(name: str, raw: np.ndarray, qtype: str, shape: tuple[int, int], cut: Cut | None):
+    """The rank's part of a packed tensor, sliced from the (memory-mapped) file's bytes: only
+    those bytes are ever read.  Rows are whole rows of blocks; a column cut takes whole blocks."""
+    if cut is None:
+        return raw, shape
+    rows = raw.reshape(shape[0], -1)
+    if cut.dim == 0:
+        return rows[cut.start : cut.stop], cut.shape(shape)
+    check_block_cut(name, cut, qtype)
+    blocks = rows.reshape(shape[0], shape[1] // QBLOCK, -1)
+    return blocks[:, cut.start // QBLOCK : cut.stop // QBLOCK], cut.shape(shape)
+
+
+def _dequantized(tensor, shape: tuple[int, ...], path: Path, cut: Cut | None = None) -> torch.Tensor:
     from gguf.quants import dequantize
 
+    # A plain-ndarray view: numpy's memmap subclass adds per-slice overhead that dominates dequantizing.
+    raw = np.asarray(tensor.data)
+    if cut is not None and cut.dim == 0:
+        # Rows are independent in every GGUF type: read only this rank's.
+        raw, shape = raw.reshape(shape[0], -1)[cut.start : cut.stop], cut.shape(shape)
     try:
-        # A plain-ndarray view: numpy's memmap subclass adds per-slice overhead that dominates dequantizing.
-        values = dequantize(np.asarray(tensor.data), tensor.tensor_type)
+        values = dequantize(raw, tensor.tensor_type)
     except NotImplementedError as error:
         raise CheckpointError(f"{path}: cannot dequantize {tensor.name}: {error}") from error
     # Copies only what is still a read-only view of the file (F32 tensors); dequantized ones are fresh.
-    return torch.from_numpy(np.require(values, np.float32, ["C", "W"]).reshape(shape))
+    weight = torch.from_numpy(np.require(values, np.float32, ["C", "W"]).reshape(shape))
+    if cut is not None and cut.dim == 1:
+        # K-quant blocks (256) need not align with the cut: dequantize the tensor, keep the columns.
+        weight = weight[:, cut.start : cut.stop].clone()
+    return weight
 
 
 def _unpermute(weight: torch.Tensor | QuantizedWeight, num_heads: int) -> torch.Tensor | QuantizedWeight:
@@ -181,9 +208,11 @@ def load_gguf_tokenizer(path: str | Path) -> Tokenizer:
 
 
 def load_gguf(
-    path: str | Path, name: str, dtype: torch.dtype = torch.float32, weights: str = "dequantize"
+    path: str | Path, name: str, dtype: torch.dtype = torch.float32, weights: str = "dequantize",
+    tp_size: int = 1, tp_rank: int = 0,
 ) -> LoadedCheckpoint:
-    """Read and rename a GGUF checkpoint: quantized tensors kept packed (`native`) or as `dtype`."""
+    """Read and rename a GGUF checkpoint: quantized tensors kept packed (`native`) or as `dtype`;
+    with tp_size > 1, only tp_rank's part of each tensor (graphexec/models/sharding.py)."""
     if weights not in WEIGHT_MODES:
         raise CheckpointError(f"model.weights must be one of {list(WEIGHT_MODES)}, got {weights!r}")
     path = Path(path)
@@ -191,7 +220,8 @@ def load_gguf(
     metadata = _metadata(reader)
     tensor_names = {tensor.name for tensor in reader.tensors}
     config = _config_from_metadata(metadata, tensor_names, name, path)
-    state_dict = _state_dict(reader, config, metadata["general.architecture"], dtype, weights, path)
-    check_state_dict(config, state_dict, path)
+    layout = TPLayout.build(config, tp_size, tp_rank)
+    state_dict = _state_dict(reader, config, metadata["general.architecture"], dtype, weights, path, layout)
+    check_state_dict(config, state_dict, path, layout)
     tokenizer = Tokenizer.from_gguf(metadata) if "tokenizer.ggml.tokens" in metadata else None
-    return LoadedCheckpoint(config=config, state_dict=state_dict, tokenizer=tokenizer)
+    return LoadedCheckpoint(config=config, state_dict=state_dict, tokenizer=tokenizer, tp_shard=(tp_size, tp_rank))

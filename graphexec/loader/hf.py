@@ -7,10 +7,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 
 from graphexec.errors import CheckpointError
 from graphexec.loader.checkpoint import LoadedCheckpoint, check_state_dict
 from graphexec.models.config import ModelConfig
+from graphexec.models.sharding import Cut, cut_for
+from graphexec.models.tp_layout import TPLayout
 from graphexec.text.tokenizer import Tokenizer
 
 _ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
@@ -87,16 +90,37 @@ def _config(config: dict[str, Any], generation: dict[str, Any], name: str, has_l
     )
 
 
-def _read_safetensors(files: list[Path]) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
+def _read_safetensors(files: list[Path], keep, layout: TPLayout, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The tensors `keep(key)` accepts, each cut for layout's rank through safetensors' lazy
+    slices: only the rank's part of each tensor is read from the file."""
     tensors: dict[str, torch.Tensor] = {}
     for file in files:
         try:
-            tensors.update(load_file(file))
+            with safe_open(file, framework="pt") as f:
+                for key in f.keys():
+                    if keep(key):
+                        tensors[key] = _read_part(f, key, cut_for(key, layout)).to(dtype)
         except Exception as error:  # safetensors raises its own SafetensorError besides OSError
             raise CheckpointError(f"cannot read {file}: {error}") from error
     return tensors
+
+
+def _read_part(f, key: str, cut: Cut | None) -> torch.Tensor:
+    if cut is None:
+        return f.get_tensor(key)
+    part = f.get_slice(key)
+    return part[cut.start : cut.stop] if cut.dim == 0 else part[:, cut.start : cut.stop]
+
+
+def _keys(files: list[Path]) -> set[str]:
+    keys: set[str] = set()
+    for file in files:
+        try:
+            with safe_open(file, framework="pt") as f:
+                keys.update(f.keys())
+        except Exception as error:
+            raise CheckpointError(f"cannot read {file}: {error}") from error
+    return keys
 
 
 def _unused(key: str, config: ModelConfig) -> bool:
@@ -107,8 +131,11 @@ def _unused(key: str, config: ModelConfig) -> bool:
     return key == "lm_head.weight" and config.tie_word_embeddings
 
 
-def load_hf_dir(path: str | Path, name: str, dtype: torch.dtype = torch.float32) -> LoadedCheckpoint:
-    """Load config.json, every *.safetensors file, and the tokenizer if the directory has one."""
+def load_hf_dir(
+    path: str | Path, name: str, dtype: torch.dtype = torch.float32, tp_size: int = 1, tp_rank: int = 0
+) -> LoadedCheckpoint:
+    """Load config.json, every *.safetensors file, and the tokenizer if the directory has one;
+    with tp_size > 1, only tp_rank's part of each tensor (graphexec/models/sharding.py)."""
     directory = Path(path)
     if not directory.is_dir():
         raise CheckpointError(f"checkpoint directory not found: {directory}")
@@ -120,12 +147,13 @@ def load_hf_dir(path: str | Path, name: str, dtype: torch.dtype = torch.float32)
         raise CheckpointError(f"no *.safetensors files in {directory}")
     generation_file = directory / "generation_config.json"
     generation = _read_json(generation_file) if generation_file.is_file() else {}
-    raw = _read_safetensors(files)
+    keys = _keys(files)
     try:
-        config = _config(_read_json(config_file), generation, name, "lm_head.weight" in raw, config_file)
+        config = _config(_read_json(config_file), generation, name, "lm_head.weight" in keys, config_file)
     except (KeyError, TypeError) as error:
         raise CheckpointError(f"{config_file}: missing or malformed field {error}") from error
-    state_dict = {key: tensor.to(dtype) for key, tensor in raw.items() if not _unused(key, config)}
-    check_state_dict(config, state_dict, directory)
+    layout = TPLayout.build(config, tp_size, tp_rank)
+    state_dict = _read_safetensors(files, lambda key: not _unused(key, config), layout, dtype)
+    check_state_dict(config, state_dict, directory, layout)
     tokenizer = Tokenizer.from_hf_dir(directory) if (directory / "tokenizer.json").is_file() else None
-    return LoadedCheckpoint(config=config, state_dict=state_dict, tokenizer=tokenizer)
+    return LoadedCheckpoint(config=config, state_dict=state_dict, tokenizer=tokenizer, tp_shard=(tp_size, tp_rank))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from graphexec.config import ModelSourceConfig
@@ -9,16 +11,24 @@ from graphexec.errors import ConfigError
 from graphexec.loader import LoadedCheckpoint, default_smollm2_gguf, load_gguf, load_hf_dir
 from graphexec.models.config import ModelConfig
 from graphexec.models.random_weights import random_state_dict
+from graphexec.models.sharding import shard_state_dict
+from graphexec.models.tp_layout import TPLayout
 from graphexec.text.tokenizer import ByteTokenizer
 
 
-def load_checkpoint(source: ModelSourceConfig, dtype: torch.dtype) -> LoadedCheckpoint:
+def load_checkpoint(source: ModelSourceConfig, dtype: torch.dtype, tp_size: int = 1, tp_rank: int = 0) -> LoadedCheckpoint:
+    """The checkpoint, its weights cut for tensor-parallel rank tp_rank of tp_size while reading."""
     if source.source == "gguf":
         path = source.path if source.path is not None else default_smollm2_gguf()
-        return load_gguf(path, name=source.name, dtype=dtype, weights=source.weights)
+        return load_gguf(path, name=source.name, dtype=dtype, weights=source.weights, tp_size=tp_size, tp_rank=tp_rank)
     if source.source == "hf":
-        return load_hf_dir(source.path, name=source.name, dtype=dtype)
-    return _random_checkpoint(source, dtype)
+        return load_hf_dir(source.path, name=source.name, dtype=dtype, tp_size=tp_size, tp_rank=tp_rank)
+    whole = _random_checkpoint(source, dtype)
+    if tp_size == 1:
+        return whole
+    # Random weights are generated whole (one seed, one stream) and then cut.
+    layout = TPLayout.build(whole.config, tp_size, tp_rank)
+    return replace(whole, state_dict=shard_state_dict(whole.state_dict, layout), tp_shard=(tp_size, tp_rank))
 
 
 def _random_checkpoint(source: ModelSourceConfig, dtype: torch.dtype) -> LoadedCheckpoint:

@@ -3,6 +3,12 @@
 `forward(input_ids, positions)` is the whole callable a capture backend sees: flat token rows in,
 final-norm hidden rows out.  Attention reaches the KV pool through the opaque custom op; the LM
 head runs later, in the LogitsProcessor, on the pruned rows only.
+
+Under tensor parallelism (a TPGroup of several ranks) the model is this rank's part, as
+graphexec/models/tp_layout.py lays it out: its query and KV heads, its MLP rows and its vocabulary
+rows.  Two all-reduces per layer (after o_proj and after down_proj, the row-parallel linears) and
+one after the embedding make every rank's hidden rows whole; the logits are gathered.  With one
+rank every collective is the identity and the graphs are those of the unsharded model.
 """
 
 from __future__ import annotations
@@ -16,6 +22,9 @@ from graphexec.attention.op import unified_attention
 from graphexec.errors import CheckpointError
 from graphexec.models.config import ModelConfig
 from graphexec.models.layers import RMSNorm, RotaryEmbedding, SwiGLU
+from graphexec.models.parallel_layers import embed, gather_logits
+from graphexec.models.tp_layout import TPLayout
+from graphexec.parallel.group import SINGLE, TPGroup
 from graphexec.quant import QuantEmbedding, QuantizedWeight, QuantLinear, concat_rows
 
 Weight = torch.Tensor | QuantizedWeight
@@ -38,8 +47,9 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, tp: TPGroup = SINGLE):
         super().__init__()
+        self.tp = tp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = LlamaAttention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -47,26 +57,30 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding, layer_id: int) -> torch.Tensor:
         # layer_id is an argument, not an attribute, so one compiled layer serves every layer.
-        x = x + self.self_attn(positions, self.input_layernorm(x), rotary, layer_id)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        # o_proj and down_proj are row-parallel: each rank holds a partial sum of the whole rows.
+        x = x + self.tp.all_reduce(self.self_attn(positions, self.input_layernorm(x), rotary, layer_id))
+        return x + self.tp.all_reduce(self.mlp(self.post_attention_layernorm(x)))
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, tp: TPGroup = SINGLE):
         super().__init__()
-        self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.config = config  # the whole model's; `layout.local_config()` is this rank's part
+        self.tp = tp
+        self.layout = TPLayout.build(config, tp.size, tp.rank)
+        local, vocab_rows = self.layout.local_config(), self.layout.vocab_rows
+        self.embed_tokens = nn.Embedding(vocab_rows, config.hidden_size)
         self.rotary = RotaryEmbedding(config.head_dim, config.max_context, config.rope_theta)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(local, tp) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, vocab_rows, bias=False)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, layer_runner: Callable | None = None
     ) -> torch.Tensor:
         """`layer_runner(layer, positions, x, rotary, layer_id)`, when given, runs each decoder
         layer: how a capture backend compiles the repeated layer once (regional compilation)."""
-        x = self.embed_tokens(input_ids)
+        x = embed(self.embed_tokens, input_ids, self.layout, self.tp)
         for layer_id, layer in enumerate(self.layers):
             if layer_runner is None:
                 x = layer(positions, x, self.rotary, layer_id)
@@ -75,18 +89,23 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits over the whole vocabulary for `hidden`'s rows (gathered from every rank)."""
+        return gather_logits(self._local_logits(hidden), self.layout, self.tp)
+
+    def _local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is not None:
-            return self.lm_head(hidden).float()
+            return self.lm_head(hidden)
         if isinstance(self.embed_tokens, QuantEmbedding):
-            return self.embed_tokens.project(hidden).float()  # the tied head reads the packed rows
-        return torch.nn.functional.linear(hidden, self.embed_tokens.weight).float()
+            return self.embed_tokens.project(hidden)  # the tied head reads the packed rows
+        return torch.nn.functional.linear(hidden, self.embed_tokens.weight)
 
     @torch.no_grad()
     def load_weights(self, state_dict: Mapping[str, Weight], dtype: torch.dtype) -> None:
         """Take Hugging Face-named weights, fusing q/k/v and gate/up; every parameter must be set.
 
         Weights are assigned, not copied, so the model may be built on the meta device and never
-        holds a second copy.  Dense tensors become `dtype` parameters; a QuantizedWeight replaces
+        holds a second copy.  Under tensor parallelism they must already be this rank's part
+        (graphexec/models/sharding.py; the loaders cut while reading).  Dense tensors become `dtype` parameters; a QuantizedWeight replaces
         its linear (or the embedding) with the quantized module that reads it.
         """
         fused = _fuse_hf_names(state_dict, self.config.num_layers)

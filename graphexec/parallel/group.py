@@ -47,11 +47,9 @@ class TPGroup:
             return x
         from torch.distributed import _functional_collectives as fc
 
-        dim = dim % x.dim()
-        gathered = fc.all_gather_tensor(x.contiguous(), 0, self.group)  # [size * rows, ...]
-        if dim == 0:
-            return gathered
-        return torch.cat(gathered.chunk(self.size, dim=0), dim=dim)
+        # Waited here: the logits are gathered outside any graph, and a rank that discards them
+        # (every rank but 0) would otherwise leave the collective unwaited.
+        return fc.wait_tensor(fc.all_gather_single(x.contiguous(), dim % x.dim(), self.group))
 
 
 SINGLE = TPGroup()

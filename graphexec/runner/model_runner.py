@@ -21,6 +21,8 @@ from graphexec.errors import ConfigError
 from graphexec.loader import LoadedCheckpoint
 from graphexec.models.config import ModelConfig
 from graphexec.models.llama import LlamaForCausalLM
+from graphexec.models.sharding import shard_state_dict
+from graphexec.models.tp_layout import TPLayout
 from graphexec.quant import QuantEmbedding, QuantLinear, ensure_kernels
 from graphexec.runner.forward_batch import ForwardBatch, padding_policy
 from graphexec.attention.forward_context import ForwardContext, forward_context
@@ -59,18 +61,19 @@ class ModelRunner:
         # Built on the meta device and given the checkpoint's tensors: no second copy of the weights.
         # RoPE tables stay fp32 like the reference; the model casts per use.
         with torch.device("meta"):
-            model = LlamaForCausalLM(self.model_config)
-        model.load_weights(checkpoint.state_dict, self.dtype)
+            model = LlamaForCausalLM(self.model_config, tp)
+        model.load_weights(_rank_state_dict(checkpoint, model.layout), self.dtype)
         if self.device.type == "cpu" and any(isinstance(m, (QuantLinear, QuantEmbedding)) for m in model.modules()):
             ensure_kernels()
         self.model = model.to(device=self.device).eval()
 
-        mc = self.model_config
+        # This rank's heads (all of them with one rank); the vocabulary stays whole.
+        local = model.layout.local_config()
         self.attn_backend = create_attention_backend(
-            config.attention_backend, mc.num_heads, mc.num_kv_heads, mc.head_dim, self.device
+            config.attention_backend, local.num_heads, local.num_kv_heads, local.head_dim, self.device
         )
         self.logits_processor = LogitsProcessor(self.model.compute_logits)
-        self.sampler = Sampler(TokenBitmask(mc.vocab_size, config.scheduler.max_running_requests))
+        self.sampler = Sampler(TokenBitmask(self.model_config.vocab_size, config.scheduler.max_running_requests))
 
         self.capture_env = env = CaptureEnv(
             model=self.model,
@@ -196,6 +199,19 @@ class ModelRunner:
 
     def init_forward_batch(self, schedule_batch) -> ForwardBatch:
         return ForwardBatch.init_new(schedule_batch, self.device, self.model_config.vocab_size)
+
+
+def _rank_state_dict(checkpoint: LoadedCheckpoint, layout: TPLayout) -> dict:
+    """The checkpoint's weights for layout's rank: as loaded when the loader already cut them
+    for it (every loader does, through rank_setup), else cut here from a whole one (tests, benchmarks)."""
+    if checkpoint.tp_shard == (layout.size, layout.rank):
+        return checkpoint.state_dict
+    if checkpoint.tp_shard != (1, 0):
+        raise ValueError(
+            f"checkpoint was cut for tp rank {checkpoint.tp_shard[1]} of {checkpoint.tp_shard[0]}, "
+            f"not rank {layout.rank} of {layout.size}"
+        )
+    return shard_state_dict(checkpoint.state_dict, layout)
 
 
 @contextlib.contextmanager

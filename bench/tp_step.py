@@ -1,0 +1,165 @@
+"""One decode step of the sharded model at tp_size=1 vs tp_size=N: what a rank costs and holds.
+
+    python -m bench.tp_step [--tp 3] [--batch 1 8] [--steps 20] [--context 64] [--model smollm2-135m]
+
+Boundary: measurement only.  Every side runs as spawned ranks (one thread each, gloo over a
+file:// store; tp_size=1 is one spawned process), each loading its shard through the engine's own
+path (graphexec/engine/rank_setup.py, capture=eager).  Rank 0 reports, per batch size: the median
+step (forward + gathered logits), the collectives one step makes (counted on a step), the median
+time of one all-reduce of [B, hidden] fp32 rows timed alone in a loop, the resident weight bytes
+per rank and the peak RSS of every rank.
+
+No speed-up is claimed: ranks are processes on the same cores, and on a 2-core machine tp_size=3
+oversubscribes them; this shows what the all-reduces cost and what each rank holds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import statistics
+import tempfile
+import time
+
+
+def _rank(rank: int, size: int, store: str, args, out) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from graphexec.config import EngineConfig
+    from graphexec.engine.rank_setup import load_and_capture
+    from graphexec.parallel.group import SINGLE, TPGroup
+
+    torch.set_num_threads(1)
+    tp = SINGLE
+    if size > 1:
+        dist.init_process_group("gloo", init_method=store, rank=rank, world_size=size)
+        tp = TPGroup(rank, size, dist.group.WORLD)
+    config = EngineConfig.from_overrides([f"model={args.model}", "capture=eager", "cache.num_slots=4096"])
+    with torch.inference_mode():
+        _, runner = load_and_capture(config, tp)
+        rows = [_measure(runner, config, tp, batch, args) for batch in args.batch]
+    rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    out.put((rank, rows, runner.weight_nbytes() / 2**20, rss_mib))
+    if size > 1:
+        dist.destroy_process_group()
+
+
+def _measure(runner, config, tp, batch: int, args) -> dict:
+    import torch
+
+    from graphexec.sampling_params import SamplingParams
+    from graphexec.scheduler.request import Req
+    from graphexec.scheduler.scheduler import Scheduler
+
+    scheduler = Scheduler(runner, runner.kv_cache, config.scheduler)
+    gen = torch.Generator().manual_seed(batch)
+    vocab = runner.model_config.vocab_size
+    reqs = [Req(f"b{i}", torch.randint(3, vocab, (args.context,), generator=gen).tolist(),
+                SamplingParams(max_new_tokens=2, ignore_eos=True), (), runner.max_context) for i in range(batch)]
+    runner.forward(runner.init_forward_batch(scheduler.plan_extend(reqs)))
+    for req in reqs:
+        req.num_computed_tokens = req.seq_len
+        req.output_ids.append(5)
+    fb = runner.init_forward_batch(scheduler.plan_decode(reqs))
+    counts = _count_collectives(lambda: runner.forward_logits(fb))
+    step_ms = []
+    for _ in range(args.steps):
+        start = time.perf_counter()
+        runner.forward_logits(fb)  # re-running rewrites the same slots: every step sees the same state
+        step_ms.append((time.perf_counter() - start) * 1e3)
+    for req in reqs:
+        scheduler.release(req, cache=False)
+    return {"batch": batch, "step_ms": statistics.median(step_ms), **counts,
+            "all_reduce_ms": _all_reduce_ms(tp, batch, runner.model_config.hidden_size)}
+
+
+def _count_collectives(step) -> dict:
+    """Collectives one eager step makes, counted at TPGroup (the model's only way to them)."""
+    from graphexec.parallel.group import TPGroup
+
+    counts = {"all_reduces": 0, "all_gathers": 0}
+    originals = TPGroup.all_reduce, TPGroup.all_gather
+
+    def counted(name, fn):
+        def wrapper(self, *a, **k):
+            if self.is_parallel:
+                counts[name] += 1
+            return fn(self, *a, **k)
+        return wrapper
+
+    TPGroup.all_reduce, TPGroup.all_gather = counted("all_reduces", originals[0]), counted("all_gathers", originals[1])
+    try:
+        step()
+    finally:
+        TPGroup.all_reduce, TPGroup.all_gather = originals
+    return counts
+
+
+def _all_reduce_ms(tp, batch: int, hidden: int, repeats: int = 100) -> float | None:
+    if not tp.is_parallel:
+        return None
+    import torch
+    import torch.distributed as dist
+
+    x = torch.ones(batch, hidden)
+    for _ in range(10):
+        dist.all_reduce(x, group=tp.group)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dist.all_reduce(x, group=tp.group)
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def run_side(size: int, args) -> list[tuple]:
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        store = f"file://{tmp}/store"
+        procs = [ctx.Process(target=_rank, args=(r, size, store, args, out)) for r in range(size)]
+        for p in procs:
+            p.start()
+        results = sorted((out.get(timeout=args.timeout_s) for _ in range(size)), key=lambda r: r[0])
+        for p in procs:
+            p.join(60)
+    return results
+
+
+def table(sides: dict[int, list[tuple]]) -> str:
+    lines = [
+        "| tp | B | step ms (median) | all-reduces / step | all-gathers / step | ms / all-reduce [B, hidden] "
+        "| weights MiB / rank | peak RSS MiB / rank (max) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for size, ranks in sides.items():
+        _, rows, weights_mib, _ = ranks[0]
+        rss = max(r[3] for r in ranks)
+        for row in rows:
+            ar = "—" if row["all_reduce_ms"] is None else f"{row['all_reduce_ms']:.3f}"
+            lines.append(
+                f"| {size} | {row['batch']} | {row['step_ms']:.1f} | {row['all_reduces']} | {row['all_gathers']} "
+                f"| {ar} | {weights_mib:.1f} | {rss:.0f} |"
+            )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--tp", type=int, default=3)
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--context", type=int, default=64)
+    parser.add_argument("--timeout-s", type=float, default=1200.0)
+    args = parser.parse_args(argv)
+    sides = {size: run_side(size, args) for size in (1, args.tp)}
+    print(table(sides))
+    print("\nRanks are processes on this machine's cores (one thread each): no speed-up is claimed here.")
+
+
+if __name__ == "__main__":
+    main()

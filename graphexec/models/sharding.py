@@ -1,0 +1,93 @@
+"""Cutting one Hugging Face-named tensor down to a tensor-parallel rank's part (before q/k/v and
+gate/up are fused), for dense tensors and packed QuantizedWeights alike.
+
+Every cut is one contiguous span of one dimension (graphexec/models/tp_layout.py): output rows
+for the column-parallel q/k/v (per head), gate/up and the vocabulary (embedding, LM head); input
+columns for the row-parallel o_proj and down_proj.  Loaders apply the same `Cut` to the file's
+bytes while reading (graphexec/loader/), so a rank never holds the whole model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch
+
+from graphexec.errors import ConfigError
+from graphexec.models.tp_layout import TPLayout
+from graphexec.quant import QuantizedWeight
+from graphexec.quant.ops import QBLOCK
+
+Weight = torch.Tensor | QuantizedWeight
+
+
+@dataclass(frozen=True)
+class Cut:
+    dim: int  # 0: output rows (or a 1-D bias), 1: input columns
+    start: int
+    stop: int
+
+    def shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        out = list(shape)
+        out[self.dim] = self.stop - self.start
+        return tuple(out)
+
+
+def cut_for(name: str, layout: TPLayout) -> Cut | None:
+    """How `name` (a Hugging Face tensor name) is cut for layout's rank; None: every rank keeps it whole."""
+    if not layout.is_sharded:
+        return None
+    name = name.removeprefix("model.")
+    if name in ("embed_tokens.weight", "lm_head.weight"):
+        return Cut(0, *layout.vocab)
+    parts = name.split(".")  # layers.<i>.<self_attn|mlp>.<module>.<weight|bias>
+    if len(parts) != 5 or parts[0] != "layers":
+        return None
+    module, kind = parts[3], parts[4]
+    if module == "q_proj":
+        return Cut(0, *layout.q_rows())
+    if module in ("k_proj", "v_proj"):
+        return Cut(0, *layout.kv_rows())
+    if module in ("gate_proj", "up_proj"):
+        return Cut(0, *layout.intermediate)
+    # Row-parallel: the input columns are cut; a bias (none in these models) would stay whole.
+    if module == "o_proj" and kind == "weight":
+        return Cut(1, *layout.q_rows())
+    if module == "down_proj" and kind == "weight":
+        return Cut(1, *layout.intermediate)
+    return None
+
+
+def cut_weight(name: str, weight: Weight, cut: Cut | None) -> Weight:
+    """weight's part under `cut` (a copy, so the whole tensor can be freed)."""
+    if cut is None:
+        return weight
+    if isinstance(weight, QuantizedWeight):
+        return _cut_quantized(name, weight, cut)
+    return weight.narrow(cut.dim, cut.start, cut.stop - cut.start).clone()
+
+
+def check_block_cut(name: str, cut: Cut, qtype: str) -> None:
+    """A packed weight's input dimension can be cut only between 32-element blocks."""
+    if cut.dim == 1 and (cut.start % QBLOCK or cut.stop % QBLOCK):
+        raise ConfigError(
+            f"{name}: parallel.tp_size cuts its input columns at [{cut.start}, {cut.stop}), inside a "
+            f"{QBLOCK}-element {qtype} block; load with model.weights=dequantize or pick another tp_size"
+        )
+
+
+def _cut_quantized(name: str, weight: QuantizedWeight, cut: Cut) -> QuantizedWeight:
+    if cut.dim == 0:
+        return weight.map_rows(lambda t: t[cut.start : cut.stop].clone())
+    check_block_cut(name, cut, weight.qtype)
+    b0, b1 = cut.start // QBLOCK, cut.stop // QBLOCK
+    per_block = weight.codes.shape[1] // weight.scales.shape[1]  # bytes of codes per block
+    codes = weight.codes[:, b0 * per_block : b1 * per_block].clone()
+    mins = None if weight.mins is None else weight.mins[:, b0:b1].clone()
+    return QuantizedWeight(weight.qtype, codes, weight.scales[:, b0:b1].clone(), mins)
+
+
+def shard_state_dict(state_dict: Mapping[str, Weight], layout: TPLayout) -> dict[str, Weight]:
+    """A whole Hugging Face-named state dict cut for layout's rank (random weights, tests)."""
+    return {name: cut_weight(name, w, cut_for(name, layout)) for name, w in state_dict.items()}
