@@ -105,8 +105,9 @@ class LlamaForCausalLM(nn.Module):
 
         Weights are assigned, not copied, so the model may be built on the meta device and never
         holds a second copy.  Under tensor parallelism they must already be this rank's part
-        (graphexec/models/sharding.py; the loaders cut while reading).  Dense tensors become `dtype` parameters; a QuantizedWeight replaces
-        its linear (or the embedding) with the quantized module that reads it.
+        (graphexec/models/sharding.py; the loaders cut while reading).  Dense tensors become
+        `dtype` parameters; a QuantizedWeight replaces its linear (or the embedding) with the
+        quantized module that reads it.
         """
         fused = _fuse_hf_names(state_dict, self.config.num_layers)
         if self.lm_head is None:
