@@ -315,14 +315,12 @@ def test_tiny_uneven_tp3_matches_unsharded(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("capture", ["eager", "graph_first"])
-def test_smollm2_q4_1_tp3_matches_unsharded(capture, tmp_path):
-    """Native Q4_1 weights cut on block boundaries; graph_first puts the all-reduces inside the
-    compiled decode graph and the extend pieces."""
-    plan = ["capture=eager"] if capture == "eager" else GRAPH
-    ranks = _check_sharded(3, [*SMOL, *plan], [*SMOL, "capture=eager"], tmp_path)
-    if capture == "graph_first":
-        # Both steps ran in the captured graphs (16 tokens = the extend bucket, 2 rows a decode bucket).
-        for *_, ran in ranks:
-            assert ran["decode"][0] == "full_graph" and ran["extend"][0] == "tc_piecewise", ran
-            assert all(executions == 1 and fallbacks == 0 for _, executions, fallbacks in ran.values()), ran
+def test_smollm2_q4_1_tp3_graphs_match_unsharded_eager(tmp_path):
+    """Native Q4_1 weights cut on block boundaries, the all-reduces inside the compiled decode
+    graph and the extend pieces, against tp=1 eager (tp=3 eager end to end, tokens only:
+    tests/test_tp_engine.py)."""
+    ranks = _check_sharded(3, [*SMOL, *GRAPH], [*SMOL, "capture=eager"], tmp_path)
+    # Both steps ran in the captured graphs (16 tokens = the extend bucket, 2 rows a decode bucket).
+    for *_, ran in ranks:
+        assert ran["decode"][0] == "full_graph" and ran["extend"][0] == "tc_piecewise", ran
+        assert all(executions == 1 and fallbacks == 0 for _, executions, fallbacks in ran.values()), ran
