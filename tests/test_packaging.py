@@ -42,3 +42,17 @@ def test_wheel_ships_configs_and_composes_from_site_packages(tmp_path):
     assert result.returncode == 0, result.stderr
     config_dir, model = result.stdout.split()
     assert config_dir.startswith(str(site)) and model == "tiny-llama"
+
+
+def test_an_empty_kernel_dir_variable_means_the_default(monkeypatch):
+    """GRAPHEXEC_KERNEL_DIR= (set, empty) must not build into the working directory."""
+    from pathlib import Path
+
+    from graphexec.kernels import build_dir
+
+    monkeypatch.delenv("GRAPHEXEC_KERNEL_DIR", raising=False)
+    default = build_dir()
+    monkeypatch.setenv("GRAPHEXEC_KERNEL_DIR", "")
+    assert build_dir() == default != Path("")
+    monkeypatch.setenv("GRAPHEXEC_KERNEL_DIR", "/tmp/elsewhere")
+    assert build_dir() == Path("/tmp/elsewhere")

@@ -26,7 +26,8 @@ _SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
 def build_dir() -> Path:
     checkout = hashlib.sha1(str(_SOURCES[0].parent.resolve()).encode()).hexdigest()[:12]
     default = Path.home() / ".cache" / "graphexec" / "kernels" / torch.__version__.replace("+", "_") / checkout
-    return Path(os.environ.get("GRAPHEXEC_KERNEL_DIR", default))
+    # An empty value is unset: Path("") is the working directory, which would fill with build files.
+    return Path(os.environ.get("GRAPHEXEC_KERNEL_DIR") or default)
 
 
 @functools.cache  # a shared library loads into the process once; cache() also serializes callers
