@@ -91,6 +91,15 @@ def test_prefix_key_shared_system_prompt():
     b = prefix_key("/v1/chat/completions", {"messages": [system, {"role": "user", "content": "bye"}]})
     c = prefix_key("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
     assert a == b != c
+    short = {"role": "system", "content": "Be brief."}  # far shorter than the key's characters
+    d = prefix_key("/v1/chat/completions", {"messages": [short, {"role": "user", "content": "hi"}]})
+    e = prefix_key("/v1/chat/completions", {"messages": [short, {"role": "user", "content": "bye"}]})
+    assert d == e != prefix_key("/v1/chat/completions", {"messages": [{"role": "user", "content": "bye"}]})
+    # No system prompt: a continued conversation keeps its first turn's key only up to the cut.
+    turn = [{"role": "user", "content": "q" * 300}]
+    assert prefix_key("/v1/chat/completions", {"messages": turn}) == prefix_key(
+        "/v1/chat/completions", {"messages": [*turn, {"role": "assistant", "content": "a"}]}
+    )
     assert prefix_key("/v1/completions", {"prompt": "x" * 300 + "1"}) == prefix_key("/v1/completions", {"prompt": "x" * 300})
     assert prefix_key("/v1/completions", {"prompt": [1, 2, 3]}) != prefix_key("/v1/completions", {"prompt": [1, 2, 4]})
     assert prefix_key("/v1/completions", {}) is None

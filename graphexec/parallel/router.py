@@ -112,7 +112,9 @@ class Router:
 def prefix_key(route: str, body: Mapping[str, Any], chars: int = PREFIX_CHARS) -> str | None:
     """The prefix key of an OpenAI request body (None when it has no prompt to speak of).
 
-    chat: the messages' roles and contents in order, as one string, cut at `chars`;
+    chat: the leading system (or developer) messages when there are any, so requests sharing a
+    system prompt share a key however short it is; else the messages' roles and contents in
+    order (a continued conversation keeps its key); either as one string, cut at `chars`;
     completions: the prompt (text, or token ids as text), or the first prompt of a list, cut at
     `chars`.  Rendering is not the chat template's, only stable: equal prefixes, equal keys.
     """
@@ -128,12 +130,15 @@ def prefix_key(route: str, body: Mapping[str, Any], chars: int = PREFIX_CHARS) -
 def _messages_text(messages: Any) -> str:
     if not isinstance(messages, list):
         return ""
+    messages = [m for m in messages if isinstance(m, Mapping)]
+    leading = 0
+    while leading < len(messages) and messages[leading].get("role") in ("system", "developer"):
+        leading += 1
     parts = []
-    for message in messages:
-        if isinstance(message, Mapping):
-            content = message.get("content")
-            content = content if isinstance(content, str) else json.dumps(content, sort_keys=True)
-            parts.append(f"<{message.get('role')}>{content}")
+    for message in messages[: leading or len(messages)]:
+        content = message.get("content")
+        content = content if isinstance(content, str) else json.dumps(content, sort_keys=True)
+        parts.append(f"<{message.get('role')}>{content}")
     return "".join(parts)
 
 
