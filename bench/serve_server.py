@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,8 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 import httpx
+
+from graphexec.parallel.ports import free_port
 
 LOG_FILE = "server.log"
 _STOP_GRACE_S = (30.0, 10.0)  # after SIGINT, then after SIGTERM, before SIGKILL
@@ -36,13 +37,6 @@ class Target:
     pid: int | None = None
     start_seconds: float | None = None
     log_path: str | None = None
-
-
-def free_port() -> int:
-    """A port the OS just handed out (it may be taken again before the server binds it; rare)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def serve_command(overrides: Sequence[str], port: int) -> list[str]:

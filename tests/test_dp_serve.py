@@ -15,6 +15,7 @@ import httpx
 import psutil
 import pytest
 
+from graphexec.parallel.ports import free_port
 from graphexec.sampling_params import SamplingParams
 from tests.conftest import TINY_OVERRIDES
 
@@ -22,18 +23,10 @@ REPO = Path(__file__).resolve().parent.parent
 REPLICA_HEADER = "x-graphexec-replica"
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def dp_server(overrides: list[str], timeout_s: float = 240.0):
     """graphexec-serve with parallel.dp_size=2; yields (url, front process)."""
-    port = _free_port()
+    port = free_port()
     command = [sys.executable, "-m", "graphexec.entrypoints.serve", *overrides, "parallel.dp_size=2",
                f"server.port={port}", "server.log_level=warning"]
     proc = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)

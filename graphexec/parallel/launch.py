@@ -18,7 +18,6 @@ from __future__ import annotations
 import datetime
 import os
 import pickle
-import socket
 import subprocess
 import sys
 import threading
@@ -32,6 +31,7 @@ import torch.distributed as dist
 
 from graphexec.errors import ConfigError, WorkerFailedError
 from graphexec.parallel.group import TPGroup
+from graphexec.parallel.ports import free_port
 
 if TYPE_CHECKING:
     from graphexec.config import EngineConfig
@@ -150,7 +150,7 @@ class LocalWorkers:
     @classmethod
     def start(cls, config: EngineConfig) -> LocalWorkers:
         world = config.parallel.tp_size
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        init_method = f"tcp://127.0.0.1:{free_port()}"
         payload = _dump_config(config)
         procs = []
         for rank in range(1, world):
@@ -198,7 +198,11 @@ class LocalWorkers:
 
 
 def watch_parent(parent_pid: int) -> None:
-    """Exit this worker as soon as its parent (rank 0) is gone, whatever it is doing."""
+    """Exit this worker as soon as its parent (rank 0) is gone, whatever it is doing.
+
+    Polled, not PR_SET_PDEATHSIG (which data-parallel replicas use, parallel/replicas.py): that
+    signal follows the *thread* that started the child, and an Engine may be built on a thread
+    that ends long before the process does."""
 
     def watch() -> None:
         while True:
@@ -231,12 +235,6 @@ def _dump_config(config: EngineConfig) -> bytes:
 
 def _read_only(mapping: dict) -> MappingProxyType:
     return MappingProxyType(mapping)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _try(fn, *args):

@@ -19,7 +19,6 @@ import collections
 import ctypes
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -30,6 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from graphexec.errors import WorkerFailedError
+from graphexec.parallel.ports import free_port
 
 # Loading a model (and capturing, unless capture=eager) on a loaded machine.
 STARTUP_TIMEOUT_S = 900.0
@@ -140,7 +140,7 @@ class ReplicaSet:
 
 
 def _spawn(index: int, overrides: Sequence[str], threads: int) -> Replica:
-    port = _free_port()
+    port = free_port()
     command = [sys.executable, "-m", "graphexec.entrypoints.serve", *replica_overrides(overrides, port, threads)]
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), **{_FRONT_PID_ENV: str(os.getpid())})
     proc = subprocess.Popen(
@@ -185,7 +185,3 @@ def _healthy(url: str) -> bool:
         return False
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

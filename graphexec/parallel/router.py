@@ -98,10 +98,6 @@ class Router:
         self.counters.per_replica[choice] += 1
         return choice
 
-    def pick_any(self, loads: Sequence[int]) -> int:
-        """A replica for a request with no prompt (tokenize, tokenizer info): the least-loaded."""
-        return self.pick(None, loads)
-
     def _remember(self, key: str, replica: int) -> None:
         self._affinity[key] = replica
         self._affinity.move_to_end(key)

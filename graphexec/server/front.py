@@ -76,6 +76,13 @@ class Front:
         if self.client is not None:
             await self.client.aclose()
 
+    def pick(self, key: str | None) -> int:
+        """The replica for a request with prefix `key` (None: the least-loaded); 503 if none is up."""
+        try:
+            return self.router.pick(key, self.loads)
+        except NoReplicaError:
+            raise _all_down() from None
+
     def first_up(self) -> int:
         alive = self.router.alive
         if not alive:
@@ -105,10 +112,14 @@ class Front:
         """Send; once more on a new connection when a kept-alive one was closed under the request
         (the replica never read it).  A replica that refuses connections fails at once."""
         assert self.client is not None
+
+        def send() -> Awaitable[httpx.Response]:
+            return self.client.send(self.client.build_request(method, url, headers=headers, content=body), stream=True)
+
         try:
-            return await self.client.send(self.client.build_request(method, url, headers=headers, content=body), stream=True)
+            return await send()
         except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError):
-            return await self.client.send(self.client.build_request(method, url, headers=headers, content=body), stream=True)
+            return await send()
 
     def _relay_done(self, replica: int, error: BaseException | None) -> None:
         self.loads[replica] -= 1
@@ -224,11 +235,7 @@ def _generation_routes(app: FastAPI, front: Front, config: ServerConfig) -> None
         except ValueError:
             parsed = None  # the replica answers the 400
         key = prefix_key(request.url.path, parsed) if isinstance(parsed, dict) else None
-        try:
-            replica = front.router.pick(key, front.loads)
-        except NoReplicaError:
-            raise _all_down() from None
-        return await front.proxy(request, replica, body)
+        return await front.proxy(request, front.pick(key), body)
 
     for path in ("/v1/completions", "/v1/chat/completions"):
         app.add_api_route(path, routed, methods=["POST"], include_in_schema=False)
@@ -239,11 +246,7 @@ def _single_replica_routes(app: FastAPI, front: Front, config: ServerConfig) -> 
         body = None
         if request.method == "POST":
             body = bytes(await read_body(request, config.max_body_bytes, config.request_read_timeout_s))
-        try:
-            replica = front.router.pick_any(front.loads)
-        except NoReplicaError:
-            raise _all_down() from None
-        return await front.proxy(request, replica, body)
+        return await front.proxy(request, front.pick(None), body)
 
     async def first_replica(request: Request) -> Response:
         return await front.proxy(request, front.first_up())
