@@ -24,12 +24,13 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from bench.serve_client import SendOptions, send_all
+from bench.serve_datasets import BenchRequest
 from bench.serve_server import launched_server
 from graphexec.parallel.replicas import threads_per_replica_rank
 
@@ -45,57 +46,37 @@ QUESTIONS = ("Where are the hammers?", "Do you sell rope?", "What glue holds woo
              "Which drill for concrete?", "Do you have ladders?", "Where is the paint?", "Can I rent a saw?")
 
 
-def _request(model: dict, index: int, max_tokens: int) -> tuple[str, dict]:
-    question = f"{QUESTIONS[index % len(QUESTIONS)]} (customer {index})"
-    common = {"model": model["name"], "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0, "stream": True}
-    if model["chat"]:
-        messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}]
-        return "/v1/chat/completions", common | {"messages": messages}
-    return "/v1/completions", common | {"prompt": f"{SYSTEM_PROMPT}\nQ: {question}\nA:"}
-
-
-async def _one(client: httpx.AsyncClient, path: str, body: dict) -> dict:
-    """Time to the first streamed token and the chunks that carried text."""
-    started = time.perf_counter()
-    ttft, chunks = None, 0
-    async with client.stream("POST", path, json=body) as answer:
-        if answer.status_code != 200:
-            return {"error": f"{answer.status_code}: {(await answer.aread())[:300]!r}"}
-        async for line in answer.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            choice = json.loads(line[6:])["choices"][0]
-            text = choice.get("text") or (choice.get("delta") or {}).get("content")
-            if text:
-                ttft = ttft if ttft is not None else time.perf_counter() - started
-                chunks += 1
-    return {"ttft": ttft, "chunks": chunks, "replica": answer.headers.get("x-graphexec-replica")}
+def _requests(model: dict, count: int, max_tokens: int) -> list[BenchRequest]:
+    """The shared system prompt and a varied question: chat, or the same text as a completion.
+    Their prompt lengths are not known here (0): the server's usage reports them."""
+    requests = []
+    for index in range(count):
+        question = f"{QUESTIONS[index % len(QUESTIONS)]} (customer {index})"
+        if model["chat"]:
+            messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}]
+            requests.append(BenchRequest(index, "chat", None, messages, 0, max_tokens))
+        else:
+            requests.append(BenchRequest(index, "completions", f"{SYSTEM_PROMPT}\nQ: {question}\nA:", None, 0, max_tokens))
+    return requests
 
 
 async def _load(url: str, model: dict, requests: int, concurrency: int, max_tokens: int) -> dict[str, Any]:
-    gate = asyncio.Semaphore(concurrency)
-    async with httpx.AsyncClient(base_url=url, timeout=600, trust_env=False) as client:
-
-        async def bounded(i: int) -> dict:
-            async with gate:
-                return await _one(client, *_request(model, i, max_tokens))
-
+    """All requests at once, `concurrency` in flight (bench/serve_client.py sends and times them)."""
+    async with httpx.AsyncClient(base_url=url, timeout=60, trust_env=False) as client:
         cached_before = _cache_hits((await client.get("/metrics")).text)
-        started = time.perf_counter()
-        results = await asyncio.gather(*(bounded(i) for i in range(requests)))
-        wall = time.perf_counter() - started
+        records, wall = await send_all(
+            url, _requests(model, requests, max_tokens), SendOptions(model=model["name"]), [0.0] * requests, concurrency
+        )
         cached = _cache_hits((await client.get("/metrics")).text) - cached_before
-    errors = [r["error"] for r in results if "error" in r]
-    done = [r for r in results if "error" not in r]
-    ttfts = [r["ttft"] for r in done if r["ttft"] is not None]
-    replicas = sorted({r["replica"] for r in done if r["replica"] is not None})
+    done = [r for r in records if r.success]
+    ttfts = [r.ttft_s for r in done if r.ttft_s is not None]
     return {
-        "requests": requests, "errors": errors, "wall_s": round(wall, 3),
+        "requests": requests, "errors": [r.error for r in records if not r.success], "wall_s": round(wall, 3),
         "req_per_s": round(len(done) / wall, 3),
-        "output_tok_per_s": round(len(done) * max_tokens / wall, 1),  # ignore_eos: every request gives max_tokens
+        "output_tok_per_s": round(sum(r.output_tokens for r in done) / wall, 1),
         "ttft_p50_s": round(statistics.median(ttfts), 4) if ttfts else None,
         "cached_tokens": int(cached),
-        "replicas_used": replicas,
+        "replicas_used": sorted({r.replica for r in done if r.replica is not None}),
     }
 
 

@@ -55,6 +55,7 @@ class RequestRecord:
     cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, where reported
     output_chars: int = 0
     finish_reason: str | None = None
+    replica: str | None = None  # x-graphexec-replica: which replica a data-parallel front chose
     success: bool = False
     error: str | None = None
 
@@ -113,6 +114,7 @@ async def send_one(client: httpx.AsyncClient, base: str, req: BenchRequest, opts
 
 async def _exchange(client: httpx.AsyncClient, url: str, body: dict, record: RequestRecord, sent: float) -> None:
     async with client.stream("POST", url, json=body) as response:
+        record.replica = response.headers.get("x-graphexec-replica")
         if response.status_code != 200:
             text = (await response.aread()).decode(errors="replace")
             record.error = f"HTTP {response.status_code}: {text[:_ERROR_CHARS]}"
