@@ -57,7 +57,10 @@ def _explicit_cache_dirs(cfg) -> list[str]:
 def _run_probe(overrides: list[str], cache_dir: str, timeout_s: float) -> dict[str, Any]:
     # Triton's cache would otherwise live outside the fresh directory if the caller set it.
     env = os.environ | {"TORCHINDUCTOR_CACHE_DIR": cache_dir, "TRITON_CACHE_DIR": os.path.join(cache_dir, "triton")}
-    cmd = [sys.executable, "-m", "bench.capture_probe", *overrides]
+    # Captured before the probe's engine returns, and the plan (which buckets keep their graphs)
+    # stored in this run's directory: cold measures and stores it, warm loads it.
+    plan_overrides = ["++capture.background=false", f"++capture.cache_dir={os.path.join(cache_dir, 'plans')}"]
+    cmd = [sys.executable, "-m", "bench.capture_probe", *overrides, *plan_overrides]
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
@@ -87,6 +90,10 @@ def _merge_backends(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
                 cell = entry["buckets"].setdefault(row["bucket"], {"bucket": row["bucket"]})
                 cell[f"{phase}_seconds"] = row["seconds"]
                 cell[f"{phase}_mib"] = row["bytes"] / 2**20
+                cell[f"{phase}_state"] = row.get("state")
+                for key in ("eager_ms", "graph_ms", "speedup", "reason"):
+                    if row.get(key) is not None:
+                        cell.setdefault(key, row[key])  # measured once (cold); warm loads the decision
     for entry in merged.values():
         entry["buckets"] = [entry["buckets"][b] for b in sorted(entry["buckets"])]
     return list(merged.values())
@@ -117,12 +124,22 @@ def markdown(result: dict[str, Any]) -> str:
         if not backend["buckets"]:
             lines.append("Nothing captured (no buckets).")
             continue
-        lines.append("| bucket | " + " | ".join(f"{ph} s" for ph in phases) + " | " + " | ".join(f"{ph} MiB" for ph in phases) + " |")
-        lines.append("|---" * (1 + 2 * len(phases)) + "|")
+        lines.append(
+            "| bucket | eager ms | graph ms | speedup | decision | "
+            + " | ".join(f"{ph} s" for ph in phases) + " | " + " | ".join(f"{ph} MiB" for ph in phases) + " |"
+        )
+        lines.append("|---" * (5 + 2 * len(phases)) + "|")
         for row in backend["buckets"]:
             seconds = [_num(row.get(f"{ph}_seconds")) for ph in phases]
             mib = [_num(row.get(f"{ph}_mib"), ".0f") for ph in phases]
-            lines.append(f"| {row['bucket']} | " + " | ".join(seconds + mib) + " |")
+            state = row.get(f"{phases[-1]}_state") or "—"
+            decision = state if not row.get("reason") else f"{state} ({row['reason']})"
+            measured = [_num(row.get("eager_ms")), _num(row.get("graph_ms")), _num(row.get("speedup"))]
+            lines.append(f"| {row['bucket']} | " + " | ".join([*measured, decision, *seconds, *mib]) + " |")
+        if len(phases) > 1:
+            lines.append("")
+            lines.append(f"{phases[-1]} s of a kept bucket is what loading its graph costs with the cache and plan warm; "
+                         "a dropped bucket is not compiled there at all.")
     return "\n".join(lines) + "\n"
 
 
@@ -149,7 +166,7 @@ def summary(result: dict[str, Any]) -> dict[str, float]:
         out[f"{phase} peak RSS MiB"] = p["peak_rss_bytes"] / 2**20
     for backend in result["backends"]:
         for phase in result["phases"]:
-            seconds = [row[f"{phase}_seconds"] for row in backend["buckets"] if f"{phase}_seconds" in row]
+            seconds = [row[f"{phase}_seconds"] for row in backend["buckets"] if row.get(f"{phase}_seconds") is not None]
             if seconds:
                 out[f"{backend['name']} {phase} s total"] = sum(seconds)
     return out

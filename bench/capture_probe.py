@@ -19,8 +19,10 @@ from typing import Any
 
 def config_without_progress_bars(overrides: list[str]):
     """The engine config for `overrides`, with capture progress bars off: they would bury the
-    error line on stderr.  Modes that alias another mode's spec (`mixed: ${.extend}`) are left
-    alone, so they keep resolving to the very same spec and still share its backend."""
+    error line on stderr.  Capture happens before the engine returns (`capture.background=false`),
+    so what is timed is the plan's steady state.  Modes that alias another mode's spec
+    (`mixed: ${.extend}`) are left alone, so they keep resolving to the very same spec and still
+    share its backend."""
     from omegaconf import DictConfig, OmegaConf
 
     from graphexec.config import EngineConfig, compose
@@ -33,7 +35,7 @@ def config_without_progress_bars(overrides: list[str]):
         if key in cfg.capture and not OmegaConf.is_interpolation(cfg.capture, key)
         and isinstance(cfg.capture[key], DictConfig) and "progress" in cfg.capture[key]
     ]
-    return EngineConfig.from_dictconfig(compose([*overrides, *quiet]))
+    return EngineConfig.from_dictconfig(compose([*overrides, *quiet, "++capture.background=false"]))
 
 
 def distinct_backends(runner) -> list[dict[str, Any]]:
@@ -49,9 +51,18 @@ def distinct_backends(runner) -> list[dict[str, Any]]:
         entry["modes"].append(mode.config_key)
         if entry["buckets"]:
             continue
+        # Every bucket with a state: a dropped one has no capture seconds when a stored plan
+        # skipped it, and its timings when it was measured here.
+        rows = sorted(set(stats.capture_seconds) | set(stats.states))
         entry["buckets"] = [
-            {"bucket": bucket, "seconds": stats.capture_seconds[bucket], "bytes": stats.capture_bytes.get(bucket, 0)}
-            for bucket in sorted(stats.capture_seconds)
+            {
+                "bucket": bucket,
+                "seconds": stats.capture_seconds.get(bucket),
+                "bytes": stats.capture_bytes.get(bucket, 0),
+                "state": stats.states.get(bucket),
+            }
+            | (stats.decisions[bucket].as_dict() if bucket in stats.decisions else {})
+            for bucket in rows
         ]
     return list(by_instance.values())
 

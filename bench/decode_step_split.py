@@ -48,7 +48,7 @@ def measure(engine: Engine) -> dict[str, float]:
 
 
 def main() -> None:
-    engine = Engine(overrides=["capture.extend.progress=false", "capture.decode.progress=false"])
+    engine = Engine(overrides=["capture.extend.progress=false", "capture.decode.progress=false", "capture.background=false"])
     result: dict[str, float] = {}
     # A thread of its own, as the engine loop runs the model: the main thread loaded and captured
     # on another one, and two live OpenMP teams in one process slow both.

@@ -335,7 +335,7 @@ def _error(exc: Exception) -> str:
 def _engine(shapes: Shapes, dtype: str, overrides: list[str]):
     from graphexec import Engine
 
-    return Engine(overrides=[*shapes.engine, f"model.dtype={dtype}", *overrides])
+    return Engine(overrides=[*shapes.engine, f"model.dtype={dtype}", "++capture.background=false", *overrides])
 
 
 def _write(path: Path, text: str) -> None:

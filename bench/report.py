@@ -26,6 +26,7 @@ def machine() -> dict[str, Any]:
         "platform": platform.platform(),
         "cpu": _cpu_model(),
         "cpu_count": os.cpu_count(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),  # the ISA level torch dispatches to
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "python": platform.python_version(),

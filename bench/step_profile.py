@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> None:
     if "capture=eager" not in overrides:  # capture only the profiled buckets
         buckets = ",".join(str(b) for b in sorted(set(args.batch)))
         overrides += [f"capture.decode.buckets=[{buckets}]", "capture.extend.progress=false", "capture.decode.progress=false"]
-    engine = Engine(overrides=overrides)
+    engine = Engine(overrides=[*overrides, "++capture.background=false"])
     # On a thread that ends, like the engine's own setup, so only one OpenMP team is ever live.
     for batch in args.batch:
         print(call_in_thread(lambda: _profile(engine, batch, args.context, args.steps, args.rows)), flush=True)

@@ -43,8 +43,12 @@ def load_suite(name: str) -> ModuleType:
 
 
 def build_engine(cfg):
-    """The engine a suite measures, from the composed Hydra config (captures at start-up)."""
+    """The engine a suite measures, from the composed Hydra config, with every kept graph captured
+    before it returns (never in the background while a suite times it)."""
+    from omegaconf import OmegaConf
+
     from graphexec.config import EngineConfig
     from graphexec.engine.engine import Engine
 
+    cfg = OmegaConf.merge(cfg, {"capture": {"background": False}})
     return Engine(config=EngineConfig.from_dictconfig(cfg))

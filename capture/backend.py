@@ -17,6 +17,7 @@ import torch
 from tqdm import tqdm
 
 from capture.batch import BucketableBatch, Phase
+from capture.measure import BucketDecision
 from capture.memory import memory_in_use
 from capture.padding import PaddingPolicy
 from capture.recorders import Recorders
@@ -70,6 +71,13 @@ class BackendStats:
     executions: int = 0  # forwards run (graph replays for graph backends)
     fallbacks: int = 0  # forwards handed to eager because this backend could not run them
     padded_rows: int = 0  # rows added to reach a bucket, summed over executions
+    # Per bucket of a bucketed backend: pending | compiling | ready | dropped (BUCKET_STATES).
+    states: dict[int, str] = field(default_factory=dict)
+    # Per decided bucket: kept or dropped, and the timings behind it (capture/measure.py).
+    decisions: dict[int, BucketDecision] = field(default_factory=dict)
+    # Per bucket that became ready: seconds from the backend's creation (about the weights being
+    # loaded) until it could serve.
+    ready_after_seconds: dict[int, float] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -78,7 +86,17 @@ class BackendStats:
             "executions": self.executions,
             "fallbacks": self.fallbacks,
             "padded_rows": self.padded_rows,
+            "buckets": {
+                bucket: {"state": state, "ready_after_s": self.ready_after_seconds.get(bucket)}
+                | (self.decisions[bucket].as_dict() if bucket in self.decisions else {})
+                for bucket, state in sorted(self.states.items())
+            },
         }
+
+
+# What a bucket of a bucketed backend is doing: not captured yet (it runs eager meanwhile), being
+# captured, serving from its graph, or measured no faster than eager (it runs eager for good).
+BUCKET_STATES = ("pending", "compiling", "ready", "dropped")
 
 
 class CaptureBackend(ABC):

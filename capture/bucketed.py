@@ -20,11 +20,21 @@ A backend is this core with a *phase* and a *mechanism*:
 The core pads, runs and slices back exactly once: callers get the real rows only.  A batch runs
 here only if a bucket holds it with at most `max_padding` of the bucket as padding; otherwise
 `can_run` is False and the caller falls back to eager (and counts it).  Options common to every
-bucketed backend: graph, buckets, lazy (capture a bucket on first use), progress, max_padding.
+bucketed backend: graph, buckets, lazy (capture a bucket on first use), progress, max_padding,
+keep, min_speedup.
+
+A graph must pay for itself: with `keep: faster` each captured bucket is timed against the eager
+forward on its capture batch (capture/measure.py) and dropped unless it is `min_speedup` times
+faster; a dropped bucket runs eager.  Decisions taken earlier (a stored plan,
+capture/plan_store.py) are handed in with `preset`: a bucket decided dropped is never compiled,
+one decided kept is compiled without timing it again.  `keep: all` keeps every graph (benchmarks,
+GPUs).  The caller may capture ahead of serving (`capture_plan`, largest bucket first) or one
+bucket at a time while serving (`pending_buckets`, smallest first: B=1 decode is the most used).
 """
 
 from __future__ import annotations
 
+import time
 from abc import abstractmethod
 from typing import Any, Callable, Iterator, Mapping
 
@@ -34,13 +44,18 @@ from capture.backend import CaptureBackend, CaptureEnv, PreparedForward
 from capture.batch import BucketableBatch, Phase
 from capture.buckets import bucket_for, validate_buckets
 from capture.errors import CaptureConfigError
+from capture.measure import BucketDecision, decide, time_interleaved
 from capture.padding import StaticInputs
 from capture.recorders import RECORDERS
 from capture.segments import GraphRecorder, SegmentedGraph, record_segments
 
 BucketRunner = Callable[[BucketableBatch], torch.Tensor]
 MECHANISMS = ("auto", "compile", "cuda_graph", "tape", "eager")
-COMMON_OPTIONS = frozenset({"graph", "buckets", "lazy", "progress", "max_padding"})
+COMMON_OPTIONS = frozenset({"graph", "buckets", "lazy", "progress", "max_padding", "keep", "min_speedup"})
+KEEP_POLICIES = ("all", "faster")
+# How much faster than eager a graph must measure to be kept: run-to-run noise of one timing on a
+# small shared CPU is a few percent even interleaved (bench=capture prints the measured ratios).
+DEFAULT_MIN_SPEEDUP = 1.05
 # Decode pads whole requests, which cost little next to the weights every row reads; a prefill
 # pads tokens, and its compute grows with them, so by default a batch that would be more than
 # 5 % padding runs eager (configs/capture/graph_first.yaml; bench=prefill measured why).
@@ -74,7 +89,15 @@ class BucketedBackend(CaptureBackend):
         self.max_padding = _padding_limit(
             self.options.get("max_padding", DEFAULT_MAX_PADDING[self.phase]), f"{config_path}.max_padding"
         )
+        self.keep = self.options.get("keep", "all")
+        if self.keep not in KEEP_POLICIES:
+            raise CaptureConfigError(f"{config_path}.keep={self.keep!r} is unknown; choose one of {list(KEEP_POLICIES)}")
+        self.min_speedup = _min_speedup(self.options.get("min_speedup", DEFAULT_MIN_SPEEDUP), f"{config_path}.min_speedup")
         self.buffers = StaticInputs(self.buckets[-1], env.device)
+        self._created_at = time.perf_counter()
+        self.stats.states.update({bucket: "pending" for bucket in self.buckets})
+        # Decisions handed in from a stored plan (bucket -> decision), honoured without measuring.
+        self._preset: dict[int, BucketDecision] = {}
         self._runners: dict[int, BucketRunner] = {}
         self._recorded: dict[int, SegmentedGraph] = {}
         self._prepared = False
@@ -98,14 +121,31 @@ class BucketedBackend(CaptureBackend):
 
     # -- capture ---------------------------------------------------------------------------------
 
+    def preset(self, decisions: Mapping[int, BucketDecision]) -> None:
+        """Decisions taken before (a stored plan): dropped buckets are never compiled, kept ones
+        are compiled without being timed again.  Buckets not in the plan are ignored."""
+        self._preset = {b: d for b, d in decisions.items() if b in self.buckets}
+        for bucket, decision in self._preset.items():
+            if not decision.kept:
+                self._drop(bucket, decision)
+
     def capture_plan(self) -> Iterator[tuple[int, BucketableBatch]]:
         # Each capture pass starts from a fresh forward (a break marked since the last pass cuts it).
         self._before_capture()
         self._prepared = True
         if self.lazy:
             return
-        for bucket in self._progress(self.buckets, f"{self.name} ({self.mechanism})"):
+        # Every bucket not dropped, captured again if it was before (a new break marked since).
+        todo = [b for b in self.buckets if self.stats.states[b] != "dropped"]
+        for bucket in self._progress(todo, f"{self.name} ({self.mechanism})"):
             yield bucket, self.dummy_batch(bucket)
+
+    def pending_buckets(self) -> list[int]:
+        """Buckets neither captured nor dropped, smallest first (the order of expected use); none
+        when `lazy` (a bucket is captured on its first batch)."""
+        if self.lazy:
+            return []
+        return [b for b in self.buckets if self.stats.states[b] in ("pending", "compiling")]
 
     def dummy_batch(self, bucket: int) -> BucketableBatch:
         """A batch of padding rows only, in the static buffers: what a bucket is captured on."""
@@ -115,9 +155,43 @@ class BucketedBackend(CaptureBackend):
         """Make `bucket` runnable on `batch` (a padded batch of that bucket, in the static buffers),
         inside the caller's forward scope for it; seconds and memory go to the stats."""
         self._prepare_once()
+        if self.stats.states[bucket] == "dropped":
+            return
+        self.stats.states[bucket] = "compiling"
         limit = self.recompile_limit
-        with torch._dynamo.config.patch(recompile_limit=limit, accumulated_recompile_limit=max(65536, limit)):
-            self._runners[bucket] = self._measured(bucket, lambda: self._make_runner(bucket, batch))
+        try:
+            with torch._dynamo.config.patch(recompile_limit=limit, accumulated_recompile_limit=max(65536, limit)):
+                runner = self._measured(bucket, lambda: self._make_runner(bucket, batch))
+        except BaseException:
+            self.stats.states[bucket] = "pending"
+            raise
+        decision = self._decide(bucket, batch, runner)
+        if not decision.kept:
+            self._drop(bucket, decision)
+            return
+        self.stats.decisions[bucket] = decision
+        self._runners[bucket] = runner
+        self.stats.states[bucket] = "ready"
+        self.stats.ready_after_seconds[bucket] = round(time.perf_counter() - self._created_at, 3)
+
+    def _decide(self, bucket: int, batch: BucketableBatch, runner: BucketRunner) -> BucketDecision:
+        """The preset decision, else `keep=all`, else the graph timed against eager on `batch`."""
+        if bucket in self._preset:
+            return self._preset[bucket]
+        if self.keep == "all" or self.mechanism == "eager":
+            return BucketDecision(kept=True, reason="keep=all")
+        eager_ms, graph_ms = time_interleaved(lambda: self._run_model(batch), lambda: runner(batch))
+        return decide(eager_ms, graph_ms, self.min_speedup)
+
+    def drop(self, bucket: int, reason: str) -> None:
+        """Run `bucket` eager from now on (its capture failed, say)."""
+        self._drop(bucket, BucketDecision(kept=False, reason=reason))
+
+    def _drop(self, bucket: int, decision: BucketDecision) -> None:
+        self.stats.decisions[bucket] = decision
+        self.stats.states[bucket] = "dropped"
+        self._runners.pop(bucket, None)
+        self._recorded.pop(bucket, None)
 
     def _prepare_once(self) -> None:
         if not self._prepared:
@@ -157,7 +231,9 @@ class BucketedBackend(CaptureBackend):
         bucket = bucket_for(size, self.buckets)
         if bucket is None or bucket - size > self.max_padding * bucket:
             return False
-        return self.lazy or bucket in self._runners
+        if self.lazy:
+            return self.stats.states[bucket] != "dropped"
+        return bucket in self._runners
 
     def prepare(self, fb: BucketableBatch) -> PreparedForward:
         size = self.size_of(fb)
@@ -165,9 +241,9 @@ class BucketedBackend(CaptureBackend):
         padded = self._pad(fb, bucket)
 
         def run() -> torch.Tensor:
-            if bucket not in self._runners:  # lazy: captured on this very batch
+            if bucket not in self._runners:  # lazy: captured (and maybe dropped) on this very batch
                 self.capture_bucket(bucket, padded)
-            hidden = self._runners[bucket](padded)
+            hidden = self._runners.get(bucket, self._run_model)(padded)
             self.stats.executions += 1
             self.stats.padded_rows += bucket - size
             return hidden[: fb.num_token_non_padded]
@@ -194,4 +270,10 @@ def _padding_limit(value: Any, option: str) -> float:
     """The largest share of a bucket that may be padding before a batch runs eager instead."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
         raise CaptureConfigError(f"{option} must be a fraction in [0, 1], got {value!r}")
+    return float(value)
+
+
+def _min_speedup(value: Any, option: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise CaptureConfigError(f"{option} must be a positive number (eager ms / graph ms to keep a graph), got {value!r}")
     return float(value)

@@ -86,18 +86,38 @@ class BackendSpec:
     options: Mapping[str, Any]
 
 
+_EAGER_SPEC = BackendSpec(backend="eager", options=MappingProxyType({}))
+
+
 @dataclass(frozen=True)
 class CapturePlan:
-    """Which capture backend runs each ForwardMode."""
+    """Which capture backend runs each ForwardMode, and how its graphs come to be."""
 
     name: str
     extend: BackendSpec
     decode: BackendSpec
     mixed: BackendSpec
     idle: BackendSpec
+    # true: the engine serves eagerly from the moment the weights are loaded and captures one
+    # bucket at a time on its loop thread while no request is waiting, swapping each in when
+    # ready.  false (a plan that does not say): every bucket is captured before the engine serves.
+    background: bool = False
+    # Background capture starts only after the engine has been idle this long (and resumes after
+    # each request the same way): a request that comes right away is never behind a capture.
+    idle_delay_s: float = 1.0
+    # Where capture plans (which bucket keeps its graph, measured how) are kept, one file per key
+    # (capture/plan_store.py); null: not kept, every start measures again.
+    cache_dir: str | None = None
 
-    def for_mode(self, mode: ForwardMode) -> BackendSpec:
-        return getattr(self, mode.config_key)
+    def for_mode(self, mode: ForwardMode, device_type: str | None = None) -> BackendSpec:
+        """The mode's spec; eager on a device its `devices` option does not list."""
+        spec: BackendSpec = getattr(self, mode.config_key)
+        devices = spec.options.get("devices")
+        if devices is None:
+            return spec
+        if device_type is not None and device_type not in devices:
+            return _EAGER_SPEC
+        return BackendSpec(spec.backend, MappingProxyType({k: v for k, v in spec.options.items() if k != "devices"}))
 
 
 @dataclass(frozen=True)
@@ -297,8 +317,34 @@ def _capture_plan(values: Mapping[str, Any]) -> CapturePlan:
         backend = entry.pop("backend", None)
         if backend not in available_backends():
             raise ConfigError(f"capture.{key}.backend={backend!r} is unknown; available: {available_backends()}")
+        devices = entry.get("devices")
+        if devices is not None and (
+            not isinstance(devices, (list, tuple)) or not devices or not set(devices) <= {"cpu", "cuda"}
+        ):
+            raise ConfigError(f"capture.{key}.devices must be a non-empty list of 'cpu' and 'cuda' (elsewhere: eager), got {devices!r}")
         specs[key] = BackendSpec(backend=backend, options=MappingProxyType(entry))
-    extra = sorted(set(values) - {m.config_key for m in ForwardMode} - {"name"})
+    plan_keys = {"name", "background", "cache_dir", "idle_delay_s"}
+    extra = sorted(set(values) - {m.config_key for m in ForwardMode} - plan_keys)
     if extra:
-        raise ConfigError(f"capture.{extra[0]} is not a ForwardMode; plans map {[m.config_key for m in ForwardMode]}")
-    return CapturePlan(name=str(values.get("name", "custom")), **specs)
+        raise ConfigError(
+            f"capture.{extra[0]} is neither a ForwardMode nor a plan option; plans map "
+            f"{[m.config_key for m in ForwardMode]} and take {sorted(plan_keys)}"
+        )
+    # A plan captures in the background only if it says so (auto does): a hand-made plan, or
+    # eager with one mode overridden, captures before serving as before.
+    background = values.get("background", False)
+    if not isinstance(background, bool):
+        raise ConfigError(f"capture.background must be true or false, got {background!r}")
+    cache_dir = values.get("cache_dir")
+    if cache_dir is not None and not isinstance(cache_dir, str):
+        raise ConfigError(f"capture.cache_dir must be a directory path or null, got {cache_dir!r}")
+    idle_delay_s = values.get("idle_delay_s", 1.0)
+    if isinstance(idle_delay_s, bool) or not isinstance(idle_delay_s, (int, float)) or idle_delay_s < 0:
+        raise ConfigError(f"capture.idle_delay_s must be a number of seconds >= 0, got {idle_delay_s!r}")
+    return CapturePlan(
+        name=str(values.get("name", "custom")),
+        background=background,
+        cache_dir=cache_dir,
+        idle_delay_s=float(idle_delay_s),
+        **specs,
+    )

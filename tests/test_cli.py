@@ -23,6 +23,33 @@ def test_generate_on_tiny_model():
     assert "tokens/s" in result.stderr
 
 
+def test_capture_builds_the_plan_a_later_start_uses(tmp_path):
+    overrides = ["model=tiny-llama", "capture.decode.buckets=[1]", "capture.decode.keep=all", f"capture.cache_dir={tmp_path}"]
+    result = subprocess.run(
+        [sys.executable, "-m", "graphexec.entrypoints.capture", *overrides], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr
+    (row,) = [line.split() for line in result.stdout.splitlines() if line.startswith("decode,idle")]
+    assert row[1:3] == ["1", "ready"] and row[-1] == "keep=all"
+    (plan,) = tmp_path.glob("*/plan.json")
+    assert str(plan) in result.stderr
+    # The same overrides find it; graphexec-generate with them loads it (nothing is measured).
+    from graphexec.config import EngineConfig
+    from graphexec.runner.capture_key import capture_key
+    from capture.plan_store import PlanStore
+
+    key = capture_key(EngineConfig.from_overrides(overrides), 1, 0, "cpu")
+    assert PlanStore(tmp_path, key).load()["capture.decode"][1].kept
+
+
+def test_capture_refuses_a_null_cache_dir():
+    result = subprocess.run(
+        [sys.executable, "-m", "graphexec.entrypoints.capture", "model=tiny-llama", "capture.cache_dir=null"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 2 and "capture.cache_dir is null" in result.stderr
+
+
 def test_generate_rejects_unknown_model_with_exit_code():
     result = _generate("model=no-such-model")
     assert result.returncode != 0

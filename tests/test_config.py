@@ -5,15 +5,24 @@ import dataclasses
 import pytest
 
 from graphexec.config import EngineConfig, available_options
+from graphexec.errors import ConfigError
 from graphexec.forward_mode import ForwardMode
 
 
 def test_defaults_compose():
     cfg = EngineConfig.from_overrides([])
     assert cfg.model.name == "smollm2-135m" and cfg.model.source == "gguf"
-    assert cfg.capture.name == "graph_first"
+    assert cfg.capture.name == "auto" and cfg.capture.background and cfg.capture.cache_dir
     assert cfg.capture.decode.backend == cfg.capture.idle.backend == "full_graph"
+    assert cfg.capture.decode.options["keep"] == "faster"
     assert cfg.capture.extend.backend == cfg.capture.mixed.backend == "piecewise"
+    # Prefill pieces only where they pay: on CUDA; the CPU runs extend and mixed eager.
+    assert cfg.capture.for_mode(ForwardMode.EXTEND, "cpu").backend == "eager"
+    cuda_extend = cfg.capture.for_mode(ForwardMode.MIXED, "cuda")
+    assert cuda_extend.backend == "piecewise" and "devices" not in cuda_extend.options
+    graph_first = EngineConfig.from_overrides(["capture=graph_first"])
+    assert graph_first.capture.for_mode(ForwardMode.EXTEND, "cpu").backend == "piecewise"
+    assert not graph_first.capture.background and graph_first.capture.cache_dir is None
     assert cfg.scheduler.max_prefill_tokens == max(cfg.capture.extend.options["buckets"])
     eager = EngineConfig.from_overrides(["capture=eager"])
     assert all(eager.capture.for_mode(m).backend == "eager" for m in ForwardMode)
@@ -48,3 +57,18 @@ def test_config_groups_exist():
     assert "eager" in available_options("capture")
     for group in ("scheduler", "cache", "sampling"):
         assert available_options(group)
+
+
+@pytest.mark.parametrize(
+    "override, option",
+    [
+        ("capture.background=maybe", "capture.background"),
+        ("capture.idle_delay_s=-1", "capture.idle_delay_s"),
+        ("capture.cache_dir=[1]", "capture.cache_dir"),
+        ("capture.extend.devices=[tpu]", "capture.extend.devices"),
+        ("++capture.colour=red", "capture.colour"),
+    ],
+)
+def test_bad_plan_options_name_themselves(override, option):
+    with pytest.raises(ConfigError, match=option.replace(".", r"\.")):
+        EngineConfig.from_overrides([override])

@@ -60,8 +60,11 @@ class Engine:
             torch.set_num_threads(self.config.parallel.threads_per_rank)  # a dp replica's share of the cores
         # Loading and capture run on a thread that then exits, so the engine loop's thread is the
         # only one holding an OpenMP team (graphexec/engine/threads.py: two teams cost ~40 % per step).
+        # Background capture (capture.background): serve eagerly at once, capture on the loop
+        # thread while idle.  Tensor-parallel ranks capture in lockstep, so they capture first.
+        background = self.config.capture.background and self._tp is None
         try:
-            checkpoint, self.runner = call_in_thread(lambda: load_and_capture(self.config, tp))
+            checkpoint, self.runner = call_in_thread(lambda: load_and_capture(self.config, tp, capture=not background))
         except BaseException:
             if self._tp is not None:
                 self._tp.close()
@@ -78,7 +81,14 @@ class Engine:
         self._request_ids = itertools.count()
         self._grammar_backend: GrammarBackend | None = None  # built by the first constrained request
         self._grammar_backend_lock = threading.Lock()
-        self._loop = EngineLoop(self.scheduler, self.runner.device, keep_alive_s=keep_alive_s)
+        idle_work = self.runner.capture_next if background and self.runner.capture_pending() else None
+        self._loop = EngineLoop(
+            self.scheduler,
+            self.runner.device,
+            keep_alive_s=keep_alive_s,
+            idle_work=idle_work,
+            idle_delay_s=self.config.capture.idle_delay_s,
+        )
         # An engine dropped without shutdown() still stops its thread and its other ranks (the
         # callback holds the loop and the driver, not the engine, so it does not keep it alive).
         self._stop_loop = weakref.finalize(self, _shutdown, self._loop, self._tp)

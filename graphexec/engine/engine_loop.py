@@ -10,6 +10,11 @@ the loop keeps serving the rest.  The thread starts on the first submission, so 
 `engine.scheduler.step()` itself on a fresh engine never races with it (except under tensor
 parallelism, where it starts at once: the other ranks need its keep-alives from the start).
 
+Work the loop may do while no request waits (`idle_work`: the engine's background capture, one
+bucket per call) runs between steps only when the inbox is empty and nothing is running, so a
+request arriving meanwhile waits for at most the one call in progress.  The thread starts at once
+when there is idle work.
+
 Under tensor parallelism a failed step is different: the ranks are out of step
 (WorkerFailedError), so the loop fails every request and stops; the engine takes no more.  While
 idle it sends the other ranks a keep-alive every `keep_alive_s`, so that they can tell an idle
@@ -27,6 +32,7 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -59,7 +65,13 @@ class _FlushCache:
 
 class EngineLoop:
     def __init__(
-        self, scheduler: Scheduler, device: torch.device, name: str = "graphexec-engine-loop", keep_alive_s: float | None = None
+        self,
+        scheduler: Scheduler,
+        device: torch.device,
+        name: str = "graphexec-engine-loop",
+        keep_alive_s: float | None = None,
+        idle_work: Callable[[], bool] | None = None,
+        idle_delay_s: float = 0.0,
     ):
         self._scheduler = scheduler
         self._device = device
@@ -75,8 +87,14 @@ class EngineLoop:
         self._thread: threading.Thread | None = None
         # Loop thread only.
         self._trackers: dict[str, RequestTracker] = {}
-        if keep_alive_s is not None:
-            # Other ranks wait on this loop from now on, requests or not.
+        # Loop thread only once started: one unit of idle work per call, True while more remains.
+        self._idle_work = idle_work
+        # Idle work waits until nothing has happened for this long: a caller that submits right
+        # after building the engine (graphexec-generate) never waits for a capture.
+        self._idle_delay_s = idle_delay_s
+        self._idle_after = time.monotonic() + idle_delay_s
+        if keep_alive_s is not None or idle_work is not None:
+            # Other ranks wait on this loop from now on, requests or not; idle work starts now.
             with self._wakeup:
                 self._start_thread()
 
@@ -158,13 +176,21 @@ class EngineLoop:
         while True:
             with self._wakeup:
                 while not (self._inbox or self._trackers or self._stopping):
-                    if not self._wakeup.wait(self._keep_alive_s) and self._keep_alive_s is not None:
+                    idle_wait = None if self._idle_work is None else self._idle_after - time.monotonic()
+                    if idle_wait is not None and idle_wait <= 0:
+                        break  # idle long enough: one unit of idle work
+                    waits = [w for w in (self._keep_alive_s, idle_wait) if w is not None]
+                    if not self._wakeup.wait(min(waits) if waits else None) and self._keep_alive_s is not None:
                         break  # idle for keep_alive_s: tell the other ranks we are alive
                 commands, self._inbox = self._inbox, []
                 stopping = self._stopping
             if stopping:
                 self._abort_everything(commands)
                 return
+            if not commands and not self._trackers and self._idle_work is not None and time.monotonic() >= self._idle_after:
+                self._do_idle_work()
+                continue
+            self._idle_after = time.monotonic() + self._idle_delay_s
             try:
                 for command in commands:
                     self._apply(command)
@@ -179,6 +205,15 @@ class EngineLoop:
             except Exception as error:  # a bug outside the model step: fail what is running, keep serving
                 _log.exception("engine loop iteration failed")
                 self._fail(list(self._trackers.values()), error)
+
+    def _do_idle_work(self) -> None:
+        try:
+            more = self._idle_work()
+        except Exception:  # idle work is an optimisation: serving goes on without it
+            _log.exception("idle work failed; the engine keeps serving without it")
+            more = False
+        if not more:
+            self._idle_work = None
 
     def _stop_broken(self, error: WorkerFailedError, commands: list) -> None:
         """The ranks are out of step: fail every request, take no more."""

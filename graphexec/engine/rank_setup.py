@@ -16,7 +16,9 @@ from graphexec.parallel.group import SINGLE, TPGroup
 from graphexec.runner.model_runner import ModelRunner
 
 
-def load_and_capture(config: EngineConfig, tp: TPGroup = SINGLE) -> tuple[LoadedCheckpoint, ModelRunner]:
+def load_and_capture(config: EngineConfig, tp: TPGroup = SINGLE, capture: bool = True) -> tuple[LoadedCheckpoint, ModelRunner]:
+    """Load and build; capture every bucket now unless `capture` is false (the engine will
+    capture them in the background, `ModelRunner.capture_next`)."""
     device = torch.device(config.device)
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)  # the current CUDA device is per thread (as in EngineLoop)
@@ -27,5 +29,6 @@ def load_and_capture(config: EngineConfig, tp: TPGroup = SINGLE) -> tuple[Loaded
     local = TPLayout.build(model, tp.size, tp.rank).local_config()
     kv_cache = KVCacheManager.from_config(config, local, max_context, tp)
     runner = ModelRunner(config, checkpoint, kv_cache, tp)
-    runner.capture()
+    if capture:
+        runner.capture()
     return checkpoint, runner

@@ -6,14 +6,17 @@ manager it is given; it never allocates or frees a slot.
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterator
 
 import torch
 
 from capture import CaptureBackend, CaptureConfigError, CaptureEnv, Phase, create_backend
+from capture.bucketed import BucketedBackend
 from capture.eager import EagerRunner
-from graphexec.attention.backend import create_attention_backend
+from capture.plan_store import PlanStore
+from graphexec.attention.backend import create_attention_backend, resolve_attention_backend
 from graphexec.attention.op import ATTENTION_OP, PYTHON_ROUTED_OPS
 from graphexec.cache.manager import KVCacheManager
 from graphexec.config import EngineConfig
@@ -24,6 +27,7 @@ from graphexec.models.llama import LlamaForCausalLM
 from graphexec.models.sharding import shard_state_dict
 from graphexec.models.tp_layout import TPLayout
 from graphexec.quant import QuantEmbedding, QuantLinear, ensure_kernels
+from graphexec.runner.capture_key import capture_key
 from graphexec.runner.forward_batch import ForwardBatch, padding_policy
 from graphexec.attention.forward_context import ForwardContext, forward_context
 from graphexec.forward_mode import ForwardMode
@@ -35,6 +39,8 @@ from graphexec.structured.token_bitmask import TokenBitmask
 
 if TYPE_CHECKING:
     from graphexec.parallel.step_sync import StepSender
+
+_log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -89,18 +95,75 @@ class ModelRunner:
         instances: dict[str, CaptureBackend] = {repr(("eager", {})): self.eager}
         self.backends: dict[ForwardMode, CaptureBackend] = {}
         for mode in ForwardMode:
-            spec = config.capture.for_mode(mode)
+            spec = config.capture.for_mode(mode, self.device.type)
             key = repr((spec.backend, dict(spec.options)))
             if key not in instances:
                 with _config_errors():
                     instances[key] = create_backend(spec.backend, env, spec.options, f"capture.{mode.config_key}")
             self.backends[mode] = instances[key]
+        self._plan_store = None
+        if config.capture.cache_dir is not None:
+            attention = resolve_attention_backend(config.attention_backend, self.device)
+            self._plan_store = PlanStore(config.capture.cache_dir, capture_key(config, tp.size, tp.rank, attention))
+            stored = self._plan_store.load() or {}
+            for backend in self._bucketed():
+                backend.preset(stored.get(backend.config_path, {}))
+
+    def _bucketed(self) -> list[BucketedBackend]:
+        """The distinct bucketed backends, decode's first (its B=1 graph is the most used)."""
+        distinct = {id(b): b for b in self.backends.values() if isinstance(b, BucketedBackend)}.values()
+        return sorted(distinct, key=lambda b: b.phase is not Phase.ROWS)
 
     @torch.inference_mode()
     def capture(self) -> None:
         """Build every backend's graphs once, before serving (in the inference mode they replay in)."""
         for backend in {id(b): b for b in self.backends.values()}.values():
             self.capture_backend(backend)
+
+    @torch.inference_mode()
+    def capture_next(self) -> bool:
+        """Capture one pending bucket (decode's smallest first) and swap it in if it is kept; what
+        the engine loop runs while no request waits (`capture.background`).  True while buckets
+        remain.  A bucket whose capture fails is dropped (logged), and the engine keeps serving it eagerly."""
+        for backend in self._bucketed():
+            pending = backend.pending_buckets()
+            if not pending:
+                continue
+            bucket = pending[0]
+            self._use_static_metadata(backend.static_metadata_rows)
+            batch = backend.dummy_batch(bucket)
+            try:
+                with _config_errors(), self._forward_scope(batch):
+                    backend.capture_bucket(bucket, batch)
+            except Exception as error:  # noqa: BLE001 - one bad bucket must not stop serving
+                _log.exception("capture of %s bucket %d failed; it runs eager", backend.config_path, bucket)
+                backend.drop(bucket, f"capture failed: {error!r}"[:200])
+            self._save_plan()
+            return any(b.pending_buckets() for b in self._bucketed())
+        return False
+
+    @property
+    def plan_path(self):
+        """The stored capture plan's file (None when capture.cache_dir is null)."""
+        return None if self._plan_store is None else self._plan_store.path
+
+    def capture_pending(self) -> bool:
+        """Whether any bucket is still to be captured (background capture)."""
+        return any(b.pending_buckets() for b in self._bucketed())
+
+    def _save_plan(self) -> None:
+        """Keep what has been decided so far, so a later start neither measures nor compiles a
+        dropped bucket.  A failed capture is not kept: the next start tries again."""
+        if self._plan_store is None:
+            return
+        decisions = {
+            b.config_path: {k: d for k, d in b.stats.decisions.items() if not d.reason.startswith("capture failed")}
+            for b in self._bucketed()
+        }
+        try:
+            self._plan_store.save(decisions)
+        except OSError as error:
+            _log.warning("could not write the capture plan %s: %s", self._plan_store.path, error)
 
     @torch.inference_mode()
     def capture_backend(self, backend: CaptureBackend) -> None:
@@ -111,6 +174,8 @@ class ModelRunner:
             for bucket, batch in backend.capture_plan():
                 with self._forward_scope(batch):
                     backend.capture_bucket(bucket, batch)
+                if backend in self._bucketed():
+                    self._save_plan()
 
     def _use_static_metadata(self, rows: int) -> None:
         """Decode metadata in fixed-address buffers for batches of up to `rows` rows, for graphs

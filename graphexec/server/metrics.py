@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from capture.backend import BUCKET_STATES
 from graphexec.engine.engine import Engine
 from graphexec.engine.engine_metrics import EngineMetrics
 from graphexec.engine.request_output import RequestOutput
@@ -91,12 +92,25 @@ def _backends(m: EngineMetrics) -> Iterator[Metric]:
         "graphexec_capture_fallbacks", "Forwards a capture backend handed to eager", labels=labels
     )
     padded = CounterMetricFamily("graphexec_capture_padded_rows", "Rows padded to reach a bucket", labels=labels)
+    state = GaugeMetricFamily(
+        "graphexec_capture_bucket_state",
+        "1 for a bucket's current state (pending | compiling | ready | dropped), 0 for the others",
+        labels=[*labels, "bucket", "state"],
+    )
+    speedup = GaugeMetricFamily(
+        "graphexec_capture_bucket_speedup", "Eager ms / graph ms measured when the bucket was captured", labels=[*labels, "bucket"]
+    )
     for stats in unique_backends(m.backends):
         key = [stats["backend"], ",".join(stats["modes"])]
         executions.add_metric(key, stats["executions"])
         fallbacks.add_metric(key, stats["fallbacks"])
         padded.add_metric(key, stats["padded_rows"])
-    yield from (executions, fallbacks, padded)
+        for bucket, entry in stats.get("buckets", {}).items():
+            for name in BUCKET_STATES:
+                state.add_metric([*key, str(bucket), name], float(entry["state"] == name))
+            if entry.get("speedup") is not None:
+                speedup.add_metric([*key, str(bucket)], entry["speedup"])
+    yield from (executions, fallbacks, padded, state, speedup)
 
 
 def unique_backends(per_mode: dict[str, dict]) -> list[dict]:

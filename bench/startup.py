@@ -1,0 +1,104 @@
+"""What a user waits for at start-up, per capture plan, each run a fresh process, plans alternated:
+
+  engine s      Engine(...) returns (weights loaded; with capture.background=false, graphs too)
+  first token s a 32-token prompt's first token, submitted right after
+  all ready s   from Engine(...) until no bucket is pending (background capture), 0 for eager
+  B=1 ms/token  128 greedy tokens after that (prefix cache flushed), the plan's steady state
+
+    python -m bench.startup --plans eager auto --rounds 2                      # warm caches
+    python -m bench.startup --plans eager auto --rounds 1 --cold               # each run: empty inductor cache and plan dir
+
+Warm runs share one inductor cache and plan directory, filled by an untimed run of each plan
+first.  Prints a Markdown table (medians over rounds) and the machine's CPU; `--json` writes the runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from bench.report import machine
+
+_WORKER = r"""
+import json, sys, time
+t0 = time.perf_counter()
+from graphexec import Engine, SamplingParams
+engine = Engine(overrides=sys.argv[1:])
+engine_s = time.perf_counter() - t0
+t1 = time.perf_counter()
+engine.generate([list(range(1000, 1032))], SamplingParams(max_new_tokens=1, temperature=0.0))
+first_s = time.perf_counter() - t1
+while engine.runner.capture_pending():
+    time.sleep(0.05)
+ready_s = time.perf_counter() - t0
+engine.flush_cache()
+t2 = time.perf_counter()
+engine.generate([list(range(2000, 2032))], SamplingParams(max_new_tokens=128, temperature=0.0, ignore_eos=True))
+ms = (time.perf_counter() - t2) / 128 * 1000
+kept = {b: s["state"] for b, s in engine.runner.backend_stats()["decode"].get("buckets", {}).items()}
+engine.shutdown()
+print(json.dumps({"engine_s": engine_s, "first_token_s": first_s, "all_ready_s": ready_s, "b1_ms_per_token": ms, "decode_buckets": kept}))
+"""
+
+_PLANS = {"eager": ["capture=eager"], "auto": ["capture=auto"], "auto_blocking": ["capture=auto", "capture.background=false"],
+          "graph_first": ["capture=graph_first"]}
+
+
+def _run(plan: str, cache_dir: str, timeout_s: float) -> dict:
+    env = os.environ | {"TORCHINDUCTOR_CACHE_DIR": os.path.join(cache_dir, "inductor")}
+    overrides = [*_PLANS[plan], f"++capture.cache_dir={os.path.join(cache_dir, 'plans')}"]
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", _WORKER, *overrides], env=env, capture_output=True, text=True, timeout=timeout_s)
+    if proc.returncode != 0:
+        return {"plan": plan, "error": proc.stderr.strip().splitlines()[-1:]}
+    return {"plan": plan, "process_s": time.perf_counter() - t0} | json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--plans", nargs="+", default=["eager", "auto"], choices=sorted(_PLANS))
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--cold", action="store_true", help="every run starts from an empty inductor cache and plan dir")
+    parser.add_argument("--timeout", type=float, default=1200)
+    parser.add_argument("--json", help="write every run here")
+    args = parser.parse_args()
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="graphexec-startup-") as shared:
+        if not args.cold:
+            for plan in args.plans:  # fill the shared caches, untimed
+                _run(plan, shared, args.timeout)
+        for _ in range(args.rounds):
+            for plan in args.plans:
+                if args.cold:
+                    with tempfile.TemporaryDirectory(prefix="graphexec-startup-cold-") as fresh:
+                        runs.append(_run(plan, fresh, args.timeout))
+                else:
+                    runs.append(_run(plan, shared, args.timeout))
+                print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"machine": machine(), "cold": args.cold, "runs": runs}, f, indent=1)
+    info = machine()
+    print(f"CPU: {info['cpu']} ({info['cpu_capability']}, {info['cpu_count']} cores); "
+          f"{'cold' if args.cold else 'warm'} caches; medians of {args.rounds} round(s)\n")
+    print("| plan | engine s | first token s | all ready s | B=1 ms/token | decode buckets kept |")
+    print("|---|---|---|---|---|---|")
+    for plan in args.plans:
+        ok = [r for r in runs if r["plan"] == plan and "error" not in r]
+        if not ok:
+            print(f"| {plan} | failed: {[r.get('error') for r in runs if r['plan'] == plan][:1]} |||||")
+            continue
+        med = {k: statistics.median(r[k] for r in ok) for k in ("engine_s", "first_token_s", "all_ready_s", "b1_ms_per_token")}
+        states = ok[-1]["decode_buckets"]
+        kept = ",".join(b for b, s in states.items() if s == "ready") or "—"
+        print(f"| {plan} | {med['engine_s']:.1f} | {med['first_token_s']:.2f} | {med['all_ready_s']:.1f} | {med['b1_ms_per_token']:.1f} | {kept} |")
+
+
+if __name__ == "__main__":
+    main()
