@@ -209,3 +209,29 @@ def test_a_request_right_after_start_is_served_before_any_capture(tmp_path):
         assert {s["state"] for s in stats["buckets"].values()} == {"pending"}
         assert stats["fallbacks"] > 0  # served eagerly
         assert time.perf_counter() - t0 < 5
+
+
+def test_bucket_states_and_speedups_reach_metrics_and_metrics_json(tmp_path, slow_bucket_two):
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from graphexec.server.app import create_app
+    from tests.helpers import ServerThread, server_config
+
+    overrides = [*TINY, "capture.background=false", f"capture.cache_dir={tmp_path}", "capture.decode.min_speedup=0.2"]
+    with Engine(overrides=overrides) as engine, ServerThread(create_app(engine, server_config())) as server:
+        with httpx.Client(timeout=30) as http:
+            text = http.get(f"{server.url}/metrics").text
+            as_json = http.get(f"{server.url}/metrics/json").json()
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value for f in text_string_to_metric_families(text) for s in f.samples
+    }
+    labels = (("backend", "full_graph"), ("modes", "decode,idle"))
+    state = {
+        (dict(k)["bucket"], dict(k)["state"]): v for (name, k), v in samples.items() if name == "graphexec_capture_bucket_state"
+    }
+    assert state[("1", "ready")] == 1 and state[("1", "pending")] == 0
+    assert state[("2", "dropped")] == 1 and state[("2", "ready")] == 0
+    assert samples[("graphexec_capture_bucket_speedup", (*labels[:1], ("bucket", "2"), labels[1]))] < 0.2
+    decode = as_json["backends"]["decode"]["buckets"]
+    assert decode["1"]["state"] == "ready" and decode["2"]["state"] == "dropped" and decode["2"]["reason"] == "not faster"
