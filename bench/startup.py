@@ -2,7 +2,7 @@
 
   engine s      Engine(...) returns (weights loaded; with capture.background=false, graphs too)
   first token s a 32-token prompt's first token, submitted right after
-  all ready s   from Engine(...) until no bucket is pending (background capture), 0 for eager
+  all ready s   from Engine(...) until no bucket is pending (background capture; eager: engine + first token)
   B=1 ms/token  128 greedy tokens after that (prefix cache flushed), the plan's steady state
 
     python -m bench.startup --plans eager auto --rounds 2                      # warm caches
