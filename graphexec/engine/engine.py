@@ -44,7 +44,9 @@ class Engine:
 
     `overrides` are Hydra overrides of `configs/config.yaml`, exactly as on the command line.
     Once a request has been served, the engine loop owns `scheduler` and `runner`: drive them
-    directly only on an engine that serves no requests.
+    directly only on an engine that serves no requests.  Under background capture
+    (`capture.background`, the default plan's) the loop owns them from the start: it captures
+    while idle, so build such an engine with `capture.background=false` to drive them yourself.
     """
 
     def __init__(self, overrides: Sequence[str] = (), *, config: EngineConfig | None = None):
