@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("overrides", nargs="*", help="engine overrides (after --)")
     args = parser.parse_args(argv)
-    with Engine(overrides=args.overrides) as engine:
+    with Engine(overrides=[*args.overrides, "++capture.background=false"]) as engine:  # graphs before timing
         print("| B | fill + apply + accept µs/step: per-row choice (default) / xgrammar kernel only / unpack only | "
               "TPOT constrained ms: median / best round | TPOT unconstrained ms: median / best round | overhead (medians) |")
         print("|---|---|---|---|---|")
