@@ -83,6 +83,10 @@ class FullGraphBackend(BucketedBackend):
                 # time stops scaling with depth.  layer_id must become symbolic for the layers to
                 # share a graph, so shapes are pinned with mark_static instead of dynamic=False
                 # (which would specialize every int).
+                # TODO(issue 22, part 4): the 30 calls cost ~19 % of a B=1 step in Dynamo/AOT
+                # wrappers (docs/STATUS.md has the profile).  nested_compile_region over this call
+                # fails (its guards see 30 layer modules); a functional call over stacked per-layer
+                # weights would let one subgraph serve every layer inside one whole-forward graph.
                 dynamic = compile_kwargs.pop("dynamic")
                 compiled_layer = torch.compile(_own_code(_call_layer), dynamic=True if dynamic else None, **compile_kwargs)
                 model = self.env.model
