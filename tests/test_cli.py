@@ -42,12 +42,15 @@ def test_capture_builds_the_plan_a_later_start_uses(tmp_path):
     assert PlanStore(tmp_path, key).load()["capture.decode"][1].kept
 
 
-def test_capture_refuses_a_null_cache_dir():
-    result = subprocess.run(
-        [sys.executable, "-m", "graphexec.entrypoints.capture", "model=tiny-llama", "capture.cache_dir=null"],
-        capture_output=True, text=True, timeout=120,
-    )
-    assert result.returncode == 2 and "capture.cache_dir is null" in result.stderr
+def test_capture_refuses_a_null_cache_dir(capsys):
+    import pytest
+
+    from graphexec.config import compose
+    from graphexec.entrypoints.capture import _run
+
+    with pytest.raises(SystemExit) as exited:  # in-process: refused before any model loads
+        _run(compose(["model=tiny-llama", "capture.cache_dir=null"]))
+    assert exited.value.code == 2 and "capture.cache_dir is null" in capsys.readouterr().err
 
 
 def test_generate_rejects_unknown_model_with_exit_code():
