@@ -174,11 +174,13 @@ class EngineLoop:
             # The current CUDA device is per thread; graphs and pools live on the engine's.
             torch.cuda.set_device(self._device)
         while True:
+            idle_due = False
             with self._wakeup:
                 while not (self._inbox or self._trackers or self._stopping):
                     idle_wait = None if self._idle_work is None else self._idle_after - time.monotonic()
                     if idle_wait is not None and idle_wait <= 0:
-                        break  # idle long enough: one unit of idle work
+                        idle_due = True  # idle long enough: one unit of idle work
+                        break
                     waits = [w for w in (self._keep_alive_s, idle_wait) if w is not None]
                     if not self._wakeup.wait(min(waits) if waits else None) and self._keep_alive_s is not None:
                         break  # idle for keep_alive_s: tell the other ranks we are alive
@@ -187,7 +189,7 @@ class EngineLoop:
             if stopping:
                 self._abort_everything(commands)
                 return
-            if not commands and not self._trackers and self._idle_work is not None and time.monotonic() >= self._idle_after:
+            if idle_due and not commands:
                 self._do_idle_work()
                 continue
             self._idle_after = time.monotonic() + self._idle_delay_s

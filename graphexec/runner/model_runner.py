@@ -139,7 +139,7 @@ class ModelRunner:
                 _log.exception("capture of %s bucket %d failed; it runs eager", backend.config_path, bucket)
                 backend.drop(bucket, f"capture failed: {error!r}"[:200])
             self._save_plan()
-            return any(b.pending_buckets() for b in self._bucketed())
+            return self.capture_pending()
         return False
 
     @property
