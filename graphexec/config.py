@@ -2,7 +2,8 @@
 
 The YAML files are the single source of defaults; this module only composes them, checks every
 value once at start-up (errors name the option) and freezes the result.  Nothing mutates a config
-after composition.
+after composition.  A config crosses a process boundary as plain data (`EngineConfig.to_plain`,
+JSON-able) and is rebuilt on the other side through the same checks (`EngineConfig.from_mapping`).
 """
 
 from __future__ import annotations
@@ -203,6 +204,11 @@ class EngineConfig:
     def from_dictconfig(cls, cfg: DictConfig) -> "EngineConfig":
         raw = OmegaConf.to_container(cfg, resolve=True)
         assert isinstance(raw, dict)
+        return cls.from_mapping(raw)
+
+    @classmethod
+    def from_mapping(cls, raw: Mapping[str, Any]) -> "EngineConfig":
+        """A config from plain data shaped like the composed YAML (or `to_plain`'s output)."""
         device = str(raw["device"])
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError(f"device={device!r} needs a GPU and none is available; use device=cpu")
@@ -219,6 +225,36 @@ class EngineConfig:
             seed=int(raw["seed"]),
             parallel=_parallel(raw.get("parallel") or {}),
         )
+
+    def to_plain(self) -> dict[str, Any]:
+        """Dicts, lists, strings, numbers, booleans and None that `from_mapping` rebuilds into an
+        equal config: how a config reaches another process without pickle."""
+        plain = {f.name: _plain(getattr(self, f.name), f.name) for f in fields(self) if f.name != "capture"}
+        return plain | {"capture": _plain_capture(self.capture)}
+
+
+def _plain(value: Any, option: str) -> Any:
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    if isinstance(value, Mapping):
+        return {key: _plain(item, f"{option}.{key}") for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(item, f"{option}[{i}]") for i, item in enumerate(value)]
+    if isinstance(value, (ModelSourceConfig, SchedulerConfig, CacheConfig, ParallelConfig, SamplingParams)):
+        return {f.name: _plain(getattr(value, f.name), f"{option}.{f.name}") for f in fields(value)}
+    raise ConfigError(f"{option} holds a {type(value).__name__}, which cannot travel to another process as plain data")
+
+
+def _plain_capture(plan: CapturePlan) -> dict[str, Any]:
+    """The plan as the YAML spells it: each mode's backend beside its options."""
+    plain = {}
+    for f in fields(plan):
+        value = getattr(plan, f.name)
+        if isinstance(value, BackendSpec):
+            plain[f.name] = {"backend": value.backend, **_plain(value.options, f"capture.{f.name}")}
+        else:
+            plain[f.name] = _plain(value, f"capture.{f.name}")
+    return plain
 
 
 def _known(dc: type, values: Mapping[str, Any], prefix: str) -> dict[str, Any]:

@@ -69,9 +69,9 @@ def server_config(**changes):
 
 class ServerThread:
     """uvicorn serving `app` on 127.0.0.1 at a free port, in a background thread of the test,
-    with graphexec-serve's protocol and options (the app's `server_config`)."""
+    with graphexec-serve's protocol and options (the app's `server_config`; `overrides` win)."""
 
-    def __init__(self, app):
+    def __init__(self, app, **overrides):
         import uvicorn
 
         from graphexec.server.uvicorn_setup import uvicorn_options
@@ -79,7 +79,7 @@ class ServerThread:
         self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._socket.bind(("127.0.0.1", 0))
         self.port = self._socket.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(app, **uvicorn_options(app.state.server_config)))
+        self.server = uvicorn.Server(uvicorn.Config(app, **uvicorn_options(app.state.server_config, **overrides)))
         self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._socket]}, daemon=True)
 
     @property

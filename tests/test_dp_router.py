@@ -115,9 +115,10 @@ def test_replica_overrides_replace_the_fronts_own():
     from graphexec.parallel.replicas import replica_overrides
 
     front = ["model=tiny-llama", "parallel.dp_size=2", "server.port=8000", "+parallel.threads_per_rank=2"]
-    assert replica_overrides(front, 4321, 1) == [
-        "model=tiny-llama", "server.port=4321", "server.host=127.0.0.1", "parallel.dp_size=1", "parallel.threads_per_rank=1",
-    ]
+    own = replica_overrides(front, 4321, 1)
+    assert own[:4] == ["model=tiny-llama", "server.port=4321", "parallel.dp_size=1", "parallel.threads_per_rank=1"]
+    # Then the server options a replica always takes (tests/test_server_auth.py: keys and TLS stay the front's).
+    assert "server.host=127.0.0.1" in own[4:] and all(o.startswith("server.") for o in own[4:])
 
 
 # --- merged metrics -----------------------------------------------------------------------------

@@ -108,6 +108,23 @@ def test_metrics_per_replica_and_total(tiny_dp):
     assert body["total"]["generated_tokens_total"] == sum(r["generated_tokens_total"] for r in body["replicas"])
 
 
+def test_replicas_answer_only_the_fronts_token_from_their_environment(tiny_dp):
+    """The front's per-run token is each replica's only key; it is in the replica's environment,
+    never on its command line (`ps` shows that to every local user)."""
+    url, proc = tiny_dp
+    replicas = [p for p in _replicas_of(proc) if "graphexec.entrypoints.serve" in p.cmdline()]
+    assert len(replicas) == 2
+    tokens = {p.environ()["GRAPHEXEC_ADMIN_API_KEY"] for p in replicas}
+    assert len(tokens) == 1 and len(token := tokens.pop()) >= 32
+    for replica in replicas:
+        assert not any(token in arg for arg in replica.cmdline())
+        port = next(a.split("=", 1)[1] for a in replica.cmdline() if a.startswith("server.port="))
+        models = f"http://127.0.0.1:{port}/v1/models"
+        assert httpx.get(models, timeout=30).status_code == 401  # the loopback port is no way around the front
+        assert httpx.get(models, headers={"Authorization": f"Bearer {token}"}, timeout=30).status_code == 200
+    assert httpx.get(url + "/v1/models", timeout=30).status_code == 200  # the front itself has no key set
+
+
 def test_sigterm_to_the_front_stops_every_replica(tiny_dp):
     _, proc = tiny_dp
     replicas = _replicas_of(proc)

@@ -93,11 +93,21 @@ def test_clamp_max_tokens_serves_the_room_left(tiny):
     _idle(tiny)
 
 
-def test_omitted_max_tokens_is_the_room_left_not_the_sampling_default(tiny_server, tiny):
+def test_omitted_completions_max_tokens_is_openais_16_through_the_official_client(tiny_server, tiny):
+    import openai
+
+    http = httpx.Client(trust_env=False, timeout=60)
+    with openai.OpenAI(base_url=f"{tiny_server.url}/v1", api_key="unused", max_retries=0, http_client=http) as client:
+        out = client.completions.create(model=TINY, prompt="hello", extra_body={"ignore_eos": True})
+    assert (out.usage.completion_tokens, out.choices[0].finish_reason) == (16, "length")
+    _idle(tiny)
+
+
+def test_completions_max_tokens_null_serves_the_room_left_not_the_sampling_default(tiny):
     assert tiny.config.sampling.max_new_tokens < 507  # so the two defaults differ
-    with _http() as http:
+    with _server(tiny, completions_max_tokens=None) as server, _http() as http:
         body = {"model": TINY, "prompt": "hello", "ignore_eos": True}  # no max_tokens
-        out = http.post(f"{tiny_server.url}/v1/completions", json=body)
+        out = http.post(f"{server.url}/v1/completions", json=body)
     assert out.status_code == 200, out.text
     assert out.json()["usage"] == {
         "prompt_tokens": 5, "completion_tokens": 507, "total_tokens": 512,
@@ -136,6 +146,8 @@ def test_prompt_that_fills_a_small_kv_pool_is_400_naming_the_prompt():
     "requested,clamp,field,expected",
     [
         (None, False, "max_tokens", 90),
+        ((None, 16), False, "max_tokens", 16),  # the completions default, when the room allows
+        ((None, 120), False, "max_tokens", 90),  # an omitted default never answers 400
         (90, False, "max_tokens", 90),
         (91, True, "max_completion_tokens", 90),
         (91, False, "max_completion_tokens", "max_completion_tokens"),  # a 400 naming the field used
@@ -143,8 +155,9 @@ def test_prompt_that_fills_a_small_kv_pool_is_400_naming_the_prompt():
 )
 def test_token_bound_names_the_field_the_client_used(requested, clamp, field, expected):
     bound = TokenBound(max_context=100, max_request_tokens=100, clamp=clamp)
+    requested, default = requested if isinstance(requested, tuple) else (requested, None)
     if isinstance(expected, int):
-        assert bound.max_new_tokens(10, requested, field=field, prompt_field="messages") == expected
+        assert bound.max_new_tokens(10, requested, field=field, prompt_field="messages", default=default) == expected
         return
     with pytest.raises(APIError) as caught:
         bound.max_new_tokens(10, requested, field=field, prompt_field="messages")
@@ -499,6 +512,7 @@ def test_worker_thread_ends_with_the_app(tiny):
         ({"queue_full_retry_after_s": 1.5}, "server.queue_full_retry_after_s must be an integer >= 0"),
         ({"max_prompts_per_request": 0}, "server.max_prompts_per_request must be an integer >= 1, got 0"),
         ({"max_n": "4"}, "server.max_n must be an integer >= 1, got '4'"),
+        ({"completions_max_tokens": 0}, "server.completions_max_tokens must be an integer >= 1 or null"),
     ],
 )
 def test_bad_hardening_option_is_named(change, message):
@@ -512,6 +526,7 @@ def test_shipped_defaults_parse_and_reach_uvicorn():
 
     config = ServerConfig.from_mapping(server_defaults())
     assert (config.max_body_bytes, config.clamp_max_tokens, config.request_read_timeout_s) == (4 * MiB, False, 30)
+    assert config.completions_max_tokens == 16  # OpenAI's documented default
     options = uvicorn_options(config)
     assert options["timeout_keep_alive"] == config.keep_alive_timeout_s
     assert options["limit_concurrency"] == config.limit_concurrency

@@ -116,6 +116,19 @@ def test_usage_counts_the_eos_that_ended_the_request(server, smollm2_engine):
     assert_no_leak(smollm2_engine)
 
 
+def test_omitted_chat_max_tokens_is_the_room_left_not_the_completions_16(server, smollm2_engine):
+    """Chat completions keep "the room left" (OpenAI's chat default); min_tokens past 16 shows it is
+    not the completions default, which would cap the answer and refuse min_tokens > max_tokens."""
+    import openai
+
+    http = httpx.Client(trust_env=False, timeout=60)
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, http_client=http) as client:
+        out = client.chat.completions.create(model=SMOL, messages=MESSAGES, temperature=0, extra_body={"min_tokens": 24})
+    assert out.usage.completion_tokens >= 24 and out.choices[0].finish_reason == "stop"
+    wait_until(lambda: smollm2_engine.num_unfinished() == 0, what="the engine to go idle")
+    assert_no_leak(smollm2_engine)
+
+
 def test_text_offset_indexes_the_text_when_eos_is_ignored(server, smollm2_engine):
     prompt = _answered_prompt(smollm2_engine)
     (direct,) = smollm2_engine.generate([prompt], SamplingParams(max_new_tokens=12, ignore_eos=True))

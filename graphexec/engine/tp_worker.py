@@ -1,7 +1,7 @@
 """A tensor-parallel rank other than 0: build the same runner on its shard, then run every
 forward rank 0 announces, until told to stop or the group breaks.
 
-    python -m graphexec.engine.tp_worker RANK WORLD INIT_METHOD PARENT_PID  < pickled config
+    python -m graphexec.engine.tp_worker RANK WORLD INIT_METHOD PARENT_PID  < JSON config
         (started by rank 0 on one machine: graphexec/parallel/launch.py LocalWorkers)
     run_worker(config, info)
         (under torchrun: graphexec-serve / graphexec-generate on ranks != 0)

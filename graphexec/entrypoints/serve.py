@@ -2,12 +2,14 @@
 
 uvicorn runs with graphexec's protocol and connection options (graphexec/server/uvicorn_setup.py):
 a read deadline for request headers and refused bodies (`server.request_read_timeout_s`),
-`server.keep_alive_timeout_s`, `server.limit_concurrency`, and a log config that also shows
-graphexec's INFO lines.
+`server.keep_alive_timeout_s`, `server.limit_concurrency`, TLS (`server.ssl_*`), and a log config
+that also shows graphexec's INFO lines.  API keys are gathered before the model loads, so a bad key
+file, or a non-loopback host without a key, fails at once (graphexec/server/api_keys.py).
 
 `parallel.dp_size > 1`: this process is only the front (graphexec/server/front.py); it starts
 dp_size replicas, each a graphexec-serve of its own on a loopback port (graphexec/parallel/
-replicas.py), routes requests among them and stops them when it exits.
+replicas.py), routes requests among them and stops them when it exits.  The front checks the keys;
+the replicas take only the run's own token.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ def _run(cfg: DictConfig) -> None:
             _check_dp_outside_torchrun()
         if run_if_worker(config):  # torchrun, rank != 0: no HTTP front, only rank 0's forwards
             return
+        _check_access(server)
         if config.parallel.dp_size > 1:
             return _run_front(server, config)
         engine = Engine(config=config)
@@ -44,7 +47,7 @@ def _run(cfg: DictConfig) -> None:
         sys.exit(2)
     print(
         f"graphexec-serve: model={engine.config.model.name} capture={engine.config.capture.name} "
-        f"on http://{server.host}:{server.port}",
+        f"on {_scheme(server)}://{server.host}:{server.port}",
         file=sys.stderr,
     )
     try:
@@ -52,6 +55,19 @@ def _run(cfg: DictConfig) -> None:
         uvicorn.run(create_app(engine, server), **options)
     finally:
         engine.shutdown()
+
+
+def _check_access(server) -> None:
+    """Gather the keys now (a ConfigError before minutes of loading) and say who can reach us."""
+    from graphexec.server.api_keys import exposure_warning, load_keys
+
+    warning = exposure_warning(server, load_keys(server))
+    if warning is not None:
+        print(f"graphexec-serve: warning: {warning}", file=sys.stderr)
+
+
+def _scheme(server) -> str:
+    return "https" if server.ssl_certfile is not None else "http"
 
 
 def _check_dp_outside_torchrun() -> None:
@@ -72,23 +88,27 @@ def _run_front(server, config: EngineConfig) -> None:
 
     from graphexec.parallel.replicas import ReplicaSet, ReplicaStartError, threads_per_replica_rank
     from graphexec.parallel.router import Router
+    from graphexec.server.api_keys import replica_key_env, replica_token
     from graphexec.server.front import create_front_app
     from graphexec.server.uvicorn_setup import log_config, uvicorn_options
 
     parallel = config.parallel
     threads = threads_per_replica_rank(parallel.dp_size, parallel.tp_size, parallel.threads_per_rank)
     print(f"graphexec-serve: starting {parallel.dp_size} replicas ({threads} threads per rank)", file=sys.stderr)
+    token = replica_token()  # the front checks the clients' keys; the replicas take only this
     try:
-        replicas = ReplicaSet.start(list(HydraConfig.get().overrides.task), parallel.dp_size, threads)
+        replicas = ReplicaSet.start(
+            list(HydraConfig.get().overrides.task), parallel.dp_size, threads, env=replica_key_env(token)
+        )
     except ReplicaStartError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(1)
     try:
         router = Router(parallel.dp_size, parallel.dp_affinity_slack)
-        app = create_front_app(replicas.urls, router, server, on_shutdown=replicas.stop)
+        app = create_front_app(replicas.urls, router, server, on_shutdown=replicas.stop, replica_token=token)
         print(
             f"graphexec-serve: model={config.model.name} dp_size={parallel.dp_size} (replicas at "
-            f"{', '.join(replicas.urls)}) on http://{server.host}:{server.port}",
+            f"{', '.join(replicas.urls)}) on {_scheme(server)}://{server.host}:{server.port}",
             file=sys.stderr,
         )
         uvicorn.run(app, **uvicorn_options(server, log_config=log_config(server.log_level)))

@@ -7,7 +7,9 @@ Two ways ranks come to exist:
              joins with `env://`.  Rank 0 runs the engine, the others the worker loop.
   local      `Engine(parallel.tp_size=N)` outside torchrun: rank 0 (the engine's process) starts
              ranks 1..N-1 as `python -m graphexec.engine.tp_worker` subprocesses on this machine,
-             hands each the engine's config on stdin, and they all join over a local TCP port.
+             hands each the engine's config on stdin (JSON of plain data, rebuilt through the
+             config's own checks; never pickle), and they all join over a local TCP port.
+Under torchrun every rank composes its own config from its own command line.
 
 Workers never outlive rank 0: each watches its parent process and exits when it is gone, and a
 rank-0 death also breaks their sockets (gloo reports "connection closed" at once).
@@ -16,14 +18,13 @@ rank-0 death also breaks their sockets (gloo reports "connection closed" at once
 from __future__ import annotations
 
 import datetime
+import json
 import os
-import pickle
 import subprocess
 import sys
 import threading
 import time
 from dataclasses import dataclass, replace
-from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 import torch
@@ -121,7 +122,7 @@ def join(config: EngineConfig, info: RankInfo) -> RankContext:
         torch.cuda.set_device(torch.device(config.device))
     dist.init_process_group(backend, init_method=info.init_method, rank=info.rank, world_size=info.world_size, timeout=timeout)
     world = dist.group.WORLD
-    # Step messages are pickled Python objects: a gloo group, whatever carries the model's tensors.
+    # Step messages are host bytes (step_codec.py): a gloo group, whatever carries the model's tensors.
     control = world if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
     return RankContext(info, TPGroup(info.rank, info.world_size, world), control)
 
@@ -214,27 +215,20 @@ def watch_parent(parent_pid: int) -> None:
 
 
 def load_config(stream) -> EngineConfig:
-    return pickle.load(stream)
+    """The config rank 0 wrote to this worker's stdin (`_dump_config`), checked like a composed one."""
+    from graphexec.config import EngineConfig
+
+    try:
+        raw = json.load(stream)
+    except ValueError as error:  # UnicodeDecodeError and JSONDecodeError both
+        raise ConfigError(f"a tensor-parallel worker's stdin is not the JSON config rank 0 sends: {error}") from error
+    if not isinstance(raw, dict):
+        raise ConfigError(f"a tensor-parallel worker's config must be a JSON object, got {type(raw).__name__}")
+    return EngineConfig.from_mapping(raw)
 
 
 def _dump_config(config: EngineConfig) -> bytes:
-    """Pickle the frozen config; its read-only mappings travel as dicts (MappingProxyType itself
-    does not pickle)."""
-    import io
-
-    class _Pickler(pickle.Pickler):
-        def reducer_override(self, obj):
-            if isinstance(obj, MappingProxyType):
-                return _read_only, (dict(obj),)
-            return NotImplemented
-
-    buffer = io.BytesIO()
-    _Pickler(buffer).dump(config)
-    return buffer.getvalue()
-
-
-def _read_only(mapping: dict) -> MappingProxyType:
-    return MappingProxyType(mapping)
+    return json.dumps(config.to_plain()).encode()
 
 
 def _try(fn, *args):

@@ -5,6 +5,11 @@ plus its own: a free loopback port, `parallel.dp_size=1`, and its share of the C
 (`parallel.threads_per_rank`, and OMP_NUM_THREADS for a replica of one rank).  A replica with
 `parallel.tp_size > 1` starts its own tensor-parallel ranks, as any graphexec-serve does.
 
+A replica answers the front only: plain HTTP on loopback, none of the front's keys, TLS or
+public routes.  What makes it take the front's per-run token as its key is the caller's `env`
+(graphexec-serve's, from server/api_keys.py): it goes in the replica's environment, not on its
+command line, which any local user can list.
+
 Replicas never outlive the front: each asks Linux for SIGTERM when the front dies
 (PR_SET_PDEATHSIG, in `die_with_front`, which graphexec-serve calls first thing), and `stop`
 terminates them, then kills what has not exited after a grace period.  They run in sessions of
@@ -25,8 +30,9 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 from graphexec.errors import WorkerFailedError
 from graphexec.parallel.ports import free_port
@@ -37,8 +43,24 @@ STOP_GRACE_S = 10.0
 _STDERR_TAIL_LINES = 40
 _PR_SET_PDEATHSIG = 1
 _FRONT_PID_ENV = "GRAPHEXEC_REPLICA_OF"  # the front's pid, in a replica's environment
+# The server options a replica's command line sets itself, whatever the front's config says: the
+# front alone faces clients (keys, TLS, public routes); a replica faces the front on loopback.
+_REPLICA_SERVER = MappingProxyType({
+    "server.host": "127.0.0.1",
+    "server.api_key": "null",
+    "server.api_key_file": "null",
+    "server.admin_api_key": "null",
+    "server.admin_api_key_file": "null",
+    "server.public_routes": "[/health]",
+    "server.public_metrics": "false",
+    "server.allow_unauthenticated": "false",
+    "server.ssl_certfile": "null",
+    "server.ssl_keyfile": "null",
+    "server.ssl_ca_certs": "null",
+    "server.ssl_cert_reqs": "none",
+})
 # The options a replica's command line sets itself, dropped from the front's overrides.
-_OWN_OPTIONS = ("server.port", "server.host", "parallel.dp_size", "parallel.threads_per_rank")
+_OWN_OPTIONS = ("server.port", "parallel.dp_size", "parallel.threads_per_rank", *_REPLICA_SERVER)
 
 
 class ReplicaStartError(WorkerFailedError):
@@ -63,8 +85,16 @@ class Replica:
 def replica_overrides(overrides: Sequence[str], port: int, threads: int) -> list[str]:
     """A replica's Hydra overrides: the front's, less those the replica sets, plus its own."""
     kept = [o for o in overrides if o.lstrip("+~").partition("=")[0] not in _OWN_OPTIONS]
-    own = [f"server.port={port}", "server.host=127.0.0.1", "parallel.dp_size=1", f"parallel.threads_per_rank={threads}"]
-    return kept + own
+    own = [f"server.port={port}", "parallel.dp_size=1", f"parallel.threads_per_rank={threads}"]
+    return kept + own + [f"{name}={value}" for name, value in _REPLICA_SERVER.items()]
+
+
+def replica_env(environ: Mapping[str, str], threads: int, env: Mapping[str, str | None]) -> dict[str, str]:
+    """A replica's environment: the front's `environ`, its thread counts, the front's pid, and
+    the caller's `env` (a None value unsets that variable)."""
+    own = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), _FRONT_PID_ENV: str(os.getpid())}
+    merged = {**environ, **own, **env}
+    return {name: value for name, value in merged.items() if value is not None}
 
 
 def threads_per_replica_rank(dp_size: int, tp_size: int, threads_per_rank: int | None) -> int:
@@ -86,13 +116,19 @@ class ReplicaSet:
 
     @classmethod
     def start(
-        cls, overrides: Sequence[str], dp_size: int, threads: int, startup_timeout_s: float = STARTUP_TIMEOUT_S
+        cls,
+        overrides: Sequence[str],
+        dp_size: int,
+        threads: int,
+        startup_timeout_s: float = STARTUP_TIMEOUT_S,
+        env: Mapping[str, str | None] | None = None,
     ) -> ReplicaSet:
-        """Start `dp_size` replicas and wait until each answers /health (or raise, none left running)."""
-        replicas = []
+        """Start `dp_size` replicas, `env` added to (None: removed from) each one's environment, and
+        wait until each answers /health (or raise, none left running)."""
+        replicas: list[Replica] = []
         try:
             for index in range(dp_size):
-                replicas.append(_spawn(index, overrides, threads))
+                replicas.append(_spawn(index, overrides, threads, env or {}))
             started = cls(replicas)
             started.wait_healthy(startup_timeout_s)
         except BaseException:
@@ -139,15 +175,14 @@ class ReplicaSet:
                 replica.proc.wait()
 
 
-def _spawn(index: int, overrides: Sequence[str], threads: int) -> Replica:
+def _spawn(index: int, overrides: Sequence[str], threads: int, env: Mapping[str, str | None]) -> Replica:
     port = free_port()
     command = [sys.executable, "-m", "graphexec.entrypoints.serve", *replica_overrides(overrides, port, threads)]
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), **{_FRONT_PID_ENV: str(os.getpid())})
     proc = subprocess.Popen(
         command,
         stdin=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
-        env=env,
+        env=replica_env(os.environ, threads, env),
         start_new_session=True,
     )
     replica = Replica(index, port, proc)

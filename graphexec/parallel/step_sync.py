@@ -6,10 +6,12 @@ ForwardBatch without its sampling state (only rank 0 samples) and the changes it
 token table made since the last message (graphexec/cache/req_to_token_pool.py's journal).  Every
 rank then runs the same forward and the same LM-head rows, whose collectives keep them in step.
 
-The broadcast is torch.distributed's own, over a gloo group (also on CUDA, where the model's
-collectives use NCCL): the pickled message in a fixed-size byte buffer, so a step costs one
-broadcast (`broadcast_object_list` costs two, a size then the bytes); a message longer than the
-buffer (a long prompt's chunk) follows in a second.
+The message travels in a fixed wire format (step_schema.py, step_codec.py: int64 words and raw
+integer-tensor bytes, never pickle; a worker builds nothing the bytes name) over a gloo group of
+torch.distributed's (also on CUDA, where the model's collectives use NCCL): an 8-byte length and
+the message in a fixed-size byte buffer, so a step costs one broadcast; a message longer than the
+buffer (a long prompt's chunk) follows in a second.  A worker that receives a malformed message
+raises WorkerFailedError and exits, and the group fails with it.
 
 Any failure inside a step leaves the ranks out of step (some wait in a collective the others
 will never join), so it is fatal: `StepSender.step` turns it into WorkerFailedError, and the
@@ -22,40 +24,30 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import enum
-import pickle
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator
 
 import torch
 import torch.distributed as dist
 
 from graphexec.errors import WorkerFailedError
+from graphexec.parallel.step_codec import decode, encode
+from graphexec.parallel.step_schema import StepKind, StepMessage, StepMessageError
 
 if TYPE_CHECKING:
     from graphexec.runner.forward_batch import ForwardBatch
 
+__all__ = ["StepKind", "StepMessage", "StepSender", "batch_to", "receive"]
 
-# One broadcast carries a message up to this size (a decode step's is ~1 KiB); the rest follows.
+# One broadcast carries a message up to this size (a decode step's is ~0.5 KiB); the rest follows.
 _BUFFER_BYTES = 64 * 1024
 _LENGTH_BYTES = 8
+# A length past this is no step message (a 32k-token chunk with its table changes is ~1.5 MiB): a
+# worker refuses it rather than allocate whatever a corrupt or hostile length asks for.
+_MAX_MESSAGE_BYTES = 1 << 30
 
 
-class StepKind(enum.Enum):
-    FORWARD = "forward"
-    KEEP_ALIVE = "keep_alive"
-    STOP = "stop"
-
-
-@dataclass(frozen=True)
-class StepMessage:
-    kind: StepKind
-    batch: "ForwardBatch | None" = None  # FORWARD only: sampling state stripped, tensors on the CPU
-    table_changes: tuple = ()  # rank 0's req_to_token journal since the previous message
-
-
-def batch_to(fb: "ForwardBatch", device: torch.device | str) -> "ForwardBatch":
+def batch_to(fb: ForwardBatch, device: torch.device | str) -> ForwardBatch:
     """fb with every tensor (the prompt-logprob plan's too) on `device`."""
     moved = {}
     for f in dataclasses.fields(fb):
@@ -78,10 +70,10 @@ class StepSender:
         self._failed: WorkerFailedError | None = None
 
     @contextlib.contextmanager
-    def step(self, fb: "ForwardBatch", table_changes: list) -> Iterator[None]:
+    def step(self, fb: ForwardBatch, table_changes: list) -> Iterator[None]:
         """Send fb, then run the body (this rank's share of the same forward); any error on the
         way is fatal (WorkerFailedError)."""
-        batch = batch_to(dataclasses.replace(fb, sampling_info=None), "cpu")
+        batch = dataclasses.replace(fb, sampling_info=None)  # encoding copies its tensors to the CPU
         with self._fatal("a step"):
             self._send(StepMessage(StepKind.FORWARD, batch, tuple(table_changes)))
             yield
@@ -105,14 +97,15 @@ class StepSender:
     def _send(self, message: StepMessage) -> None:
         if self._failed is not None:
             raise self._failed
-        payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-        head = torch.zeros(_BUFFER_BYTES, dtype=torch.uint8)
-        head[:_LENGTH_BYTES] = torch.tensor([len(payload)], dtype=torch.int64).view(torch.uint8)
+        payload = encode(message)
+        head = bytearray(_BUFFER_BYTES)
+        head[:_LENGTH_BYTES] = len(payload).to_bytes(_LENGTH_BYTES, "little")
         first = payload[: _BUFFER_BYTES - _LENGTH_BYTES]
-        head[_LENGTH_BYTES : _LENGTH_BYTES + len(first)] = torch.frombuffer(bytearray(first), dtype=torch.uint8)
-        dist.broadcast(head, src=0, group=self.group)
+        head[_LENGTH_BYTES : _LENGTH_BYTES + len(first)] = first
+        dist.broadcast(torch.frombuffer(head, dtype=torch.uint8), src=0, group=self.group)
         if len(payload) > len(first):
-            dist.broadcast(torch.frombuffer(bytearray(payload[len(first) :]), dtype=torch.uint8), src=0, group=self.group)
+            rest = torch.frombuffer(bytearray(payload[len(first) :]), dtype=torch.uint8)
+            dist.broadcast(rest, src=0, group=self.group)
         self._last_sent = time.monotonic()
 
     @contextlib.contextmanager
@@ -131,13 +124,19 @@ class StepSender:
 
 
 def receive(group: dist.ProcessGroup) -> StepMessage:
-    """A worker's end: block for rank 0's next message."""
+    """A worker's end: block for rank 0's next message.  A malformed one raises WorkerFailedError
+    (the worker exits, and the group fails with it)."""
     head = torch.empty(_BUFFER_BYTES, dtype=torch.uint8)
     dist.broadcast(head, src=0, group=group)
-    length = int(head[:_LENGTH_BYTES].view(torch.int64).item())
-    payload = head[_LENGTH_BYTES : _LENGTH_BYTES + length].numpy().tobytes()
-    if length > len(payload):
-        rest = torch.empty(length - len(payload), dtype=torch.uint8)
-        dist.broadcast(rest, src=0, group=group)
-        payload += rest.numpy().tobytes()
-    return pickle.loads(payload)
+    length = int.from_bytes(head[:_LENGTH_BYTES].numpy().tobytes(), "little")
+    try:
+        if not 0 < length <= _MAX_MESSAGE_BYTES:
+            raise StepMessageError(f"message length {length} is not in 1..{_MAX_MESSAGE_BYTES}")
+        payload = head[_LENGTH_BYTES : _LENGTH_BYTES + length]
+        if length > payload.numel():
+            rest = torch.empty(length - payload.numel(), dtype=torch.uint8)
+            dist.broadcast(rest, src=0, group=group)
+            payload = torch.cat((payload, rest))
+        return decode(payload)
+    except StepMessageError as error:
+        raise WorkerFailedError(f"rank 0 sent a malformed step message: {error}") from error

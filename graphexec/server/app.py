@@ -9,7 +9,8 @@
     GET  /openapi.json, /docs   (the request models, as routing.BodyRoute validates them)
 
 Request bodies are pydantic models in the endpoints' signatures (so the schema is the real one),
-read within the server's bounds and validated on the worker thread (routing.py).
+read within the server's bounds and validated on the worker thread (routing.py).  With API keys
+configured, every route but `server.public_routes` needs one, /flush_cache an admin one (auth.py).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from graphexec.engine.engine import Engine
+from graphexec.server.api_keys import load_keys
+from graphexec.server.auth import install_auth
 from graphexec.server.config import ServerConfig
 from graphexec.server.errors import ERROR_RESPONSES, APIError, install_error_handlers
 from graphexec.server.front_metrics import PROMETHEUS_TEXT
@@ -34,7 +37,9 @@ from graphexec.server.tokenize import DetokenizeRequest, TokenizeRequest, Tokeni
 
 
 def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
-    """The app; run it under `uvicorn_setup.uvicorn_options(config)` (app.state.server_config)."""
+    """The app; run it under `uvicorn_setup.uvicorn_options(config)` (app.state.server_config).
+    A ConfigError for bad keys, or a non-loopback host without one (api_keys.load_keys)."""
+    keys = load_keys(config)  # first: a refusal leaves no worker thread behind
     metrics = ServerMetrics(engine)
     serving = OpenAIServing(engine, config, metrics)
 
@@ -49,6 +54,7 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
     app.state.server_config = config
     app.state.body_parser = serving  # BodyRoute's reader and validator (routing.py)
     install_error_handlers(app)
+    install_auth(app, config, keys)
     started = int(time.time())
     app.include_router(_generation_routes(serving))
     app.include_router(_tokenizer_routes(serving, TokenizerEndpoints(engine, serving.model_name)))

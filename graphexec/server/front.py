@@ -12,6 +12,9 @@ does no model work.  It proxies every OpenAI route to one replica over HTTP (htt
     POST /flush_cache                            every replica
     GET  /metrics, /metrics/json                 every replica's, relabelled and totalled (front_metrics.py)
 
+Keys are checked here, once (auth.py, as graphexec-serve checks them); the replicas answer only
+the front's per-run token, which replaces the client's `Authorization` on every proxied request,
+so a client's key never reaches a replica and a replica's loopback port is no way around the keys.
 Every proxied answer carries `x-graphexec-replica: i`.  A replica's error keeps its status and
 body.  A client that goes away closes the request to the replica, which aborts it.  A replica
 that cannot be reached answers 503 naming it, and the router sends it nothing more.
@@ -33,6 +36,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from graphexec.parallel.router import NoReplicaError, Router, prefix_key
+from graphexec.server.api_keys import load_keys
+from graphexec.server.auth import install_auth
 from graphexec.server.config import ServerConfig
 from graphexec.server.errors import CLIENT_CLOSED_REQUEST, APIError, install_error_handlers
 from graphexec.server.front_metrics import PROMETHEUS_TEXT, merge_json, merge_prometheus
@@ -45,6 +50,8 @@ REPLICA_HEADER = "x-graphexec-replica"
 _DROPPED_HEADERS = frozenset(
     {"host", "connection", "keep-alive", "transfer-encoding", "te", "upgrade", "proxy-connection", "date", "server"}
 )
+# A request's headers the front replaces: its length (the body is re-sent) and the client's key.
+_REPLACED_REQUEST_HEADERS = _DROPPED_HEADERS | {"content-length", "authorization"}
 # Aggregated routes ask every replica; one that does not answer within this is reported as down.
 _PROBE_TIMEOUT_S = 10.0
 # Connecting to a replica on this machine takes microseconds: a replica that does not accept within
@@ -55,12 +62,15 @@ _CONNECT_TIMEOUT_S = 5.0
 class Front:
     """The front's state: replica URLs, their in-flight requests, the router, the HTTP client."""
 
-    def __init__(self, upstreams: Sequence[str], router: Router, replica_keep_alive_s: float):
+    def __init__(
+        self, upstreams: Sequence[str], router: Router, replica_keep_alive_s: float, replica_token: str | None = None
+    ):
         self.upstreams = [u.rstrip("/") for u in upstreams]
         self.router = router
         self.loads = [0] * len(self.upstreams)
         self.client: httpx.AsyncClient | None = None
         self._replica_keep_alive_s = replica_keep_alive_s
+        self._replica_token = replica_token
 
     def open(self) -> None:
         timeout = httpx.Timeout(None, connect=_CONNECT_TIMEOUT_S)
@@ -70,7 +80,10 @@ class Front:
         limits = httpx.Limits(
             max_connections=None, max_keepalive_connections=64, keepalive_expiry=self._replica_keep_alive_s / 2
         )
-        self.client = httpx.AsyncClient(timeout=timeout, limits=limits)
+        token = self._replica_token
+        headers = {"authorization": f"Bearer {token}"} if token is not None else None
+        # trust_env=False: loopback traffic to the replicas never goes through a proxy from the environment.
+        self.client = httpx.AsyncClient(timeout=timeout, limits=limits, headers=headers, trust_env=False)
 
     async def close(self) -> None:
         if self.client is not None:
@@ -93,7 +106,7 @@ class Front:
         """`request` forwarded to `replica`; its answer streamed back as it arrives."""
         assert self.client is not None
         url = self.upstreams[replica] + request.url.path + (f"?{request.url.query}" if request.url.query else "")
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in _DROPPED_HEADERS | {"content-length"}}
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _REPLACED_REQUEST_HEADERS}
         self.loads[replica] += 1
         try:
             upstream = await _unless_disconnected(request, self._send(request.method, url, headers, body))
@@ -197,12 +210,18 @@ def _all_down() -> APIError:
 
 
 def create_front_app(
-    upstreams: Sequence[str], router: Router, config: ServerConfig, on_shutdown: Callable[[], None] | None = None
+    upstreams: Sequence[str],
+    router: Router,
+    config: ServerConfig,
+    on_shutdown: Callable[[], None] | None = None,
+    replica_token: str | None = None,
 ) -> FastAPI:
     """The front for replica servers at `upstreams` (base URLs, replica i at index i), which run
-    with the same `config` (so the same keep-alive timeout); `on_shutdown` (stopping the
-    replicas) runs when the app shuts down."""
-    front = Front(upstreams, router, config.keep_alive_timeout_s)
+    with the same `config` (so the same keep-alive timeout) and take `replica_token` as their admin
+    key (`api_keys.replica_token`); `on_shutdown` (stopping the replicas) runs when the app shuts down.
+    A ConfigError for bad keys, or a non-loopback host without one (api_keys.load_keys)."""
+    keys = load_keys(config)
+    front = Front(upstreams, router, config.keep_alive_timeout_s, replica_token)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -221,6 +240,7 @@ def create_front_app(
     app.state.server_config = config
     app.state.front = front
     install_error_handlers(app)
+    install_auth(app, config, keys)
     _generation_routes(app, front, config)
     _single_replica_routes(app, front, config)
     _aggregate_routes(app, front)

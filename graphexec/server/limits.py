@@ -73,9 +73,12 @@ class TokenBound:
     max_request_tokens: int  # the bound itself: max_context, or the KV pool if smaller
     clamp: bool  # server.clamp_max_tokens
 
-    def max_new_tokens(self, prompt_tokens: int, requested: int | None, *, field: str, prompt_field: str) -> int:
+    def max_new_tokens(
+        self, prompt_tokens: int, requested: int | None, *, field: str, prompt_field: str, default: int | None = None
+    ) -> int:
         """The completion's length: `requested` if it fits, else clamped or a 400 naming `field`;
-        omitted, the room left after the prompt.  A prompt that leaves no room is a 400 naming
+        omitted, `default` or the room left after the prompt, whichever is smaller (a default the
+        client never sent is never its error).  A prompt that leaves no room is a 400 naming
         `prompt_field` ("prompt" or "messages")."""
         room = self.max_request_tokens - prompt_tokens
         if room < 1:
@@ -84,8 +87,10 @@ class TokenBound:
                 f"room for the completion. Please reduce the length of the {prompt_field}.",
                 param=prompt_field, code=_CONTEXT_LENGTH_EXCEEDED,
             )
-        if requested is None or requested <= room:
-            return room if requested is None else requested
+        if requested is None:
+            return room if default is None else min(default, room)
+        if requested <= room:
+            return requested
         if self.clamp:
             return room
         raise bad_request(

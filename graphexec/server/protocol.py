@@ -114,7 +114,7 @@ class _GenerationRequest(_Strict, StructuredOutputFields):
     request has left after its prompt (the server decides it: graphexec/server/limits.py)."""
 
     model: str
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, description="Omitted: the room left after the prompt.")
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = None
@@ -182,7 +182,13 @@ class CompletionRequest(_GenerationRequest):
     model_config = ConfigDict(json_schema_extra={"examples": [_COMPLETION_EXAMPLE]})
 
     prompt: Annotated[PromptField, PlainValidator(_prompt, json_schema_input_type=PromptField)]
-    max_tokens: int | None = Field(None, ge=0)  # 0 only with echo: the prompt's logprobs alone
+    # 0 only with echo: the prompt's logprobs alone.
+    max_tokens: int | None = Field(
+        None,
+        ge=0,
+        description="Omitted: 16, OpenAI's default (operators change it with server.completions_max_tokens), "
+        "never more than the room left after the prompt. 0 is allowed only with echo=true.",
+    )
     logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     # The prompt in front of the completion text and, with logprobs, one entry per prompt token
     # (null for the first) in front of the completion's: what lm-eval scores loglikelihoods from.

@@ -181,10 +181,14 @@ class OpenAIServing:
             self._check(body)
             prompts, prompt_field = encode(body)
             field, requested = body.requested_max_tokens()
+            # OpenAI's completions default (16); chat completions default to the room left.
+            default = self.config.completions_max_tokens if isinstance(body, CompletionRequest) else None
             bound = TokenBound(self.engine.max_context, self.engine.max_request_tokens, self.config.clamp_max_tokens)
             ids, params = [], []
             for prompt_ids in prompts:
-                max_new_tokens = bound.max_new_tokens(len(prompt_ids), requested, field=field, prompt_field=prompt_field)
+                max_new_tokens = bound.max_new_tokens(
+                    len(prompt_ids), requested, field=field, prompt_field=prompt_field, default=default
+                )
                 base = body.to_sampling_params(self.engine.config.sampling, max_new_tokens)
                 if base.structured is not None:
                     self.engine.prepare_grammar(base.structured)  # compiled here, not on the event loop

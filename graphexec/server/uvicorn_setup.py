@@ -1,5 +1,5 @@
 """How graphexec-serve runs uvicorn: the HTTP protocol (h11 with a read deadline), the
-connection options of `ServerConfig`, and a log config that shows graphexec's own INFO lines.
+connection and TLS options of `ServerConfig`, and a log config that shows graphexec's own INFO lines.
 
 uvicorn (h11 or httptools) has no timeout for reading a request's headers: a client that connects
 and sends half a request line holds its socket forever.  `ReadTimeoutH11Protocol` arms a timer
@@ -16,6 +16,8 @@ import contextlib
 import copy
 import logging
 import socket
+import ssl
+from types import MappingProxyType
 from typing import Any
 
 import h11
@@ -26,6 +28,7 @@ from graphexec.server.config import ServerConfig
 
 _log = logging.getLogger(__name__)
 
+_CERT_REQS = MappingProxyType({"none": ssl.CERT_NONE, "optional": ssl.CERT_OPTIONAL, "required": ssl.CERT_REQUIRED})
 _REQUEST_TIMEOUT = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
 
 
@@ -134,6 +137,13 @@ def uvicorn_options(config: ServerConfig, **overrides: Any) -> dict[str, Any]:
         "timeout_keep_alive": config.keep_alive_timeout_s,
         "limit_concurrency": config.limit_concurrency,
     }
+    if config.ssl_certfile is not None:
+        options |= {
+            "ssl_certfile": config.ssl_certfile,
+            "ssl_keyfile": config.ssl_keyfile,
+            "ssl_ca_certs": config.ssl_ca_certs,
+            "ssl_cert_reqs": _CERT_REQS[config.ssl_cert_reqs],
+        }
     return options | overrides
 
 
