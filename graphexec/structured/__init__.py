@@ -1,10 +1,11 @@
 """Structured output: a request's text held to a grammar (a JSON schema, any JSON object, a regex,
 one of a few strings) by masking, before each sampling step, every token the grammar cannot take.
 
-`spec.py` states the constraint (no xgrammar: SamplingParams imports it); `tokenizer_info.py`
-describes the engine's vocabulary to xgrammar; `grammar_cache.py` compiles constraints, bounded
-and shared; `request_grammar.py` is one request's matcher; `token_bitmask.py` masks a batch's
-logits; `grammar_backend.py` ties them together per engine.  xgrammar is imported only once a
+The grammar engine is llguidance.  `spec.py` states the constraint (no llguidance: SamplingParams
+imports it); `vocabulary.py` describes the engine's vocabulary to llguidance; `json_grammar.py`
+turns a JSON schema into its grammar; `grammar_cache.py` compiles constraints, bounded and shared;
+`request_grammar.py` is one request's matcher; `token_bitmask.py` masks a batch's logits (plain
+torch); `grammar_backend.py` ties them together per engine.  llguidance is imported only once a
 request asks for structure.
 """
 

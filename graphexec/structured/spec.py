@@ -1,8 +1,8 @@
 """What a request's output must match, validated when the request's SamplingParams are built.
 
-Only the shape is checked here (types, sizes, JSON-serialisable schema); whether xgrammar can
+Only the shape is checked here (types, sizes, JSON-serialisable schema); whether llguidance can
 compile the schema or regex is found when the engine compiles it at submission
-(grammar_cache.py), and reported against the same `param`.  No xgrammar import: every
+(grammar_cache.py), and reported against the same `param`.  No llguidance import: every
 SamplingParams imports this module.
 """
 
@@ -25,7 +25,7 @@ MAX_CHOICES = 256
 @dataclass(frozen=True)
 class StructuredSpec:
     """One constraint.  `value` is the canonical text the grammar is compiled from (the schema as
-    compact JSON in the caller's key order, since xgrammar emits properties in that order; the
+    compact JSON in the caller's key order, since llguidance emits properties in that order; the
     regex; the choices as a JSON list) and, with `kind`, the grammar cache's key.  `param` names the
     request field it came from, for error messages; it takes no part in equality."""
 

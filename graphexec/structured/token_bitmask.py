@@ -1,14 +1,17 @@
 """Masks a batch's logits to what each row's grammar allows, in one call per step.
 
 One int32 buffer [rows, ceil(V / 32)] is allocated per engine and reused: each constrained row's
-matcher fills its row (bit set = allowed), then one call sets every disallowed logit of those rows
-to -inf.  Rows without a grammar are not touched, and a batch without any grammar never gets here.
-Two ways to apply it, measured on the 49,152-token vocabulary (one thread, best of 300):
-xgrammar's CPU kernel costs what the row disallows, ~10 µs where most tokens fit (inside a JSON
-string) but ~150 µs where few do (between keys and values); unpacking the bits and one
-masked_fill costs ~75 µs a row whatever it holds.  So on CPU each row takes the cheaper way,
-judged by how many of its 32-token words allow anything (counting them costs ~1 µs); other
-devices always unpack (the packed rows go to the device, 32x fewer bytes than a bool mask).
+matcher fills its row (llguidance's layout: token t is bit t % 32 of word t // 32, bit set =
+allowed), then every disallowed logit of those rows is set to -inf.  Rows without a grammar are
+not touched, and a batch without any grammar never gets here.
+
+On CPU each row is unpacked by numpy (np.unpackbits in little bit order reads that layout from
+the words' little-endian bytes) and its disallowed logits set through a numpy view of the row;
+elsewhere the packed rows go to the device (32x fewer bytes than a bool mask) and are unpacked
+there with shifts and one masked_fill.  On CPU the numpy way costs a fraction of the torch one,
+within about 2x whatever the row allows, so every row takes it (no per-row choice);
+llguidance.torch's kernel is no cheaper once compiled and is torch.compile'd, seconds on the first
+constrained step.  `python -m bench.structured_cost` replays real outputs through `apply`.
 """
 
 from __future__ import annotations
@@ -17,7 +20,11 @@ import math
 from collections.abc import Sequence
 from typing import Protocol
 
+import numpy as np
 import torch
+
+# Logit dtypes numpy can write in place (not bfloat16); the sampler's are float32.
+_NUMPY_DTYPES = (torch.float32, torch.float64, torch.float16)
 
 
 class RowGrammar(Protocol):
@@ -46,29 +53,17 @@ class TokenBitmask:
             self._buffer = torch.zeros((len(grammars), self._words), dtype=torch.int32)
         for row in rows:
             grammars[row].fill_row(self._buffer, row)
-        if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.bfloat16, torch.float16):
-            mostly_allowed = self._mostly_allowed(rows)
-            kernel_rows = [row for row, dense in zip(rows, mostly_allowed) if dense]
-            unpack_rows = [row for row, dense in zip(rows, mostly_allowed) if not dense]
-            if kernel_rows:
-                self._apply_cpu(logits, kernel_rows)
-            if unpack_rows:
-                self._apply_unpacked(logits, unpack_rows)
+        if logits.device.type == "cpu" and logits.dtype in _NUMPY_DTYPES:
+            self._apply_numpy(logits, rows)
         else:
             self._apply_unpacked(logits, rows)
         return logits
 
-    def _mostly_allowed(self, rows: list[int]) -> list[bool]:
-        """Per row: do at least half of its 32-token words allow some token?"""
-        nonzero_words = self._buffer[rows].count_nonzero(dim=1)
-        return (nonzero_words * 2 >= self._words).tolist()
-
-    def _apply_cpu(self, logits: torch.Tensor, rows: list[int]) -> None:
-        from xgrammar import apply_token_bitmask_inplace  # only constrained batches import xgrammar
-
-        apply_token_bitmask_inplace(
-            logits, self._buffer[: logits.shape[0]], vocab_size=self.vocab_size, indices=rows, backend="cpu"
-        )
+    def _apply_numpy(self, logits: torch.Tensor, rows: list[int]) -> None:
+        packed = self._buffer.numpy().view(np.uint8)
+        for row in rows:
+            allowed = np.unpackbits(packed[row], bitorder="little", count=self.vocab_size).view(bool)
+            np.copyto(logits[row, : self.vocab_size].numpy(), -np.inf, where=~allowed)
 
     def _apply_unpacked(self, logits: torch.Tensor, rows: list[int]) -> None:
         index = torch.tensor(rows, dtype=torch.int64)
