@@ -7,13 +7,17 @@ seed the server documents for choice i: seed + i).
 """
 
 import json
+import re
 
 import httpx
+import jsonschema
 import openai
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from graphexec import SamplingParams
 from graphexec.server.app import create_app
+from graphexec.server.openapi import decimal_below
 from graphexec.server.protocol import ChatCompletionRequest, CompletionRequest
 from tests.helpers import ServerThread, recorded_batches, server_config, wait_until
 from tests.invariants import assert_no_leak
@@ -119,15 +123,21 @@ def test_openapi_publishes_the_request_models_and_their_examples_are_served(tiny
     assert {"prompt", "n", "best_of", "logprobs", "max_tokens", "seed", "stream", "ignore_eos"} <= set(completion["properties"])
     assert {"messages", "n", "max_completion_tokens", "top_logprobs"} <= set(chat["properties"])
     assert completion["additionalProperties"] is False  # unknown fields are refused, as served
-    prompt_forms = {json.dumps(form, sort_keys=True) for form in completion["properties"]["prompt"]["anyOf"]}
-    assert json.dumps({"items": {"type": "integer"}, "type": "array"}, sort_keys=True) in prompt_forms
+    # One prompt's token ids: in this app's vocabulary (320), shorter than its context (512).
+    token_ids = {"items": {"type": "integer", "minimum": 0, "maximum": 319}, "type": "array", "minItems": 1, "maxItems": 511}
+    assert token_ids in completion["properties"]["prompt"]["anyOf"]
+    assert completion["properties"]["model"]["enum"] == [TINY]  # the served model; another is a 404
     body_ref = schema["paths"]["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert body_ref == {"$ref": "#/components/schemas/CompletionRequest"}
-    # Errors are published as what they are: OpenAI's shape under 4XX, no FastAPI 422.
-    responses = schema["paths"]["/v1/chat/completions"]["post"]["responses"]
-    assert "422" not in responses and responses["4XX"]["content"]["application/json"]["schema"] == {
-        "$ref": "#/components/schemas/ErrorResponse"
-    }
+    # Errors are published as what they are: each status the route answers, and any other 4XX, in
+    # OpenAI's shape; no FastAPI 422.  Without keys, no security and no 401.
+    error_body = {"$ref": "#/components/schemas/ErrorResponse"}
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        responses = schema["paths"][path]["post"]["responses"]
+        assert set(responses) == {"200", "400", "404", "408", "413", "503", "4XX"}, path
+        assert all(responses[s]["content"]["application/json"]["schema"] == error_body for s in set(responses) - {"200"})
+    assert "securitySchemes" not in schema["components"]
+    assert not any("security" in op for item in schema["paths"].values() for op in item.values())
     assert set(models["ErrorBody"]["properties"]) == {"message", "type", "param", "code"}
     assert "TokenizeRequest" in models and "DetokenizeRequest" in models
     # The published examples are requests the models accept, and the server serves them.
@@ -135,9 +145,183 @@ def test_openapi_publishes_the_request_models_and_their_examples_are_served(tiny
     (chat_example,) = chat["examples"]
     CompletionRequest.model_validate_json(json.dumps(completion_example))
     ChatCompletionRequest.model_validate_json(json.dumps(chat_example))
-    served = _post(tiny_server, completion_example | {"model": TINY})  # the example names the default model
+    assert completion_example["model"] == chat_example["model"] == TINY  # each app's own model
+    served = _post(tiny_server, completion_example)
     assert served["choices"][0]["finish_reason"] in {"stop", "length"}
+    (detokenize_example,) = models["DetokenizeRequest"]["examples"]
+    with _http() as http:
+        decoded = http.post(f"{tiny_server.url}/detokenize", json=detokenize_example)
+    assert decoded.status_code == 200 and decoded.json()["prompt"] == "Hello, world"
     _idle(tiny)
+
+
+def _schema_check(schema: dict, model: str):
+    """Whether `schema` admits a body as the `model` component (JSON Schema 2020-12, as OpenAPI 3.1)."""
+    validator = jsonschema.Draft202012Validator({"$ref": f"#/components/schemas/{model}", "components": schema["components"]})
+    return validator.is_valid
+
+
+def _pydantic_leftovers(node) -> list:
+    """Keywords no JSON Schema knows, which pydantic emits for a misplaced constraint."""
+    if isinstance(node, list):
+        return [k for child in node for k in _pydantic_leftovers(child)]
+    if not isinstance(node, dict):
+        return []
+    own = [k for k in ("ge", "gt", "le", "lt", "x-graphexec-limit") if k in node and not isinstance(node[k], dict)]
+    return own + [k for child in node.values() for k in _pydantic_leftovers(child)]
+
+
+@pytest.mark.parametrize("limit", [1, 2, 9, 10, 11, 99, 100, 101, 320, 1000, 1001, 49152, 128256])
+def test_token_id_key_pattern_matches_exactly_the_ids_below_the_vocabulary(limit):
+    pattern = re.compile(f"^0*{decimal_below(limit)}\\Z")
+    for number in [*range(min(limit * 2 + 11, 2100)), limit - 1, limit, limit * 10 - 1, limit * 10]:
+        for text in (str(number), f"00{number}"):
+            assert bool(pattern.match(text)) == (number < limit), text
+    assert not pattern.match("") and not pattern.match("1a")
+
+
+def test_published_schema_is_json_schema_throughout(tiny_server):
+    with _http() as http:
+        schema = http.get(f"{tiny_server.url}/openapi.json").json()
+    assert schema["openapi"].startswith("3.1")
+    for name, definition in schema["components"]["schemas"].items():
+        jsonschema.Draft202012Validator.check_schema(definition)
+    assert _pydantic_leftovers(schema["components"]) == []
+
+
+def test_published_bounds_are_each_apps_own(tiny):
+    """server.max_n, server.clamp_max_tokens and the KV pool bound what one app publishes."""
+    schema = create_app(tiny, server_config(max_n=4, clamp_max_tokens=True, max_prompts_per_request=3)).openapi()
+    completion = schema["components"]["schemas"]["CompletionRequest"]["properties"]
+    assert completion["n"]["maximum"] == 4
+    assert "maximum" not in completion["max_tokens"]["anyOf"][0]  # clamped: any max_tokens is served
+    assert completion["min_tokens"]["anyOf"][0]["maximum"] == tiny.max_request_tokens - 1
+    several = [form for form in completion["prompt"]["anyOf"] if form.get("items", {}).get("type") in ("string", "array")]
+    assert [form["maxItems"] for form in several] == [3, 3]  # server.max_prompts_per_request
+
+
+# Bodies at the edges of what the schema says, for the served model (prompt "x", max_tokens 1
+# added where absent): the schema admits each exactly when the server serves it.  From an outside
+# fuzzer's findings (schemathesis) and the fields checked by functions of their own.
+_COMPLETION_BODIES = [
+    {"logit_bias": -1284},
+    {"logit_bias": {"5": 100, "0319": -100.0}},
+    {"logit_bias": {"320": 1}},  # outside the vocabulary
+    {"logit_bias": {"5": 100.5}},
+    {"logit_bias": {"-5": 1}},
+    {"logit_bias": {"a": 1}},
+    {"logit_bias": None},
+    {"max_tokens": 2.0},  # JSON Schema's integer: 2.0 is 2
+    {"max_tokens": 2.5},
+    {"max_tokens": "2"},
+    {"max_tokens": 511},
+    {"max_tokens": 512},  # over the room a one-token prompt leaves
+    {"max_tokens": 1e300},
+    {"max_tokens": 0},  # only with echo
+    {"max_tokens": 0, "echo": True},
+    {"prompt": [65.0, 66]},
+    {"prompt": [319]},
+    {"prompt": [320]},
+    {"prompt": []},
+    {"prompt": ""},  # encodes to no token here
+    {"prompt": ["a", ""]},
+    {"prompt": [[65], [66, 67]]},
+    {"prompt": [65] * 511},
+    {"prompt": [65] * 512},
+    {"n": 16},
+    {"n": 17},  # server.max_n
+    {"n": 2, "best_of": 2},
+    {"top_k": -1},
+    {"top_k": 0},
+    {"top_k": 1},
+    {"stop": ""},
+    {"stop": ["a"] * 8},
+    {"stop": ["a"] * 9},
+    {"stop": [""]},
+    {"seed": 2**64 - 1},
+    {"seed": 2**64},
+    {"min_tokens": 1},
+    {"model": "gpt-4"},
+    {"guided_choice": ["a", ""]},
+    {"guided_choice": ["a", "b"]},
+    {"guided_choice": ["a"], "guided_regex": "a"},
+    {"guided_choice": ["a"], "response_format": {"type": "text"}},
+    {"guided_choice": ["a"], "ignore_eos": True},
+    {"response_format": {"type": "json_schema"}},
+    {"response_format": {"type": "json_object", "json_schema": {"name": "x", "schema": {}}}},
+    {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "integer"}}}},
+    {"echo": True, "stream": True, "logprobs": 1},
+]
+
+
+@pytest.mark.parametrize("fields", _COMPLETION_BODIES, ids=lambda fields: json.dumps(fields)[:70])
+def test_completions_schema_admits_what_the_server_serves(tiny_server, fields):
+    with _http() as http:
+        admits = _schema_check(http.get(f"{tiny_server.url}/openapi.json").json(), "CompletionRequest")
+        body = {"model": TINY, "prompt": "x", "max_tokens": 1} | fields
+        answer = http.post(f"{tiny_server.url}/v1/completions", json=body)
+    assert answer.status_code in (200, 400, 404), answer.text
+    assert admits(body) == (answer.status_code == 200), answer.text
+
+
+@pytest.mark.parametrize(
+    "path,model,body",
+    [
+        ("/tokenize", "TokenizeRequest", {}),
+        ("/tokenize", "TokenizeRequest", {"prompt": "x"}),
+        ("/tokenize", "TokenizeRequest", {"prompt": "x", "messages": None}),
+        ("/tokenize", "TokenizeRequest", {"prompt": None, "messages": None}),
+        ("/tokenize", "TokenizeRequest", {"prompt": "x", "messages": [{"role": "user", "content": "y"}]}),
+        ("/tokenize", "TokenizeRequest", {"prompt": "", "model": TINY}),
+        ("/tokenize", "TokenizeRequest", {"prompt": "x", "model": "gpt-4"}),
+        ("/detokenize", "DetokenizeRequest", {"tokens": [319, 0, 65.0]}),
+        ("/detokenize", "DetokenizeRequest", {"tokens": [320]}),  # outside the vocabulary
+        ("/detokenize", "DetokenizeRequest", {"tokens": [-1]}),
+        ("/detokenize", "DetokenizeRequest", {"tokens": []}),
+    ],
+    ids=str,
+)
+def test_tokenizer_schema_admits_what_the_server_serves(tiny_server, path, model, body):
+    with _http() as http:
+        admits = _schema_check(http.get(f"{tiny_server.url}/openapi.json").json(), model)
+        answer = http.post(f"{tiny_server.url}{path}", json=body)
+    assert answer.status_code in (200, 400, 404), answer.text
+    assert admits(body) == (answer.status_code == 200), answer.text
+
+
+@pytest.fixture()
+def chat_template(tiny, monkeypatch):
+    """A stand-in chat template for the tiny model (it has none), so chat bodies are served."""
+
+    def apply(messages: list[dict], add_generation_prompt: bool = True) -> str:
+        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + ("<assistant>" if add_generation_prompt else "")
+
+    monkeypatch.setattr(tiny.tokenizer, "apply_chat_template", apply)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"max_completion_tokens": 2.0},
+        {"max_completion_tokens": 1e300},
+        {"max_completion_tokens": 512},
+        {"max_tokens": 10**6},  # a bound of the request...
+        {"max_tokens": 10**6, "max_completion_tokens": 2},  # ...unless max_completion_tokens overrides it
+        {"max_tokens": 2, "top_logprobs": 3},
+        {"max_tokens": 2, "top_logprobs": 3, "logprobs": True},
+        {"max_tokens": 2, "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]},
+        {"max_tokens": 2, "messages": [{"role": "user", "content": [{"type": "text", "text": "a", "extra": 1}]}]},
+        {"max_tokens": 2, "response_format": {"type": "json_object"}, "guided_json": {"type": "integer"}},
+    ],
+    ids=json.dumps,
+)
+def test_chat_schema_admits_what_the_server_serves(tiny_server, chat_template, fields):
+    with _http() as http:
+        admits = _schema_check(http.get(f"{tiny_server.url}/openapi.json").json(), "ChatCompletionRequest")
+        body = {"model": TINY, "messages": [{"role": "user", "content": "x"}]} | fields
+        answer = http.post(f"{tiny_server.url}/v1/chat/completions", json=body)
+    assert answer.status_code in (200, 400), answer.text
+    assert admits(body) == (answer.status_code == 200), answer.text
 
 
 def test_every_body_route_reads_within_the_body_limit(tiny):

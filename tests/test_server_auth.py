@@ -20,6 +20,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from starlette.routing import Route
 
 from graphexec import ConfigError
 from graphexec.parallel.replicas import replica_env, replica_overrides
@@ -170,6 +171,54 @@ def test_paths_are_checked_as_the_routes_see_them_under_a_root_path():
     assert reached == ["/api/health", "/api/flush_cache"]
 
 
+def test_admin_check_covers_the_methods_the_admin_route_serves():
+    """A user key gets 403 for what /flush_cache serves; any other method goes on to the router
+    (its 405); an admin path no route serves is guarded for every method."""
+    reached: list[str] = []
+
+    async def app(scope, receive, send):
+        reached.append(scope["method"])
+
+    async def status(auth: BearerAuth, method: str) -> int:
+        sent: list[dict] = []
+
+        async def send(message):
+            sent.append(message)
+
+        scope = {"type": "http", "method": method, "path": "/flush_cache", "headers": [(b"authorization", f"Bearer {USER_KEY}".encode())]}
+        await auth(scope, None, send)
+        return sent[0]["status"] if sent else 200
+
+    keys = Keys.of([USER_KEY], [ADMIN_KEY])
+    routed = BearerAuth(app, keys, frozenset(), routes=[Route("/flush_cache", app, methods=["POST"])])
+    unrouted = BearerAuth(app, keys, frozenset())
+
+    async def statuses() -> list[int]:
+        return [await status(routed, "POST"), await status(routed, "TRACE"), await status(unrouted, "TRACE")]
+
+    assert asyncio.run(statuses()) == [403, 200, 403]
+    assert reached == ["TRACE"]
+
+
+def test_undeclared_method_is_405_with_allow_for_every_key(keyed):
+    """RFC 9110: a 405 says in `Allow` what the route serves; a key holder learns it, even of an
+    admin route; without a key nothing is said about routes."""
+    server, app = keyed
+    served: dict[str, set[str]] = {}
+    for method, path in _routes(app):
+        served.setdefault(path, set()).add(method)
+    with _http() as http:
+        for path, methods in served.items():
+            for key in (USER_KEY, ADMIN_KEY):
+                answer = http.request("TRACE", server.url + path, headers=_bearer(key))
+                assert answer.status_code == 405, (path, key, answer.text)
+                assert set(answer.headers["allow"].split(", ")) - {"HEAD"} == methods, (path, answer.headers)
+                assert answer.json()["error"]["type"] == "invalid_request_error"
+            if path != "/health":
+                _assert_401(http.request("TRACE", server.url + path), f"TRACE {path} without a key")
+        assert http.request("TRACE", server.url + "/health").status_code == 405
+
+
 def test_admin_route_user_key_403_admin_key_200(keyed):
     server, _ = keyed
     with _http() as http:
@@ -182,6 +231,45 @@ def test_admin_route_user_key_403_admin_key_200(keyed):
             }
         flushed = http.post(server.url + "/flush_cache", headers=_bearer(ADMIN_KEY))
     assert flushed.status_code == 200 and "flushed_slots" in flushed.json()
+
+
+def _published(url: str, key: str | None = USER_KEY) -> dict:
+    with _http() as http:
+        answer = http.get(url + "/openapi.json", headers=_bearer(key) if key else None)
+    assert answer.status_code == 200, answer.text
+    return answer.json()
+
+
+def _assert_documents(schema: dict, public: set[str], keyed: bool = True) -> None:
+    """Each operation's `security`, 401 and 403 as BearerAuth treats its path."""
+    assert ("bearer" in schema["components"].get("securitySchemes", {})) == keyed
+    if keyed:
+        assert schema["components"]["securitySchemes"]["bearer"] | {"description": ""} == {
+            "type": "http", "scheme": "bearer", "description": "",
+        }
+    for path, item in schema["paths"].items():
+        for method, operation in item.items():
+            protected = keyed and path not in public
+            what = f"{method} {path}"
+            assert (operation.get("security") == [{"bearer": []}]) == protected, what
+            responses = operation["responses"]
+            assert ("401" in responses) == protected and ("403" in responses) == (protected and path in ADMIN_ROUTES), what
+            for status in {"401", "403"} & set(responses):
+                assert responses[status]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/ErrorResponse"}
+                assert "WWW-Authenticate" in responses[status]["headers"]
+    assert not keyed or "ErrorResponse" in schema["components"]["schemas"]
+
+
+def test_published_schema_documents_the_keys_as_checked(keyed, tiny):
+    server, _ = keyed
+    schema = _published(server.url)
+    _assert_documents(schema, public={"/health"})
+    # What it documents is what the server does: every operation without a key is a 401 but /health's.
+    operations = [(m.upper(), path) for path, item in schema["paths"].items() for m in item]
+    assert ("POST", "/flush_cache") in operations and ("GET", "/health") in operations
+    _check_every_route(server.url, operations, public={"/health"})
+    with _server(tiny, api_key=USER_KEY, public_metrics=True) as (metrics_public, _):
+        _assert_documents(_published(metrics_public.url), public={"/health", "/metrics", "/metrics/json"})
 
 
 def test_openai_client_with_and_without_the_key(keyed):
@@ -400,6 +488,21 @@ def test_front_checks_keys_once_and_replicas_take_only_its_token(keyed_front):
             for key in (USER_KEY, ADMIN_KEY):
                 _assert_401(http.get(replica.url + "/v1/models", headers=_bearer(key)), "a client key at a replica")
             assert http.post(replica.url + "/flush_cache", headers=_bearer(REPLICA_TOKEN)).status_code == 200
+
+
+def test_front_publishes_the_replicas_schema_with_its_own_keys(keyed_front):
+    """Replicas take only the front's token; the schema through the front says what the front
+    asks of clients, whatever its keys."""
+    front, _, replicas = keyed_front
+    schema = _published(front.url)
+    assert "CompletionRequest" in schema["components"]["schemas"]
+    _assert_documents(schema, public={"/health"})
+    urls = [r.url for r in replicas]
+    open_front = create_front_app(urls, Router(2), server_config(), replica_token=REPLICA_TOKEN)
+    metrics_front = create_front_app(urls, Router(2), server_config(api_key=USER_KEY, public_metrics=True), replica_token=REPLICA_TOKEN)
+    with ServerThread(open_front) as unkeyed, ServerThread(metrics_front) as public_metrics:
+        _assert_documents(_published(unkeyed.url, key=None), public=set(), keyed=False)
+        _assert_documents(_published(public_metrics.url), public={"/health", "/metrics", "/metrics/json"})
 
 
 def test_replica_token_travels_in_the_environment_not_the_command_line():

@@ -11,6 +11,8 @@
 Request bodies are pydantic models in the endpoints' signatures (so the schema is the real one),
 read within the server's bounds and validated on the worker thread (routing.py).  With API keys
 configured, every route but `server.public_routes` needs one, /flush_cache an admin one (auth.py).
+Each route documents the error statuses it answers; the published schema adds the keys' rules and
+this app's own bounds (openapi.py).
 """
 
 from __future__ import annotations
@@ -19,21 +21,33 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from functools import partial
+from typing import Literal
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
 
 from graphexec.engine.engine import Engine
 from graphexec.server.api_keys import load_keys
 from graphexec.server.auth import install_auth
 from graphexec.server.config import ServerConfig
-from graphexec.server.errors import ERROR_RESPONSES, APIError, install_error_handlers
+from graphexec.server.errors import ERROR_RESPONSES, APIError, error_responses, install_error_handlers
 from graphexec.server.front_metrics import PROMETHEUS_TEXT
 from graphexec.server.metrics import ServerMetrics
+from graphexec.server.openapi import ServedLimits, document_access, document_limits, publish
 from graphexec.server.protocol import ChatCompletionRequest, CompletionRequest
 from graphexec.server.routing import BodyRoute
 from graphexec.server.serving import OpenAIServing
 from graphexec.server.tokenize import DetokenizeRequest, TokenizeRequest, TokenizerEndpoints
+
+# What a route with a JSON body answers besides 200 (a generation route may also be at capacity).
+_BODY_ERRORS = ERROR_RESPONSES | error_responses(400, 404, 408, 413)
+_GENERATION_ERRORS = _BODY_ERRORS | error_responses(503)
+
+
+class HealthStatus(BaseModel):
+    status: Literal["ok", "stopped"]
 
 
 def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
@@ -54,7 +68,9 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
     app.state.server_config = config
     app.state.body_parser = serving  # BodyRoute's reader and validator (routing.py)
     install_error_handlers(app)
-    install_auth(app, config, keys)
+    access = install_auth(app, config, keys)
+    limits = ServedLimits.of(engine, config)
+    publish(app, partial(document_access, access=access), partial(document_limits, limits=limits))
     started = int(time.time())
     app.include_router(_generation_routes(serving))
     app.include_router(_tokenizer_routes(serving, TokenizerEndpoints(engine, serving.model_name)))
@@ -70,12 +86,14 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
         }
         return {"object": "list", "data": [model]}
 
-    @app.get("/health")
+    health_answers = {200: {"model": HealthStatus}, 503: {"model": HealthStatus, "description": "The engine has stopped"}}
+
+    @app.get("/health", responses=health_answers)
     async def health() -> JSONResponse:
         serving_now = engine.is_serving
         return JSONResponse({"status": "ok" if serving_now else "stopped"}, status_code=200 if serving_now else 503)
 
-    @app.post("/flush_cache")
+    @app.post("/flush_cache", responses=error_responses(409))
     async def flush_cache() -> JSONResponse:
         try:
             freed = await asyncio.to_thread(engine.flush_cache)
@@ -107,7 +125,7 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
 
 
 def _generation_routes(serving: OpenAIServing) -> APIRouter:
-    router = APIRouter(route_class=BodyRoute, responses=ERROR_RESPONSES)
+    router = APIRouter(route_class=BodyRoute, responses=_GENERATION_ERRORS)
 
     @router.post("/v1/completions", response_class=Response)
     async def completions(request: Request, body: CompletionRequest) -> Response:
@@ -123,17 +141,17 @@ def _generation_routes(serving: OpenAIServing) -> APIRouter:
 
 
 def _tokenizer_routes(serving: OpenAIServing, tokenizer: TokenizerEndpoints) -> APIRouter:
-    router = APIRouter(route_class=BodyRoute, responses=ERROR_RESPONSES)
+    router = APIRouter(route_class=BodyRoute)
 
     @router.get("/tokenizer_info")
     async def tokenizer_info() -> dict:
         return await serving.on_worker(tokenizer.info)
 
-    @router.post("/tokenize", response_class=Response)
+    @router.post("/tokenize", response_class=Response, responses=_BODY_ERRORS)
     async def tokenize(request: Request, body: TokenizeRequest) -> Response:
         return JSONResponse(await serving.on_worker_for(request, tokenizer.tokenize, body))
 
-    @router.post("/detokenize", response_class=Response)
+    @router.post("/detokenize", response_class=Response, responses=_BODY_ERRORS)
     async def detokenize(request: Request, body: DetokenizeRequest) -> Response:
         return JSONResponse(await serving.on_worker_for(request, tokenizer.detokenize, body))
 

@@ -42,9 +42,27 @@ class ErrorResponse(BaseModel):
     error: ErrorBody
 
 
-# In /openapi.json for the routes with a body: their 4XX answers, instead of FastAPI's 422
-# (which this server never sends: validation failures are 400s).
+# In /openapi.json for the routes with a body: any other 4XX answer, in OpenAI's shape.  Its
+# presence also keeps FastAPI from publishing a 422, which this server never sends (validation
+# failures are 400s).
 ERROR_RESPONSES = {"4XX": {"model": ErrorResponse, "description": "OpenAI-shaped error; `param` names the field"}}
+
+# What each error status a route documents means here (`error_responses`); the statuses keys add
+# (401, 403) are documented from the app's access rules instead (openapi.py).
+_ERROR_MEANINGS = {
+    400: "Invalid request: `param` names the field",
+    404: "`model` is not the model this server serves",
+    408: "The body did not arrive within server.request_read_timeout_s",
+    409: "The cache cannot be flushed while requests are in flight",
+    413: "The body is larger than server.max_body_bytes",
+    503: "At capacity (server.max_queued_requests; retry after `Retry-After` seconds), or the engine has stopped",
+}
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict]:
+    """FastAPI `responses=` for the error statuses a route answers, with OpenAI's error body."""
+    return {status: {"model": ErrorResponse, "description": _ERROR_MEANINGS[status]} for status in statuses}
+
 
 # nginx's status for "the client closed the connection before the answer"; nobody receives it.
 CLIENT_CLOSED_REQUEST = 499
@@ -126,9 +144,11 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(HTTPException)
     async def _http_error(request: Request, error: HTTPException) -> JSONResponse:
-        # Unknown routes and methods: Starlette's 404/405, in OpenAI's shape.
+        # Unknown routes and methods: Starlette's 404/405, in OpenAI's shape.  Its headers stay: a
+        # 405 must say in `Allow` which methods the route serves (RFC 9110).
         kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
-        return APIError(error.status_code, f"{request.method} {request.url.path}: {error.detail}", type=kind).response()
+        message = f"{request.method} {request.url.path}: {error.detail}"
+        return APIError(error.status_code, message, type=kind, headers=error.headers).response()
 
     @app.exception_handler(ClientDisconnect)
     async def _client_gone(request: Request, error: ClientDisconnect) -> Response:

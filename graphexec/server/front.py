@@ -7,7 +7,8 @@ does no model work.  It proxies every OpenAI route to one replica over HTTP (htt
                                                  prefix affinity); answers stream through chunk
                                                  by chunk (server-sent events as they come)
     POST /tokenize, /detokenize, GET /tokenizer_info   the least-loaded replica
-    GET  /v1/models, /openapi.json, /docs        the first replica up
+    GET  /v1/models, /docs                       the first replica up
+    GET  /openapi.json                           the first replica's, its keys' rules the front's
     GET  /health                                 every replica's, aggregated
     POST /flush_cache                            every replica
     GET  /metrics, /metrics/json                 every replica's, relabelled and totalled (front_metrics.py)
@@ -37,11 +38,12 @@ from starlette.types import Receive, Scope, Send
 
 from graphexec.parallel.router import NoReplicaError, Router, prefix_key
 from graphexec.server.api_keys import load_keys
-from graphexec.server.auth import install_auth
+from graphexec.server.auth import Access, install_auth
 from graphexec.server.config import ServerConfig
 from graphexec.server.errors import CLIENT_CLOSED_REQUEST, APIError, install_error_handlers
 from graphexec.server.front_metrics import PROMETHEUS_TEXT, merge_json, merge_prometheus
 from graphexec.server.limits import read_body
+from graphexec.server.openapi import document_access
 
 _log = logging.getLogger(__name__)
 
@@ -148,6 +150,14 @@ class Front:
         _log.error(message)
         return APIError(503, message, type="server_error", code="replica_unavailable")
 
+    async def get(self, replica: int, path: str) -> httpx.Response:
+        """`GET path` of `replica`, read whole; a 503 (the replica marked down) if it does not answer."""
+        assert self.client is not None
+        try:
+            return await self.client.get(self.upstreams[replica] + path, timeout=_PROBE_TIMEOUT_S)
+        except httpx.TransportError as error:
+            raise self._replica_failed(replica, error) from None
+
     async def ask_all(self, method: str, path: str) -> list[httpx.Response | None]:
         """Every replica's answer to `method path` (None where a replica did not answer)."""
         assert self.client is not None
@@ -240,9 +250,10 @@ def create_front_app(
     app.state.server_config = config
     app.state.front = front
     install_error_handlers(app)
-    install_auth(app, config, keys)
+    access = install_auth(app, config, keys)
     _generation_routes(app, front, config)
     _single_replica_routes(app, front, config)
+    _schema_route(app, front, access)
     _aggregate_routes(app, front)
     return app
 
@@ -273,8 +284,25 @@ def _single_replica_routes(app: FastAPI, front: Front, config: ServerConfig) -> 
 
     for path, method in (("/tokenize", "POST"), ("/detokenize", "POST"), ("/tokenizer_info", "GET")):
         app.add_api_route(path, any_replica, methods=[method], include_in_schema=False)
-    for path in ("/v1/models", "/openapi.json", "/docs"):
+    for path in ("/v1/models", "/docs"):
         app.add_api_route(path, first_replica, methods=["GET"], include_in_schema=False)
+
+
+def _schema_route(app: FastAPI, front: Front, access: Access) -> None:
+    async def openapi() -> Response:
+        """The replicas' schema (their request models and bounds) with the keys documented as the
+        front checks them: a replica takes only the front's token, clients take the front's keys."""
+        replica = front.first_up()
+        answer = await front.get(replica, "/openapi.json")
+        headers = {REPLICA_HEADER: str(replica)}
+        if answer.status_code != 200:
+            media_type = answer.headers.get("content-type")
+            return Response(answer.content, status_code=answer.status_code, media_type=media_type, headers=headers)
+        schema = answer.json()
+        document_access(schema, access)
+        return JSONResponse(schema, headers=headers)
+
+    app.add_api_route("/openapi.json", openapi, methods=["GET"], include_in_schema=False)
 
 
 def _aggregate_routes(app: FastAPI, front: Front) -> None:

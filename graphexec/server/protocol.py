@@ -1,8 +1,12 @@
 """Request bodies of the OpenAI-compatible API, validated strictly.
 
-These models are the endpoints' bodies, so /openapi.json publishes them as validated here.
-Unknown fields are rejected (`extra="forbid"`) and types are strict (no "8" for 8, no true for 1),
-so a typo or a wrong type is a 400 naming the field instead of a silently ignored option.
+These models are the endpoints' bodies, so /openapi.json publishes them as validated here: a
+field checked by a function of its own publishes the schema of what that function accepts
+(`json_schema_input_type`), and a bound only the app knows (the vocabulary, server.max_n) is
+marked with `openapi.limit` for the app to fill in.  Unknown fields are rejected
+(`extra="forbid"`) and types are strict (no "8" for 8, no true for 1), so a typo or a wrong type
+is a 400 naming the field instead of a silently ignored option.  An integer may be written 8.0:
+JSON has one kind of number, and JSON Schema's integer is any number without a fraction.
 OpenAI fields graphexec does not implement are accepted only at their neutral value.
 Ranges follow OpenAI's where it has one (temperature in [0, 2]); `top_k`, `min_p`, `ignore_eos`,
 `repetition_penalty` and `min_tokens` are extensions, as in vLLM and SGLang.
@@ -12,36 +16,67 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PlainValidator, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel, BeforeValidator, ConfigDict, Field, PlainValidator, ValidationInfo, WithJsonSchema, field_validator,
+)
 
 from graphexec.errors import InvalidRequestError
-from graphexec.sampling_params import MAX_STOP_STRINGS, SamplingParams
-from graphexec.server.response_format import StructuredOutputFields
+from graphexec.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_STRINGS, SamplingParams
+from graphexec.server.openapi import (
+    CHOICES, MAX_TOKENS, MIN_TOKENS, MODEL, PROMPT_TEXT, PROMPT_TOKENS, PROMPTS, TOKEN_ID, TOKEN_ID_KEY, limit,
+)
+from graphexec.server.response_format import CONSTRAINT_RULES, StructuredOutputFields
 
 # OpenAI's legacy completions API caps logprobs at 5; chat's top_logprobs at 20.
 MAX_COMPLETION_LOGPROBS = 5
 MAX_CHAT_TOP_LOGPROBS = 20
 
 
+def _whole(value: object) -> object:
+    """8.0 as 8 (JSON Schema's integer); anything else goes on to the strict int check."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+# After the constraints in an Annotated int (`Annotated[int, Field(ge=1), WHOLE]`): placed before
+# them, pydantic would publish the constraints under their Python names (`ge`), not JSON Schema's.
+WHOLE = BeforeValidator(_whole)
+
+# A token id; `openapi.TOKEN_ID` bounds it by the vocabulary, which the engine checks.
+TokenId = Annotated[int, Field(ge=0, json_schema_extra=limit(TOKEN_ID)), WHOLE]
+
+
 def _prompt(value: object) -> str | list[int] | list[str] | list[list[int]]:
     """One prompt (text or token ids) or several (texts or token-id lists), as lm-eval sends them."""
-    if isinstance(value, str) or _is_token_ids(value):
+    if isinstance(value, str):
         return value
+    ids = _token_ids(value)
+    if ids is not None:
+        return ids
     if isinstance(value, list) and value:
         if all(isinstance(v, str) for v in value):
             return value
         if all(isinstance(v, list) for v in value):
-            bad = next((i for i, v in enumerate(value) if not _is_token_ids(v)), None)
+            lists = [_token_ids(v) for v in value]
+            bad = next((i for i, ids in enumerate(lists) if ids is None), None)
             if bad is None:
-                return value
+                return lists
             raise ValueError(f"prompt[{bad}] must be a list of token ids (integers)")
     raise ValueError(
         "must be a string, a list of token ids (integers), a list of strings or a list of token-id lists"
     )
 
 
-def _is_token_ids(value: object) -> bool:
-    return isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+def _token_ids(value: object) -> list[int] | None:
+    """`value` as token ids (8.0 is 8), or None if it is not a list of integers."""
+    if not isinstance(value, list):
+        return None
+    if not _all_ints(value):
+        value = [_whole(v) for v in value]  # a copy only when some id is written as a float
+    return value if _all_ints(value) else None
+
+
+def _all_ints(values: list) -> bool:
+    return all(isinstance(v, int) and not isinstance(v, bool) for v in values)
 
 
 def _content(value: object) -> str:
@@ -64,6 +99,7 @@ def _logit_bias(value: object) -> dict[int, float] | None:
     if not isinstance(value, dict):
         raise ValueError('must be an object mapping token ids to biases, e.g. {"50256": -100}')
     bias = {}
+    # The schema says the same (_LOGIT_BIAS_SCHEMA); the biases' range is SamplingParams' to check.
     for key, number in value.items():
         if not (isinstance(key, str) and key.isascii() and key.isdigit()):
             raise ValueError(f"keys must be token ids (non-negative integers as strings), got {key!r}")
@@ -71,6 +107,41 @@ def _logit_bias(value: object) -> dict[int, float] | None:
             raise ValueError(f"bias of token {key} must be a number, got {number!r}")
         bias[int(key)] = number
     return bias
+
+
+_LOGIT_BIAS_SCHEMA = {
+    "anyOf": [
+        {
+            "type": "object",
+            "description": 'Token ids (as strings: JSON keys are strings) to biases, e.g. {"50256": -100}',
+            "propertyNames": {"pattern": "^[0-9]+$", **limit(TOKEN_ID_KEY)},
+            "additionalProperties": {"type": "number", "minimum": -MAX_LOGIT_BIAS, "maximum": MAX_LOGIT_BIAS},
+        },
+        {"type": "null"},
+    ]
+}
+
+
+def _stop(value: object) -> str | list[str] | None:
+    """A stop string or a list of them (`StopField`), each non-empty."""
+    if value is None:
+        return None
+    strings = [value] if isinstance(value, str) else value
+    if not isinstance(strings, list) or not all(isinstance(s, str) for s in strings):
+        raise ValueError("must be a string or a list of strings")
+    if len(strings) > MAX_STOP_STRINGS:
+        raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are supported, got {len(strings)}")
+    if any(not s for s in strings):
+        raise ValueError("stop strings must be non-empty")
+    return value
+
+
+# What `_stop` accepts, for the published schema.
+_StopString = Annotated[str, Field(min_length=1)]
+StopField = _StopString | Annotated[list[_StopString], Field(max_length=MAX_STOP_STRINGS)] | None
+
+# top_k: -1 (disabled) or at least 1, as `_GenerationRequest._top_k` checks.
+_TOP_K_SCHEMA = {"anyOf": [{"type": "integer", "const": -1}, {"type": "integer", "minimum": 1}]}
 
 
 class _Strict(BaseModel):
@@ -92,8 +163,45 @@ _CHAT_EXAMPLE = {
     "max_tokens": 16,
 }
 
-# What `prompt` may be, for the published schema (`_prompt` does the validating).
-PromptField = str | list[int] | list[str] | list[list[int]]
+# What the validators refuse across fields, in JSON Schema (`requested_max_tokens` and `_echo`;
+# `_needs_logprobs`, and chat's max_tokens, which counts only without max_completion_tokens).
+# best_of equal to n, and min_tokens within max_tokens, it cannot say.
+_COMPLETION_RULES = [
+    *CONSTRAINT_RULES,
+    {"not": {"required": ["max_tokens"], "properties": {"max_tokens": {"const": 0}, "echo": {"const": False}}}},
+    {
+        "not": {
+            "required": ["echo", "stream", "logprobs"],
+            "properties": {"echo": {"const": True}, "stream": {"const": True}, "logprobs": {"type": "integer"}},
+        }
+    },
+]
+_CHAT_RULES = [
+    *CONSTRAINT_RULES,
+    {
+        "not": {
+            "required": ["top_logprobs"],
+            "properties": {"top_logprobs": {"type": "integer"}, "logprobs": {"const": False}},
+        }
+    },
+    {
+        "anyOf": [
+            {"required": ["max_completion_tokens"], "properties": {"max_completion_tokens": {"type": "integer"}}},
+            {"properties": {"max_tokens": limit(MAX_TOKENS)}},
+        ]
+    },
+]
+
+# What `prompt` may be, for the published schema (`_prompt` does the validating; an empty list of
+# ids, or one of a prompt's length or more, is refused by the engine).
+_PromptText = Annotated[str, Field(json_schema_extra=limit(PROMPT_TEXT))]
+_PromptIds = Annotated[list[TokenId], Field(min_length=1, json_schema_extra=limit(PROMPT_TOKENS))]
+PromptField = (
+    _PromptText
+    | _PromptIds
+    | Annotated[list[_PromptText], Field(min_length=1, json_schema_extra=limit(PROMPTS))]
+    | Annotated[list[_PromptIds], Field(min_length=1, json_schema_extra=limit(PROMPTS))]
+)
 
 
 class StreamOptions(_Strict):
@@ -113,23 +221,29 @@ class _GenerationRequest(_Strict, StructuredOutputFields):
     default": the `sampling` config group, except max_tokens, whose default is the room the
     request has left after its prompt (the server decides it: graphexec/server/limits.py)."""
 
-    model: str
-    max_tokens: int | None = Field(None, ge=1, description="Omitted: the room left after the prompt.")
+    model: str = Field(json_schema_extra=limit(MODEL))  # another model's name is a 404
+    # Chat's; its bound is in _CHAT_RULES, since max_completion_tokens overrides it.
+    max_tokens: Annotated[int, Field(ge=1), WHOLE] | None = Field(
+        None, description="Omitted: the room left after the prompt."
+    )
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = None
+    top_k: Annotated[int, WithJsonSchema(_TOP_K_SCHEMA), WHOLE] | None = None
     min_p: float | None = Field(None, ge=0, le=1)
-    seed: int | None = Field(None, ge=0, lt=2**64)
-    stop: str | list[str] | None = None
+    seed: Annotated[int, Field(ge=0, lt=2**64), WHOLE] | None = None
+    stop: Annotated[str | list[str] | None, PlainValidator(_stop, json_schema_input_type=StopField)] = None
     ignore_eos: bool | None = None
-    n: int = Field(1, ge=1)  # choices per prompt; the server caps it (server.max_n)
+    # Choices per prompt, at most server.max_n.
+    n: Annotated[int, Field(ge=1, json_schema_extra=limit(CHOICES)), WHOLE] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, gt=0)
-    logit_bias: Annotated[dict[int, float] | None, PlainValidator(_logit_bias)] = None
-    min_tokens: int | None = Field(None, ge=0)
+    logit_bias: Annotated[
+        dict[int, float] | None, PlainValidator(_logit_bias), WithJsonSchema(_LOGIT_BIAS_SCHEMA)
+    ] = None
+    min_tokens: Annotated[int, Field(ge=0, json_schema_extra=limit(MIN_TOKENS)), WHOLE] | None = None
     user: str | None = None
 
     @field_validator("top_k")
@@ -137,16 +251,6 @@ class _GenerationRequest(_Strict, StructuredOutputFields):
     def _top_k(cls, value: int | None) -> int | None:
         if value is not None and value != -1 and value < 1:
             raise ValueError("must be -1 (disabled) or >= 1")
-        return value
-
-    @field_validator("stop")
-    @classmethod
-    def _stop(cls, value: str | list[str] | None) -> str | list[str] | None:
-        strings = [value] if isinstance(value, str) else value or []
-        if len(strings) > MAX_STOP_STRINGS:
-            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are supported, got {len(strings)}")
-        if any(not s for s in strings):
-            raise ValueError("stop strings must be non-empty")
         return value
 
     def sampling_params(self, defaults: SamplingParams, max_new_tokens: int, logprobs: int | None) -> SamplingParams:
@@ -179,21 +283,21 @@ class _GenerationRequest(_Strict, StructuredOutputFields):
 
 
 class CompletionRequest(_GenerationRequest):
-    model_config = ConfigDict(json_schema_extra={"examples": [_COMPLETION_EXAMPLE]})
+    model_config = ConfigDict(json_schema_extra={"examples": [_COMPLETION_EXAMPLE], "allOf": _COMPLETION_RULES})
 
     prompt: Annotated[PromptField, PlainValidator(_prompt, json_schema_input_type=PromptField)]
     # 0 only with echo: the prompt's logprobs alone.
-    max_tokens: int | None = Field(
+    max_tokens: Annotated[int, Field(ge=0, json_schema_extra=limit(MAX_TOKENS)), WHOLE] | None = Field(
         None,
-        ge=0,
         description="Omitted: 16, OpenAI's default (operators change it with server.completions_max_tokens), "
         "never more than the room left after the prompt. 0 is allowed only with echo=true.",
     )
-    logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+    logprobs: Annotated[int, Field(ge=0, le=MAX_COMPLETION_LOGPROBS), WHOLE] | None = None
     # The prompt in front of the completion text and, with logprobs, one entry per prompt token
     # (null for the first) in front of the completion's: what lm-eval scores loglikelihoods from.
     echo: bool = False
-    best_of: int | None = None  # accepted only equal to n: no server-side ranking of candidates
+    # Accepted only equal to n: no server-side ranking of candidates.
+    best_of: Annotated[int, Field(ge=1, json_schema_extra=limit(CHOICES)), WHOLE] | None = None
 
     @field_validator("echo")
     @classmethod
@@ -213,7 +317,8 @@ class CompletionRequest(_GenerationRequest):
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts, one choice (or n) each: a single prompt is a list of one."""
-        if isinstance(self.prompt, str) or _is_token_ids(self.prompt):
+        # Validated: a list of ints (or none) is one prompt's ids; lists of texts or of id lists are several.
+        if isinstance(self.prompt, str) or not self.prompt or isinstance(self.prompt[0], int):
             return [self.prompt]
         return list(self.prompt)
 
@@ -231,12 +336,12 @@ class CompletionRequest(_GenerationRequest):
 
 
 class ChatCompletionRequest(_GenerationRequest):
-    model_config = ConfigDict(json_schema_extra={"examples": [_CHAT_EXAMPLE]})
+    model_config = ConfigDict(json_schema_extra={"examples": [_CHAT_EXAMPLE], "allOf": _CHAT_RULES})
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: Annotated[int, Field(ge=1, json_schema_extra=limit(MAX_TOKENS)), WHOLE] | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_CHAT_TOP_LOGPROBS)
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_CHAT_TOP_LOGPROBS), WHOLE] | None = None
 
     @field_validator("top_logprobs")
     @classmethod

@@ -8,12 +8,13 @@ the server prepares the request (Engine.prepare_grammar), against the same field
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from itertools import combinations
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from graphexec.errors import InvalidRequestError
-from graphexec.structured.spec import StructuredSpec
+from graphexec.structured.spec import MAX_CHOICES, MAX_SPEC_CHARS, StructuredSpec
 
 _SCHEMA_PARAM = "response_format.json_schema.schema"
 
@@ -30,7 +31,20 @@ class JsonSchemaFormat(BaseModel):
 
 
 class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    # The schema says what `_schema_iff_json_schema` checks.
+    model_config = ConfigDict(
+        extra="forbid",
+        strict=True,
+        json_schema_extra={
+            "anyOf": [
+                {
+                    "properties": {"type": {"const": "json_schema"}, "json_schema": {"type": "object"}},
+                    "required": ["json_schema"],
+                },
+                {"properties": {"type": {"enum": ["text", "json_object"]}, "json_schema": {"type": "null"}}},
+            ]
+        },
+    )
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
@@ -42,13 +56,43 @@ class ResponseFormat(BaseModel):
         return self
 
 
+_CONSTRAINTS = ("response_format", "guided_json", "guided_regex", "guided_choice")
+
+
+def _given(name: str) -> dict:
+    """JSON Schema: the request sets output constraint `name` (a response_format other than text)."""
+    if name == "response_format":
+        value = {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["json_object", "json_schema"]}}}
+    else:
+        value = {"not": {"type": "null"}}
+    return {"required": [name], "properties": {name: value}}
+
+
+# For the request models' schemas, as JSON Schema's `not`: what `structured_spec` refuses (two
+# constraints at once) and SamplingParams (a constraint with ignore_eos: the grammar decides the end).
+CONSTRAINT_RULES = [
+    {"not": {"anyOf": [{"allOf": [_given(a), _given(b)]} for a, b in combinations(_CONSTRAINTS, 2)]}},
+    {
+        "not": {
+            "allOf": [
+                {"required": ["ignore_eos"], "properties": {"ignore_eos": {"const": True}}},
+                {"anyOf": [_given(name) for name in _CONSTRAINTS]},
+            ]
+        }
+    },
+]
+
+
 class StructuredOutputFields(BaseModel):
-    """Mixed into the completion and chat request bodies."""
+    """Mixed into the completion and chat request bodies (whose schemas add CONSTRAINT_RULES).
+    The bounds are StructuredSpec's, so that a body the schema admits is not refused there."""
 
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | str | None = None
-    guided_regex: str | None = Field(None, min_length=1)
-    guided_choice: list[str] | None = Field(None, min_length=1)
+    guided_regex: str | None = Field(None, min_length=1, max_length=MAX_SPEC_CHARS)
+    guided_choice: Annotated[
+        list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=MAX_CHOICES)
+    ] | None = None
 
     def structured_spec(self) -> StructuredSpec | None:
         """The constraint these fields ask for; InvalidRequestError naming the field if malformed."""

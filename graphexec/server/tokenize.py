@@ -11,22 +11,36 @@ string, so special-token text must encode to its id) and decodes with `{"tokens"
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import ConfigDict, Field
 
 from graphexec.engine.engine import Engine
 from graphexec.errors import InvalidRequestError
 from graphexec.server.errors import bad_request, from_invalid_request, model_not_found
-from graphexec.server.protocol import ChatMessage, _Strict
+from graphexec.server.openapi import EXAMPLE_TEXT, MODEL, limit
+from graphexec.server.protocol import ChatMessage, TokenId, _Strict
+
+# The name of the model served, or none; another is a 404.
+ServedModel = Annotated[str, Field(json_schema_extra=limit(MODEL))] | None
+
+# `TokenizeRequest` in JSON Schema: exactly one of the two given, and not null (as `tokenize` checks).
+_PROMPT_OR_MESSAGES = {
+    "oneOf": [
+        {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+        {"required": ["messages"], "properties": {"messages": {"type": "array"}}},
+    ]
+}
 
 
 class TokenizeRequest(_Strict):
     """Either `prompt` (text) or `messages` (through the chat template), as vLLM's /tokenize."""
 
-    model_config = ConfigDict(json_schema_extra={"examples": [{"prompt": "Hello, world", "add_special_tokens": False}]})
+    model_config = ConfigDict(
+        json_schema_extra={"examples": [{"prompt": EXAMPLE_TEXT, "add_special_tokens": False}], **_PROMPT_OR_MESSAGES}
+    )
 
-    model: str | None = None
+    model: ServedModel = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
     # Default true for a prompt, false for messages (the template places its own), as vLLM.
@@ -35,10 +49,11 @@ class TokenizeRequest(_Strict):
 
 
 class DetokenizeRequest(_Strict):
+    # SmolLM2's ids of EXAMPLE_TEXT; each app publishes its own tokenizer's (openapi.document_limits).
     model_config = ConfigDict(json_schema_extra={"examples": [{"tokens": [19556, 28, 905]}]})
 
-    model: str | None = None
-    tokens: list[int]
+    model: ServedModel = None
+    tokens: list[TokenId]  # in the vocabulary (the schema's bound is the app's: openapi.py)
 
 
 class TokenizerEndpoints:
