@@ -2,7 +2,9 @@
 
 Every phase is a fresh `python -m bench.capture_probe` process (nothing compiled in memory) run
 with the run's engine overrides.  The phases share one inductor cache directory, new and empty
-for this run: the cold phase compiles everything into it, the warm phase reuses what it left.
+for this run: the cold phase compiles everything into it, the warm phase reuses what it left
+(with `compile.aot`, loading each kept decode bucket's artifact from the plan directory: its
+seconds then read "(artifact)").
 A probe that fails is recorded as that phase's error, not raised, so the other phase still counts.
 """
 
@@ -91,6 +93,7 @@ def _merge_backends(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
                 cell[f"{phase}_seconds"] = row["seconds"]
                 cell[f"{phase}_mib"] = row["bytes"] / 2**20
                 cell[f"{phase}_state"] = row.get("state")
+                cell[f"{phase}_origin"] = row.get("origin")
                 for key in ("eager_ms", "graph_ms", "speedup", "reason"):
                     if row.get(key) is not None:
                         cell.setdefault(key, row[key])  # measured once (cold); warm loads the decision
@@ -130,7 +133,9 @@ def markdown(result: dict[str, Any]) -> str:
         )
         lines.append("|---" * (5 + 2 * len(phases)) + "|")
         for row in backend["buckets"]:
-            seconds = [_num(row.get(f"{ph}_seconds")) for ph in phases]
+            # "(artifact)": the bucket's compiled layer was loaded, not compiled (compile.aot).
+            seconds = [_num(row.get(f"{ph}_seconds")) + (" (artifact)" if row.get(f"{ph}_origin") == "artifact" else "")
+                       for ph in phases]
             mib = [_num(row.get(f"{ph}_mib"), ".0f") for ph in phases]
             state = row.get(f"{phases[-1]}_state") or "—"
             decision = state if not row.get("reason") else f"{state} ({row['reason']})"

@@ -60,6 +60,7 @@ def distinct_backends(runner) -> list[dict[str, Any]]:
                 "seconds": stats.capture_seconds.get(bucket),
                 "bytes": stats.capture_bytes.get(bucket, 0),
                 "state": stats.states.get(bucket),
+                "origin": stats.origins.get(bucket),  # artifact (loaded) | compiled | dynamo | None
             }
             | (stats.decisions[bucket].as_dict() if bucket in stats.decisions else {})
             for bucket in rows

@@ -7,6 +7,12 @@
 
     python -m bench.startup --plans eager auto --rounds 2                      # warm caches
     python -m bench.startup --plans eager auto --rounds 1 --cold               # each run: empty inductor cache and plan dir
+    python -m bench.startup --plans eager auto_blocking auto_blocking_dynamo --capture-overrides capture.decode.keep=all
+        # every decode graph live before the engine returns: loaded artifacts (compile.aot) against
+        # Dynamo over inductor's warm cache (compile.aot=false), the same buckets on both sides
+
+Each run also reports what its process compiled: Dynamo graphs traced (torch's unique_graphs
+counter) and decode layers loaded from artifacts / compiled ahead of time.
 
 Warm runs share one inductor cache and plan directory, filled by an untimed run of each plan
 first.  Prints a Markdown table (medians over rounds) and the machine's CPU; `--json` writes the runs.
@@ -41,18 +47,27 @@ engine.flush_cache()
 t2 = time.perf_counter()
 engine.generate([list(range(2000, 2032))], SamplingParams(max_new_tokens=128, temperature=0.0, ignore_eos=True))
 ms = (time.perf_counter() - t2) / 128 * 1000
-kept = {b: s["state"] for b, s in engine.runner.backend_stats()["decode"].get("buckets", {}).items()}
+decode = engine.runner.backend_stats()["decode"]
+kept = {b: s["state"] for b, s in decode.get("buckets", {}).items()}
+from torch._dynamo.utils import counters
+compiled = {"dynamo_graphs": counters["stats"]["unique_graphs"], "artifacts_loaded": decode.get("artifacts_loaded", 0),
+            "aot_compiles": decode.get("aot_compiles", 0)}
 engine.shutdown()
-print(json.dumps({"engine_s": engine_s, "first_token_s": first_s, "all_ready_s": ready_s, "b1_ms_per_token": ms, "decode_buckets": kept}))
+print(json.dumps({"engine_s": engine_s, "first_token_s": first_s, "all_ready_s": ready_s, "b1_ms_per_token": ms,
+                  "decode_buckets": kept} | compiled))
 """
 
+_NO_AOT = ["capture.decode.compile.aot=false"]  # the decode layer traced by Dynamo on every start
 _PLANS = {"eager": ["capture=eager"], "auto": ["capture=auto"], "auto_blocking": ["capture=auto", "capture.background=false"],
+          "auto_dynamo": ["capture=auto", *_NO_AOT], "auto_blocking_dynamo": ["capture=auto", "capture.background=false", *_NO_AOT],
           "graph_first": ["capture=graph_first"]}
 
 
-def _run(plan: str, cache_dir: str, timeout_s: float) -> dict:
+def _run(plan: str, cache_dir: str, timeout_s: float, extra: list[str], capture_extra: list[str]) -> dict:
     env = os.environ | {"TORCHINDUCTOR_CACHE_DIR": os.path.join(cache_dir, "inductor")}
-    overrides = [*_PLANS[plan], f"++capture.cache_dir={os.path.join(cache_dir, 'plans')}"]
+    # capture_extra for the capture plans only (eager has no decode buckets to keep or compile).
+    extra = [*extra, *([] if plan == "eager" else capture_extra)]
+    overrides = [*_PLANS[plan], *extra, f"++capture.cache_dir={os.path.join(cache_dir, 'plans')}"]
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-c", _WORKER, *overrides], env=env, capture_output=True, text=True, timeout=timeout_s)
     if proc.returncode != 0:
@@ -67,19 +82,21 @@ def main() -> None:
     parser.add_argument("--cold", action="store_true", help="every run starts from an empty inductor cache and plan dir")
     parser.add_argument("--timeout", type=float, default=1200)
     parser.add_argument("--json", help="write every run here")
+    parser.add_argument("--overrides", nargs="*", default=[], help="more engine overrides for every plan")
+    parser.add_argument("--capture-overrides", nargs="*", default=[], help="more engine overrides for every plan but eager")
     args = parser.parse_args()
     runs = []
     with tempfile.TemporaryDirectory(prefix="graphexec-startup-") as shared:
         if not args.cold:
             for plan in args.plans:  # fill the shared caches, untimed
-                _run(plan, shared, args.timeout)
+                _run(plan, shared, args.timeout, args.overrides, args.capture_overrides)
         for _ in range(args.rounds):
             for plan in args.plans:
                 if args.cold:
                     with tempfile.TemporaryDirectory(prefix="graphexec-startup-cold-") as fresh:
-                        runs.append(_run(plan, fresh, args.timeout))
+                        runs.append(_run(plan, fresh, args.timeout, args.overrides, args.capture_overrides))
                 else:
-                    runs.append(_run(plan, shared, args.timeout))
+                    runs.append(_run(plan, shared, args.timeout, args.overrides, args.capture_overrides))
                 print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
     if args.json:
         with open(args.json, "w") as f:
@@ -87,17 +104,18 @@ def main() -> None:
     info = machine()
     print(f"CPU: {info['cpu']} ({info['cpu_capability']}, {info['cpu_count']} cores); "
           f"{'cold' if args.cold else 'warm'} caches; medians of {args.rounds} round(s)\n")
-    print("| plan | engine s | first token s | all ready s | B=1 ms/token | decode buckets kept |")
-    print("|---|---|---|---|---|---|")
+    print("| plan | engine s | first token s | all ready s | B=1 ms/token | decode buckets kept | dynamo graphs | artifacts loaded |")
+    print("|---|---|---|---|---|---|---|---|")
     for plan in args.plans:
         ok = [r for r in runs if r["plan"] == plan and "error" not in r]
         if not ok:
-            print(f"| {plan} | failed: {[r.get('error') for r in runs if r['plan'] == plan][:1]} |||||")
+            print(f"| {plan} | failed: {[r.get('error') for r in runs if r['plan'] == plan][:1]} |||||||")
             continue
         med = {k: statistics.median(r[k] for r in ok) for k in ("engine_s", "first_token_s", "all_ready_s", "b1_ms_per_token")}
         states = ok[-1]["decode_buckets"]
         kept = ",".join(b for b, s in states.items() if s == "ready") or "—"
-        print(f"| {plan} | {med['engine_s']:.1f} | {med['first_token_s']:.2f} | {med['all_ready_s']:.1f} | {med['b1_ms_per_token']:.1f} | {kept} |")
+        print(f"| {plan} | {med['engine_s']:.1f} | {med['first_token_s']:.2f} | {med['all_ready_s']:.1f} | {med['b1_ms_per_token']:.1f} "
+              f"| {kept} | {ok[-1].get('dynamo_graphs', '—')} | {ok[-1].get('artifacts_loaded', '—')} |")
 
 
 if __name__ == "__main__":

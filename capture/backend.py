@@ -78,6 +78,15 @@ class BackendStats:
     # Per bucket that became ready: seconds from the backend's creation (about the weights being
     # loaded) until it could serve.
     ready_after_seconds: dict[int, float] = field(default_factory=dict)
+    # Compiled code persisted across starts (full_graph `compile.aot`, capture/aot_layer.py): what
+    # each ready bucket runs ("artifact" loaded, "compiled" ahead of time here, "dynamo" when it
+    # could not be), layers compiled ahead of time in this process, artifacts written, loaded,
+    # and stored ones rejected (damaged, foreign, stale) and rebuilt.
+    origins: dict[int, str] = field(default_factory=dict)
+    aot_compiles: int = 0
+    artifacts_saved: int = 0
+    artifacts_loaded: int = 0
+    artifacts_rejected: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -86,8 +95,12 @@ class BackendStats:
             "executions": self.executions,
             "fallbacks": self.fallbacks,
             "padded_rows": self.padded_rows,
+            "aot_compiles": self.aot_compiles,
+            "artifacts_saved": self.artifacts_saved,
+            "artifacts_loaded": self.artifacts_loaded,
+            "artifacts_rejected": self.artifacts_rejected,
             "buckets": {
-                bucket: {"state": state, "ready_after_s": self.ready_after_seconds.get(bucket)}
+                bucket: {"state": state, "ready_after_s": self.ready_after_seconds.get(bucket), "origin": self.origins.get(bucket)}
                 | (self.decisions[bucket].as_dict() if bucket in self.decisions else {})
                 for bucket, state in sorted(self.states.items())
             },

@@ -27,8 +27,8 @@ A graph must pay for itself: with `keep: faster` each captured bucket is timed a
 forward on its capture batch (capture/measure.py) and dropped unless it is `min_speedup` times
 faster; a dropped bucket runs eager.  Decisions taken earlier (a stored plan,
 capture/plan_store.py) are handed in with `preset`: a bucket decided dropped is never compiled,
-one decided kept is compiled without timing it again.  `keep: all` keeps every graph (benchmarks,
-GPUs).  The caller may capture ahead of serving (`capture_plan`, largest bucket first) or one
+one decided kept is compiled (or its stored artifact loaded, capture/artifacts.py) without timing
+it again.  `keep: all` keeps every graph (benchmarks, GPUs).  The caller may capture ahead of serving (`capture_plan`, largest bucket first) or one
 bucket at a time while serving (`pending_buckets`, smallest first: B=1 decode is the most used).
 """
 
@@ -40,6 +40,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
+from capture.artifacts import ArtifactStore
 from capture.backend import CaptureBackend, CaptureEnv, PreparedForward
 from capture.batch import BucketableBatch, Phase
 from capture.buckets import bucket_for, validate_buckets
@@ -98,6 +99,8 @@ class BucketedBackend(CaptureBackend):
         self.stats.states.update({bucket: "pending" for bucket in self.buckets})
         # Decisions handed in from a stored plan (bucket -> decision), honoured without measuring.
         self._preset: dict[int, BucketDecision] = {}
+        # Where compiled code persists across starts (handed in with `preset`); None: nowhere.
+        self.artifacts: ArtifactStore | None = None
         self._runners: dict[int, BucketRunner] = {}
         self._recorded: dict[int, SegmentedGraph] = {}
         self._prepared = False
@@ -121,9 +124,11 @@ class BucketedBackend(CaptureBackend):
 
     # -- capture ---------------------------------------------------------------------------------
 
-    def preset(self, decisions: Mapping[int, BucketDecision]) -> None:
+    def preset(self, decisions: Mapping[int, BucketDecision], artifacts: ArtifactStore | None = None) -> None:
         """Decisions taken before (a stored plan): dropped buckets are never compiled, kept ones
-        are compiled without being timed again.  Buckets not in the plan are ignored."""
+        are compiled without being timed again.  Buckets not in the plan are ignored.  `artifacts`:
+        the plan's compiled-code store, for a backend that persists its compiled code."""
+        self.artifacts = artifacts
         self._preset = {b: d for b, d in decisions.items() if b in self.buckets}
         for bucket, decision in self._preset.items():
             if not decision.kept:

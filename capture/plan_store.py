@@ -8,6 +8,9 @@ logged once and ignored: the caller measures again and overwrites it.  Never a c
 decision taken from a foreign file.
 
     <cache_dir>/<key hash>/plan.json  {"format", "key", "backends": {path: {bucket: decision}}, "checksum"}
+
+Compiled code a backend persists lives in the same folder (capture/artifacts.py, `artifacts()`),
+so one key names the decisions and the code they were taken on.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Mapping
 
+from capture.artifacts import ArtifactStore
 from capture.measure import BucketDecision
 
 _log = logging.getLogger(__name__)
@@ -38,6 +42,10 @@ class PlanStore:
     def __init__(self, cache_dir: str | os.PathLike, key: Mapping[str, Any]):
         self.key = json.loads(_canonical(key))
         self.path = Path(cache_dir).expanduser() / key_hash(self.key) / "plan.json"
+
+    def artifacts(self) -> ArtifactStore:
+        """The compiled-code artifacts of this key, beside its plan."""
+        return ArtifactStore(self.path.parent, key_hash(self.key))
 
     def load(self) -> Decisions | None:
         """The stored decisions, or None when there is no trustworthy file for this key."""

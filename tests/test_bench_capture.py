@@ -50,6 +50,8 @@ def test_cold_and_warm_capture_per_backend_and_bucket(tmp_path):
     assert row["warm_state"] == ("ready" if row["reason"] == "faster" else "dropped")
     if row["warm_state"] == "dropped":
         assert row["warm_seconds"] is None  # never compiled again
+    else:
+        assert (row["cold_origin"], row["warm_origin"]) == ("compiled", "artifact")  # compile.aot
     assert "| warm |" in report and "![capture_decode.png](capture_decode.png)" in report
 
 

@@ -24,12 +24,19 @@ def test_every_subpackage_is_listed():
             assert package in listed, f"{package} missing from [tool.setuptools] packages"
 
 
-def test_wheel_ships_configs_and_composes_from_site_packages(tmp_path):
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    """graphexec's wheel, built once for the tests below."""
+    out = tmp_path_factory.mktemp("wheel")
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(ROOT)],
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(ROOT)],
         check=True,
     )
-    (wheel,) = tmp_path.glob("graphexec-*.whl")
+    (built,) = out.glob("graphexec-*.whl")
+    return built
+
+
+def test_wheel_ships_configs_and_composes_from_site_packages(tmp_path, wheel):
     names = zipfile.ZipFile(wheel).namelist()
     for yaml in (ROOT / "configs").rglob("*.yaml"):
         assert f"graphexec/configs/{yaml.relative_to(ROOT / 'configs')}" in names
@@ -69,7 +76,7 @@ SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required"
 
 
 @pytest.mark.slow
-def test_a_fresh_structured_install_is_consistent_and_serves_json_schema(tmp_path):
+def test_a_fresh_structured_install_is_consistent_and_serves_json_schema(tmp_path, wheel):
     """What a package user does: `pip install 'graphexec[structured]'` into a new environment.
     `pip check` must be clean and a json_schema request must be served (no "not installed" 400).
     Wheels come from pip's cache; torch is pinned first, as scripts/setup.sh does."""
@@ -78,7 +85,7 @@ def test_a_fresh_structured_install_is_consistent_and_serves_json_schema(tmp_pat
     # --no-compile: nothing here needs torch's thousands of modules byte-compiled ahead.
     pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", "--no-compile"]
     subprocess.run([*pip, "torch==2.13.0"], check=True)
-    subprocess.run([*pip, f"{ROOT}[structured]"], check=True)
+    subprocess.run([*pip, f"graphexec[structured] @ {wheel.as_uri()}"], check=True)
     check = subprocess.run([str(venv / "bin" / "pip"), "check"], capture_output=True, text=True)
     assert check.returncode == 0, check.stdout + check.stderr
 

@@ -2,8 +2,10 @@
 store the decisions under `capture.cache_dir`, and print the plan (one line per bucket).
 
 The same Hydra overrides as graphexec-generate and graphexec-serve: a plan is keyed by them, so
-build it with the overrides the server will run with.  Compiled code goes to inductor's cache
-(TORCHINDUCTOR_CACHE_DIR), which a deployment ships beside the plan.
+build it with the overrides the server will run with.  The compiled decode layers are saved
+beside the plan (full_graph `compile.aot`, one artifact per kept bucket); their kernels' shared
+objects stay in inductor's cache (TORCHINDUCTOR_CACHE_DIR), which a deployment ships too, or a
+first start there rebuilds the C++ of each artifact it loads.
 """
 
 from __future__ import annotations
@@ -41,8 +43,11 @@ def _run(cfg: DictConfig) -> None:
 
 
 def format_plan(per_mode: dict[str, dict]) -> str:
-    """One line per bucket of each bucketed backend: state, eager and graph ms, speedup, why."""
-    lines = [f"{'modes':<16} {'bucket':>6} {'state':<8} {'eager ms':>9} {'graph ms':>9} {'speedup':>8} {'capture s':>9}  reason"]
+    """One line per bucket of each bucketed backend: state, eager and graph ms, speedup, capture
+    seconds, where its compiled code came from (artifact loaded, compiled here), why."""
+    lines = [
+        f"{'modes':<16} {'bucket':>6} {'state':<8} {'eager ms':>9} {'graph ms':>9} {'speedup':>8} {'capture s':>9} {'code':<8}  reason"
+    ]
     seen = set()
     for stats in per_mode.values():
         modes = ",".join(stats["modes"])
@@ -53,7 +58,7 @@ def format_plan(per_mode: dict[str, dict]) -> str:
             capture_s = stats["capture_seconds"].get(bucket)
             lines.append(
                 f"{modes:<16} {bucket:>6} {entry['state']:<8} {_num(entry.get('eager_ms')):>9} {_num(entry.get('graph_ms')):>9} "
-                f"{_num(entry.get('speedup'), 'x'):>8} {_num(capture_s):>9}  {entry.get('reason', '')}"
+                f"{_num(entry.get('speedup'), 'x'):>8} {_num(capture_s):>9} {entry.get('origin') or '-':<8}  {entry.get('reason', '')}"
             )
     return "\n".join(lines)
 

@@ -2,10 +2,13 @@
 fast it runs against eager.  A plan measured under one key is never applied under another
 (capture/plan_store.py files each key apart).
 
-Compiled code itself lives in inductor's own cache, which torch keys by the graph's content and
-its own versions; the plan holds the decisions (which buckets keep their graphs, and the timings
-behind them), so the key errs on the side of measuring again: the model file's identity, every
-resolved option but progress bars, library versions, device, thread count and CPU.
+The plan holds the decisions (which buckets keep their graphs, and the timings behind them) and,
+beside it under the same key, the compiled-code artifacts (full_graph's `compile.aot` layer;
+capture/artifacts.py), so the key errs on the side of measuring and compiling again: the model
+file's identity, every resolved option but progress bars, library versions, device, thread count
+and CPU.  What the key cannot see, an artifact checks itself on load: the sources it inlined
+(an edited model file) and torch's own version and device checks (capture/aot_layer.py).
+Kernels' shared objects stay in inductor's own cache (TORCHINDUCTOR_CACHE_DIR).
 """
 
 from __future__ import annotations

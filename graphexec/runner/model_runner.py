@@ -1,6 +1,8 @@
 """ModelRunner: owns the weights, the attention backend and one capture backend per ForwardMode,
 and turns a ForwardBatch into sampled tokens.  It reads and writes the KV pools of the KV cache
-manager it is given; it never allocates or frees a slot.
+manager it is given; it never allocates or frees a slot.  With `capture.cache_dir` set it keys a
+stored capture plan (runner/capture_key.py) and hands each bucketed backend the plan's decisions
+and the key's compiled-code artifacts (capture/plan_store.py, capture/artifacts.py).
 """
 
 from __future__ import annotations
@@ -106,8 +108,9 @@ class ModelRunner:
             attention = resolve_attention_backend(config.attention_backend, self.device)
             self._plan_store = PlanStore(config.capture.cache_dir, capture_key(config, tp.size, tp.rank, attention))
             stored = self._plan_store.load() or {}
+            artifacts = self._plan_store.artifacts()
             for backend in self._bucketed():
-                backend.preset(stored.get(backend.config_path, {}))
+                backend.preset(stored.get(backend.config_path, {}), artifacts)
 
     def _bucketed(self) -> list[BucketedBackend]:
         """The distinct bucketed backends, decode's first (its B=1 graph is the most used)."""

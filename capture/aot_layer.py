@@ -1,0 +1,221 @@
+"""The regional decoder layer compiled ahead of time, one callable per bucket, persisted as an
+artifact (full_graph's `compile.aot`).
+
+`torch.compile(...).aot_compile` traces the layer once for a bucket's static shapes (x and
+positions marked static, layer_id symbolic, so one graph serves every layer) and returns a
+callable with no Dynamo frame in front of it: no cache lookup on each of the 30 calls a step.
+Its guards are checked on every call of the bucket's capture forward, then no more (`trust`).
+With an ArtifactStore (capture/artifacts.py) the callable is then saved under `<name>.b<bucket>`,
+and a later start loads it instead: no Dynamo trace, no inductor compile.  Inductor's own cache
+still holds the kernels' shared objects; an emptied one costs a C++ rebuild on load, not a wrong
+result.
+
+A stored artifact is used only if it checks out (the store's checksum), the sources it inlined
+are the ones this process runs (an edited model file is a rebuild, not a stale graph), its
+guards hold on the bucket's capture inputs and its first call succeeds; otherwise it is rejected
+(one warning), compiled again and overwritten.  Should the layer not compile ahead of time at
+all (a graph torch cannot serialize), or one graph not serve every layer (under tensor
+parallelism the first layer's input is a collective's tensor subclass, the others' plain
+tensors), that bucket and every later one fall back to the Dynamo-compiled layer, with one
+warning, and nothing is saved.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import inspect
+import io
+import logging
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import torch
+
+from capture.artifacts import ArtifactStore, UntrustedArtifact
+from capture.backend import BackendStats
+
+_log = logging.getLogger(__name__)
+
+# (layer, positions, x, rotary, layer_id) -> the layer's output rows
+LayerFn = Callable[..., torch.Tensor]
+
+
+class AotLayer:
+    """A layer runner (LlamaForCausalLM's `layer_runner`) that runs each bucket's ahead-of-time
+    compiled layer, loading or compiling it on the bucket's first call (its capture)."""
+
+    def __init__(
+        self,
+        fn: LayerFn,
+        options: Mapping[str, Any],
+        store: ArtifactStore | None,
+        name: str,
+        stats: BackendStats,
+        fallback: LayerFn,
+        option: str = "compile.aot",
+    ):
+        options = dict(options)
+        options["guard_filter_fn"] = _serializable_guards(options.get("guard_filter_fn"))
+        # dynamic=True keeps layer_id symbolic (without it the graph guards `layer_id == 0`);
+        # the shapes are pinned per bucket with mark_static before tracing.
+        self._compiler = torch.compile(fn, fullgraph=True, dynamic=True, options=options)
+        self._globals = fn.__globals__
+        self._store = store
+        self._name = name
+        self._stats = stats
+        self._fallback = fallback
+        self._option = option  # the config option that asked for this, for messages
+        self._ready: dict[int, LayerFn] = {}  # rows (the bucket) -> what runs a layer call
+        self._aot: dict[int, Any] = {}  # bucket -> its ahead-of-time compiled layer (not Dynamo's)
+        self._unsaved: set[int] = set()  # compiled here, saved once `trust`ed
+        self._unavailable = False
+
+    def __call__(self, layer, positions: torch.Tensor, x: torch.Tensor, rotary, layer_id: int) -> torch.Tensor:
+        fn = self._ready.get(x.shape[0])
+        if fn is None:
+            return self._first_call(x.shape[0], (layer, positions, x, rotary, layer_id))
+        return fn(layer, positions, x, rotary, layer_id)
+
+    def trust(self, bucket: int) -> None:
+        """The bucket's capture forward has passed the guards at every layer: save what was
+        compiled for it, and stop checking.  Its later batches are the same static buffers (shapes,
+        dtypes, device) through the same layers, so checking again on every call (30 a step, ~7 us
+        each through inspect's argument binding) buys nothing."""
+        fn = self._aot.get(bucket)
+        if fn is None:  # Dynamo's
+            return
+        fn.disable_guard_check()
+        self._ready[bucket] = fn
+        if bucket in self._unsaved:
+            self._unsaved.discard(bucket)
+            self._save(self._artifact(bucket), fn)
+
+    def _first_call(self, bucket: int, args: tuple) -> torch.Tensor:
+        name = self._artifact(bucket)
+        fn = self._load(name, args)
+        if fn is not None:
+            try:
+                out = fn(*args)
+            except Exception as error:  # noqa: BLE001 - any failure of a stored artifact is a rebuild
+                self._reject(name, f"its first call failed: {error!r}")
+            else:
+                self._stats.artifacts_loaded += 1
+                self._stats.origins[bucket] = "artifact"
+                self._use(bucket, fn)
+                return out
+        fn = self._compile(bucket, args)
+        if fn is None:
+            self._ready[bucket] = self._fallback
+            return self._fallback(*args)
+        self._unsaved.add(bucket)
+        self._use(bucket, fn)
+        return self._ready[bucket](*args)
+
+    def _use(self, bucket: int, fn) -> None:
+        """fn for `bucket`, its guards checked on every call until `trust`: a layer whose input
+        they reject (a tensor subclass out of a tensor-parallel all-reduce, where Dynamo would
+        compile a second graph) hands this bucket and every later one to Dynamo."""
+        self._aot[bucket] = fn
+
+        def checked(*args):
+            if fn.guard_check(*args):
+                return fn(*args)
+            self._give_up(f"its guards reject layer {args[-1]}'s inputs")
+            self._aot.pop(bucket)
+            self._unsaved.discard(bucket)
+            self._stats.origins[bucket] = "dynamo"
+            self._ready[bucket] = self._fallback
+            return self._fallback(*args)
+
+        self._ready[bucket] = checked
+
+    def _artifact(self, bucket: int) -> str:
+        return f"{self._name}.b{bucket}"
+
+    def _load(self, name: str, args: tuple) -> LayerFn | None:
+        if self._store is None:
+            return None
+        try:
+            payload = self._store.load(name)
+        except UntrustedArtifact as error:
+            return self._reject(name, str(error))
+        if payload is None:
+            return None
+        try:
+            fn = torch.compiler.load_compiled_function(io.BytesIO(payload), f_globals=self._globals)
+            changed = _changed_source(fn)
+            if changed is not None:
+                return self._reject(name, f"{changed} changed since it was compiled")
+            if not fn.guard_check(*args):
+                return self._reject(name, "its guards do not hold for this bucket")
+        except Exception as error:  # noqa: BLE001 - torch raises many kinds on a foreign or damaged artifact
+            return self._reject(name, f"it does not load: {error!r}"[:300])
+        return fn
+
+    def _reject(self, name: str, why: str) -> None:
+        self._stats.artifacts_rejected += 1
+        self._store.reject(name, why)
+
+    def _compile(self, bucket: int, args: tuple):
+        """The layer compiled ahead of time for `bucket`'s shapes; None once that is unavailable."""
+        if self._unavailable:
+            self._stats.origins[bucket] = "dynamo"
+            return None
+        _, positions, x, _, _ = args
+        torch._dynamo.mark_static(x, 0)
+        torch._dynamo.mark_static(positions, 0)
+        try:
+            fn = self._compiler.aot_compile((args, {}))
+        except Exception as error:  # noqa: BLE001 - Dynamo's own compile still serves the bucket
+            self._give_up(f"{error!r}"[:300])
+            return self._compile(bucket, args)
+        self._stats.aot_compiles += 1
+        self._stats.origins[bucket] = "compiled"
+        return fn
+
+    def _give_up(self, why: str) -> None:
+        if not self._unavailable:
+            _log.warning("%s: the decoder layer cannot be compiled ahead of time (%s); compiling it with Dynamo instead", self._option, why)
+        self._unavailable = True
+
+    def _save(self, name: str, fn) -> None:
+        if self._store is None:
+            return
+        try:
+            with tempfile.TemporaryDirectory() as tmp:
+                path = os.path.join(tmp, "layer")
+                fn.save_compiled_function(path)
+                payload = Path(path).read_bytes()
+            self._store.save(name, payload)
+        except Exception as error:  # noqa: BLE001 - an artifact not written costs the next start a compile, no more
+            _log.warning("could not write compiled artifact %s: %r", self._store.path(name), error)
+            return
+        self._stats.artifacts_saved += 1
+
+
+def _serializable_guards(keep_first: Callable | None) -> Callable:
+    """The guards an artifact can carry: the caller's filter (skip_module_guards), then torch's own
+    rule for aot_compile (no global state, none of the kinds it cannot serialize), which a caller's
+    filter would otherwise replace."""
+    from torch._dynamo.guards import CheckFunctionManager
+
+    unsupported = CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES
+
+    def keep(entries):
+        first = keep_first(entries) if keep_first is not None else [True] * len(entries)
+        return [k and not (e.is_global or e.guard_type in unsupported) for k, e in zip(first, entries)]
+
+    return keep
+
+
+def _changed_source(fn) -> str | None:
+    """The first source the artifact inlined (module and lines) whose text differs now."""
+    for source in fn.source_info().inlined_sources:
+        module = importlib.import_module(source.module)
+        lines = inspect.getsourcelines(module)[0][source.firstlineno - 1 : source.lastlineno - 1]
+        if hashlib.sha256("".join(lines).encode()).hexdigest() != source.checksum:
+            return f"{source.module} (lines {source.firstlineno}-{source.lastlineno})"
+    return None

@@ -1,0 +1,216 @@
+"""A warm start compiles nothing: full_graph's regional layer compiled ahead of time per bucket
+(`compile.aot`), saved beside the capture plan and loaded by a later start with the same key; a
+damaged, foreign or stale artifact is rejected with one warning and rebuilt (capture/artifacts.py,
+capture/aot_layer.py).  One engine builds the artifacts for the whole module (tiny model, one
+bucket); the round trip runs in a fresh process."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from capture import CaptureEnv
+from capture.aot_layer import _changed_source
+from capture.artifacts import ArtifactStore, UntrustedArtifact
+from capture.errors import CaptureConfigError
+from capture.full_graph import FullGraphBackend
+from capture.plan_store import PlanStore
+from graphexec import Engine, SamplingParams
+from graphexec.config import EngineConfig
+from graphexec.runner.capture_key import capture_key
+
+PLAN = ["model=tiny-llama", "capture=auto", "capture.decode.buckets=[1]", "capture.decode.progress=false",
+        "capture.background=false", "capture.decode.keep=all", "cache.num_slots=2048"]
+ARTIFACT = "capture.decode.layer.b1.aot"
+PROMPTS = [[5, 6, 7, 8, 9], [40, 41, 42]]
+
+
+def _greedy(engine) -> list[list[int]]:
+    """Each prompt alone, so every decode step is a B=1 step (the captured bucket)."""
+    engine.flush_cache()
+    return [engine.generate([p], SamplingParams(max_new_tokens=6, temperature=0.0))[0].token_ids for p in PROMPTS]
+
+
+# ---- the store -------------------------------------------------------------------------------------
+
+
+def test_store_round_trip_and_absence(tmp_path):
+    store = ArtifactStore(tmp_path, "k1")
+    assert store.load("a") is None  # nothing stored: no warning either
+    store.save("a", b"\x00payload\xff")
+    assert ArtifactStore(tmp_path, "k1").load("a") == b"\x00payload\xff"
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "other_key", "other_name", "raw"])
+def test_store_distrusts_a_damaged_or_foreign_file(tmp_path, damage):
+    store = ArtifactStore(tmp_path, "k1")
+    store.save("a", b"x" * 1000)
+    raw = store.path("a").read_bytes()
+    if damage == "truncate":
+        store.path("a").write_bytes(raw[:-10])
+    elif damage == "flip":
+        store.path("a").write_bytes(raw[:-1] + b"y")
+    elif damage == "other_key":  # a consistent file of another key, placed under this key's folder
+        other = ArtifactStore(tmp_path / "other", "k2")
+        other.save("a", b"x" * 1000)
+        store.path("a").write_bytes(other.path("a").read_bytes())
+    elif damage == "other_name":  # another bucket's artifact under this one's name
+        store.save("b", b"x" * 1000)
+        store.path("a").write_bytes(store.path("b").read_bytes())
+    else:  # torch's own file format, without our header
+        store.path("a").write_bytes(b"\x80\x04" + b"x" * 100)
+    with pytest.raises(UntrustedArtifact):
+        store.load("a")
+
+
+def test_changed_source_names_the_edited_module():
+    def fake(checksum):
+        source = SimpleNamespace(module="capture.full_graph", firstlineno=1, lastlineno=3, checksum=checksum)
+        return SimpleNamespace(source_info=lambda: SimpleNamespace(inlined_sources=[source]))
+
+    import hashlib
+    import inspect
+
+    import capture.full_graph as module
+
+    current = hashlib.sha256("".join(inspect.getsourcelines(module)[0][0:2]).encode()).hexdigest()
+    assert _changed_source(fake(current)) is None
+    assert _changed_source(fake("0" * 64)) == "capture.full_graph (lines 1-3)"
+
+
+@pytest.mark.parametrize("option", ["freezing=true", "dynamic=true", "regional=false", "mode=max-autotune"])
+def test_aot_refuses_what_it_cannot_persist(option):
+    env = CaptureEnv(model=lambda *a, **k: None, device=torch.device("cpu"), padding=None, empty_batches={})
+    name, value = option.split("=")
+    value = {"true": True, "false": False}.get(value, value)
+    compile_options = {"regional": True, "aot": True, name: value}
+    with pytest.raises(CaptureConfigError, match=f"capture.decode.compile.aot=true needs capture.decode.compile.{name}="):
+        FullGraphBackend(env, {"buckets": [1], "compile": compile_options})
+
+
+# ---- the engine -------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """A plan directory whose one kept bucket's layer was compiled and saved, and its tokens."""
+    cache_dir = tmp_path_factory.mktemp("plans")
+    with Engine(overrides=[*PLAN, f"capture.cache_dir={cache_dir}"]) as engine:
+        tokens = _greedy(engine)
+        stats = engine.runner.backend_stats()["decode"]
+    return SimpleNamespace(cache_dir=cache_dir, stats=stats, tokens=tokens)
+
+
+def test_capture_compiles_ahead_of_time_and_saves_one_artifact_per_bucket(built, tiny):
+    stats = built.stats
+    assert (stats["aot_compiles"], stats["artifacts_saved"], stats["artifacts_loaded"]) == (1, 1, 0)
+    assert stats["buckets"][1]["origin"] == "compiled" and stats["executions"] > 0
+    assert [p.name for p in built.cache_dir.glob("*/*.aot")] == [ARTIFACT]
+    assert built.tokens == _greedy(tiny)  # the eager engine's
+
+
+_FRESH = r"""
+import json, sys
+from torch._dynamo.utils import counters
+from capture.plan_store import PlanStore
+from graphexec import Engine, SamplingParams
+from graphexec.config import EngineConfig
+from graphexec.runner.capture_key import capture_key
+with Engine(overrides=json.loads(sys.argv[1])) as engine:
+    tokens = [engine.generate([p], SamplingParams(max_new_tokens=6, temperature=0.0))[0].token_ids
+              for p in json.loads(sys.argv[2])]
+    stats = engine.runner.backend_stats()["decode"]
+print(json.dumps({"tokens": tokens, "stats": stats, "dynamo": dict(counters["stats"]),
+                  "aot_autograd": dict(counters["aot_autograd"])}, default=str))
+"""
+
+
+def test_a_fresh_process_loads_the_artifact_and_compiles_nothing(built, tiny):
+    overrides = [*PLAN, f"capture.cache_dir={built.cache_dir}"]
+    result = subprocess.run(
+        [sys.executable, "-c", _FRESH, json.dumps(overrides), json.dumps(PROMPTS)], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    stats = out["stats"]
+    assert (stats["aot_compiles"], stats["artifacts_loaded"], stats["artifacts_rejected"]) == (0, 1, 0)
+    assert stats["buckets"]["1"]["origin"] == "artifact" and stats["executions"] > 0
+    # Neither Dynamo nor AOTAutograd/inductor compiled a graph in that process.
+    assert out["dynamo"].get("unique_graphs", 0) == 0 and out["aot_autograd"].get("total", 0) == 0
+    assert out["tokens"] == built.tokens == _greedy(tiny)
+
+
+def _copy_plans(built, tmp_path):
+    shutil.copytree(built.cache_dir, tmp_path, dirs_exist_ok=True)
+    (artifact,) = tmp_path.glob(f"*/{ARTIFACT}")
+    return artifact
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage", "foreign"])
+def test_a_damaged_or_foreign_artifact_is_rebuilt_with_one_warning(built, tmp_path, caplog, damage):
+    artifact = _copy_plans(built, tmp_path)
+    overrides = [*PLAN, f"capture.cache_dir={tmp_path}"]
+    if damage == "truncate":
+        artifact.write_bytes(artifact.read_bytes()[:-5000])
+    elif damage == "garbage":  # a well-formed file of this key whose payload torch cannot load
+        ArtifactStore(artifact.parent, artifact.parent.name).save(ARTIFACT.removesuffix(".aot"), b"not a compiled function")
+    else:  # the key changed (another option): the old key's artifact, copied into the new key's folder
+        overrides.append("capture.decode.min_speedup=1.5")
+        new_folder = PlanStore(tmp_path, capture_key(EngineConfig.from_overrides(overrides), 1, 0, "cpu")).path.parent
+        assert new_folder != artifact.parent
+        new_folder.mkdir()
+        shutil.copy(artifact, new_folder / ARTIFACT)
+    with caplog.at_level(logging.WARNING, logger="capture.artifacts"), Engine(overrides=overrides) as engine:
+        assert _greedy(engine) == built.tokens
+        stats = engine.runner.backend_stats()["decode"]
+    assert (stats["artifacts_rejected"], stats["aot_compiles"], stats["artifacts_saved"]) == (1, 1, 1)
+    warnings = [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
+    assert len(warnings) == 1 and ARTIFACT in warnings[0]
+    rebuilt = engine.runner.plan_path.parent / ARTIFACT
+    assert ArtifactStore(rebuilt.parent, rebuilt.parent.name).load(ARTIFACT.removesuffix(".aot"))  # rewritten, trusted
+
+
+def test_a_layer_that_cannot_be_compiled_ahead_of_time_falls_back_to_dynamo(tmp_path, caplog, monkeypatch, built):
+    """Guards torch cannot serialize (what an unserializable graph looks like to aot_compile): every
+    bucket is compiled by Dynamo instead, with one warning, and serves the same tokens."""
+    from capture import aot_layer
+
+    monkeypatch.setattr(aot_layer, "_serializable_guards", lambda keep_first: lambda entries: [True] * len(entries))
+    with caplog.at_level(logging.WARNING, logger="capture.aot_layer"), Engine(overrides=[*PLAN, f"capture.cache_dir={tmp_path}"]) as engine:
+        assert _greedy(engine) == built.tokens
+        stats = engine.runner.backend_stats()["decode"]
+    assert stats["buckets"][1]["origin"] == "dynamo" and (stats["aot_compiles"], stats["artifacts_saved"]) == (0, 0)
+    assert len([r for r in caplog.records if "cannot be compiled ahead of time" in r.getMessage()]) == 1
+    assert not list(tmp_path.glob("*/*.aot"))
+
+
+def test_a_layer_whose_guards_reject_a_later_layer_hands_the_bucket_to_dynamo(tmp_path, caplog, monkeypatch):
+    """Under tensor parallelism layer 0's input is a collective's tensor subclass and the others'
+    plain tensors: one ahead-of-time graph cannot serve both, so Dynamo takes over, nothing is saved."""
+    from capture import aot_layer
+    from capture.backend import BackendStats
+
+    class Compiled:  # what aot_compile returns, its guards holding for layer 0 only
+        def guard_check(self, *args):
+            return args[-1] == 0
+
+        def __call__(self, *args):
+            return "aot"
+
+    monkeypatch.setattr(aot_layer.AotLayer, "_compile", lambda self, bucket, args: Compiled())
+    stats = BackendStats()
+    layer = aot_layer.AotLayer(lambda *a: None, {}, ArtifactStore(tmp_path, "k"), "capture.decode.layer", stats,
+                               fallback=lambda *args: "dynamo")
+    x = torch.zeros(1, 4)
+    with caplog.at_level(logging.WARNING, logger="capture.aot_layer"):
+        assert [layer(None, x, x, None, i) for i in (0, 1, 2)] == ["aot", "dynamo", "dynamo"]
+        layer.trust(1)
+    assert stats.origins[1] == "dynamo" and not list(tmp_path.iterdir())
+    assert len([r for r in caplog.records if "guards reject layer 1" in r.getMessage()]) == 1
