@@ -19,9 +19,10 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import torch
+
+from bench.timing import median_us_per_call
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64  # SmolLM2-135M
 DECODE = [(b, c) for b in (1, 8, 32) for c in (64, 512, 2048)]
@@ -110,7 +111,7 @@ def _worker(impl: str, case: str, dtype_name: str, seconds: float) -> dict:
     ctx = ForwardContext(fb, backend, pool, None)
     with torch.inference_mode(), forward_context(ctx):
         backend.init_forward_metadata(fb, table)  # warm-up (loads the kernels for "new")
-        init_us = _time_per_call(lambda: backend.init_forward_metadata(fb, table), seconds / 4)
+        init_us = median_us_per_call(lambda: backend.init_forward_metadata(fb, table), seconds / 4)
         backend.init_forward_metadata(fb, table)
         layer = [0]
 
@@ -118,7 +119,7 @@ def _worker(impl: str, case: str, dtype_name: str, seconds: float) -> dict:
             op(q, k, v, out, layer[0])
             layer[0] = (layer[0] + 1) % layers
 
-        call_us = _time_per_call(call, seconds)
+        call_us = median_us_per_call(call, seconds)
     return {"impl": impl, "case": case, "call_us": call_us, "init_us": init_us, "layers": layers,
             "threads": torch.get_num_threads()}
 
@@ -133,20 +134,6 @@ def _old_custom_op():
         ctx.attn_backend.forward(q, k, v, out, layer_id, ctx)
 
     return torch.ops.graphexec_bench.attention_old.default
-
-
-def _time_per_call(fn, seconds: float) -> float:
-    """µs per call: the median of calls timed one by one, so the multi-millisecond stalls a shared
-    machine inflicts now and then (a descheduled vCPU) do not move the result."""
-    fn()
-    times = []
-    deadline = time.perf_counter() + seconds
-    while time.perf_counter() < deadline or len(times) < 5:
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    times.sort()
-    return times[len(times) // 2] * 1e6
 
 
 # -- driver -------------------------------------------------------------------------------------

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import argparse
 import pickle
-import time
 
 import torch
 
 from bench.report import machine
+from bench.timing import median_us_per_call
 from graphexec.cache.req_to_token_pool import ReqToTokenPool
 from graphexec.forward_mode import ForwardMode
 from graphexec.parallel.step_codec import decode, encode
@@ -70,29 +70,16 @@ def prefill_message(tokens: int, prompt_logprobs: bool) -> StepMessage:
     return StepMessage(StepKind.FORWARD, fb, tuple(table.take_journal()))
 
 
-def _us_per_call(fn, seconds: float) -> float:
-    """Median µs of calls timed one by one (a shared machine stalls now and then)."""
-    fn()
-    times = []
-    deadline = time.perf_counter() + seconds
-    while time.perf_counter() < deadline or len(times) < 20:
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    times.sort()
-    return times[len(times) // 2] * 1e6
-
-
 def measure(message: StepMessage, seconds: float) -> dict[str, float]:
     pickled = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
     encoded = encode(message)
     return {
         "pickle_bytes": len(pickled),
         "codec_bytes": len(encoded),
-        "pickle_encode_us": _us_per_call(lambda: pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL), seconds),
-        "pickle_decode_us": _us_per_call(lambda: pickle.loads(pickled), seconds),
-        "codec_encode_us": _us_per_call(lambda: encode(message), seconds),
-        "codec_decode_us": _us_per_call(lambda: decode(encoded), seconds),
+        "pickle_encode_us": median_us_per_call(lambda: pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL), seconds, min_calls=20),
+        "pickle_decode_us": median_us_per_call(lambda: pickle.loads(pickled), seconds, min_calls=20),
+        "codec_encode_us": median_us_per_call(lambda: encode(message), seconds, min_calls=20),
+        "codec_decode_us": median_us_per_call(lambda: decode(encoded), seconds, min_calls=20),
     }
 
 

@@ -35,3 +35,18 @@ def paired_ms(
     return {
         name: {"median_ms": statistics.median(v), "min_ms": min(v), "max_ms": max(v)} for name, v in per_side.items()
     }
+
+
+def median_us_per_call(fn: Callable[[], object], seconds: float, min_calls: int = 5) -> float:
+    """µs per call: the median of calls timed one by one for `seconds` (at least `min_calls`), so
+    the multi-millisecond stalls a shared machine inflicts now and then (a descheduled vCPU) do not
+    move the result."""
+    fn()
+    times = []
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline or len(times) < min_calls:
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    return times[len(times) // 2] * 1e6
