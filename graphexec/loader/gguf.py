@@ -15,6 +15,7 @@ import torch
 
 from graphexec.errors import CheckpointError
 from graphexec.loader.checkpoint import LoadedCheckpoint, check_state_dict
+from graphexec.loader.gguf_file import GGUFFile, GGUFTensor, read_gguf
 from graphexec.models.config import ModelConfig
 from graphexec.models.sharding import Cut, check_block_cut, cut_for
 from graphexec.models.tp_layout import TPLayout
@@ -67,24 +68,9 @@ def unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     return pairs.transpose(1, 2).reshape(weight.shape).contiguous()
 
 
-def _open(path: Path):
-    from gguf import GGUFReader
-
-    if not path.is_file():
-        raise CheckpointError(f"GGUF file not found: {path}")
-    try:
-        return GGUFReader(path)
-    except (OSError, ValueError, KeyError) as error:
-        raise CheckpointError(f"cannot read GGUF file {path}: {error}") from error
-
-
 def _float32(value: Any) -> float:
     """GGUF stores floats as float32; keep the shortest spelling (1e-05, not 9.999999747378752e-06)."""
     return float(str(np.float32(value)))
-
-
-def _metadata(reader) -> dict[str, Any]:
-    return {key: field.contents() for key, field in reader.fields.items()}
 
 
 def _config_from_metadata(metadata: dict[str, Any], tensor_names: set[str], name: str, path: Path) -> ModelConfig:
@@ -133,19 +119,17 @@ def _config_from_metadata(metadata: dict[str, Any], tensor_names: set[str], name
     )
 
 
-def _state_dict(reader, config: ModelConfig, gguf_arch: str, dtype: torch.dtype, weights: str, path: Path,
+def _state_dict(file: GGUFFile, config: ModelConfig, gguf_arch: str, dtype: torch.dtype, weights: str, path: Path,
                 layout: TPLayout):
     state_dict: dict[str, torch.Tensor | QuantizedWeight] = {}
-    for tensor in reader.tensors:
+    for tensor in file.tensors:
         hf_name = hf_tensor_name(tensor.name)
         if hf_name is None:
             raise CheckpointError(f"{path}: tensor {tensor.name!r} has no place in a {gguf_arch} causal LM")
-        # GGUF lists dimensions innermost first; torch wants [out_features, in_features].
-        shape = tuple(int(d) for d in reversed(tensor.shape))
-        qtype = tensor.tensor_type.name
+        shape, qtype = tensor.shape, tensor.qtype.name
         cut = cut_for(hf_name, layout)
         if weights == "native" and qtype in SUPPORTED_GGUF_TYPES:
-            raw, part_shape = _cut_blocks(hf_name, np.asarray(tensor.data), qtype, shape, cut)
+            raw, part_shape = _cut_blocks(hf_name, tensor.data, qtype, shape, cut)
             weight: torch.Tensor | QuantizedWeight = from_gguf_blocks(raw, qtype, part_shape)
         elif weights == "native" and qtype not in _DENSE_TYPES:
             raise CheckpointError(
@@ -175,16 +159,15 @@ def _cut_blocks(name: str, raw: np.ndarray, qtype: str, shape: tuple[int, int], 
     return blocks[:, cut.start // QBLOCK : cut.stop // QBLOCK], cut.shape(shape)
 
 
-def _dequantized(tensor, shape: tuple[int, ...], path: Path, cut: Cut | None = None) -> torch.Tensor:
+def _dequantized(tensor: GGUFTensor, shape: tuple[int, ...], path: Path, cut: Cut | None = None) -> torch.Tensor:
     from gguf.quants import dequantize
 
-    # A plain-ndarray view: numpy's memmap subclass adds per-slice overhead that dominates dequantizing.
-    raw = np.asarray(tensor.data)
+    raw = tensor.data
     if cut is not None and cut.dim == 0:
         # Rows are independent in every GGUF type: read only this rank's.
         raw, shape = raw.reshape(shape[0], -1)[cut.start : cut.stop], cut.shape(shape)
     try:
-        values = dequantize(raw, tensor.tensor_type)
+        values = dequantize(raw, tensor.qtype)
     except NotImplementedError as error:
         raise CheckpointError(f"{path}: cannot dequantize {tensor.name}: {error}") from error
     # Copies only what is still a read-only view of the file (F32 tensors); dequantized ones are fresh.
@@ -204,7 +187,7 @@ def _unpermute(weight: torch.Tensor | QuantizedWeight, num_heads: int) -> torch.
 
 def load_gguf_tokenizer(path: str | Path) -> Tokenizer:
     """Only the tokenizer of a GGUF file (skips dequantizing the weights)."""
-    return Tokenizer.from_gguf(_metadata(_open(Path(path))))
+    return Tokenizer.from_gguf(read_gguf(path).metadata)
 
 
 def load_gguf(
@@ -216,12 +199,12 @@ def load_gguf(
     if weights not in WEIGHT_MODES:
         raise CheckpointError(f"model.weights must be one of {list(WEIGHT_MODES)}, got {weights!r}")
     path = Path(path)
-    reader = _open(path)
-    metadata = _metadata(reader)
-    tensor_names = {tensor.name for tensor in reader.tensors}
+    file = read_gguf(path)
+    metadata = file.metadata
+    tensor_names = {tensor.name for tensor in file.tensors}
     config = _config_from_metadata(metadata, tensor_names, name, path)
     layout = TPLayout.build(config, tp_size, tp_rank)
-    state_dict = _state_dict(reader, config, metadata["general.architecture"], dtype, weights, path, layout)
+    state_dict = _state_dict(file, config, metadata["general.architecture"], dtype, weights, path, layout)
     check_state_dict(config, state_dict, path, layout)
     tokenizer = Tokenizer.from_gguf(metadata) if "tokenizer.ggml.tokens" in metadata else None
     return LoadedCheckpoint(config=config, state_dict=state_dict, tokenizer=tokenizer, tp_shard=(tp_size, tp_rank))
