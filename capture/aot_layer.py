@@ -36,6 +36,7 @@ import torch
 
 from capture.artifacts import ArtifactStore, UntrustedArtifact
 from capture.backend import BackendStats
+from capture.vec_isa import IsaRecord
 
 _log = logging.getLogger(__name__)
 
@@ -64,6 +65,7 @@ class AotLayer:
         self._compiler = torch.compile(fn, fullgraph=True, dynamic=True, options=options)
         self._globals = fn.__globals__
         self._store = store
+        self._isa = IsaRecord(store)
         self._name = name
         self._stats = stats
         self._fallback = fallback
@@ -102,6 +104,7 @@ class AotLayer:
             except Exception as error:  # noqa: BLE001 - any failure of a stored artifact is a rebuild
                 self._reject(name, f"its first call failed: {error!r}")
             else:
+                self._isa.remember()
                 self._stats.artifacts_loaded += 1
                 self._stats.origins[bucket] = "artifact"
                 self._use(bucket, fn)
@@ -145,7 +148,8 @@ class AotLayer:
         if payload is None:
             return None
         try:
-            fn = torch.compiler.load_compiled_function(io.BytesIO(payload), f_globals=self._globals)
+            with self._isa.answered():
+                fn = torch.compiler.load_compiled_function(io.BytesIO(payload), f_globals=self._globals)
             changed = _changed_source(fn)
             if changed is not None:
                 return self._reject(name, f"{changed} changed since it was compiled")
@@ -168,10 +172,12 @@ class AotLayer:
         torch._dynamo.mark_static(x, 0)
         torch._dynamo.mark_static(positions, 0)
         try:
-            fn = self._compiler.aot_compile((args, {}))
+            with self._isa.answered():
+                fn = self._compiler.aot_compile((args, {}))
         except Exception as error:  # noqa: BLE001 - Dynamo's own compile still serves the bucket
             self._give_up(f"{error!r}"[:300])
             return self._compile(bucket, args)
+        self._isa.remember()
         self._stats.aot_compiles += 1
         self._stats.origins[bucket] = "compiled"
         return fn

@@ -39,11 +39,19 @@ class _BreakSwitch:
     `intercepting()`, which restore it on exit; compiled code guards on `active`, so segments
     compiled under one set never run under another."""
 
-    __slots__ = ("active", "handler")
+    __slots__ = ("active", "handler", "unprepared")
 
     def __init__(self) -> None:
         self.active: frozenset[str] = frozenset()
         self.handler: BreakHandler | None = None
+        # Marked functions whose compiler-disabled twin is not made yet: `breaking()` makes them,
+        # because torch.compiler.disable imports Dynamo (~2 s), which an eager engine never needs.
+        self.unprepared: list[tuple[Callable[..., Any], list[Callable[..., Any]]]] = []
+
+    def prepare(self) -> None:
+        while self.unprepared:
+            fn, twin = self.unprepared.pop()
+            twin.append(torch.compiler.disable(fn, recursive=True))
 
 
 _SWITCH = _BreakSwitch()
@@ -51,13 +59,14 @@ _SWITCH = _BreakSwitch()
 
 def break_point(name: str) -> Callable[[F], F]:
     def mark(fn: F) -> F:
-        eager = torch.compiler.disable(fn, recursive=True)
+        eager: list[Callable[..., Any]] = []  # filled by _SWITCH.prepare() before a break is active
+        _SWITCH.unprepared.append((fn, eager))
 
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
             if name not in _SWITCH.active:
                 return fn(*args, **kwargs)
-            return run_break(name, eager, args, kwargs)
+            return run_break(name, eager[0], args, kwargs)
 
         wrapper.break_point_name = name  # type: ignore[attr-defined]
         return wrapper  # type: ignore[return-value]
@@ -95,6 +104,7 @@ def _suspended(handler: BreakHandler) -> Iterator[None]:
 
 @contextlib.contextmanager
 def breaking(names: Iterable[str]) -> Iterator[None]:
+    _SWITCH.prepare()
     previous = _SWITCH.active
     _SWITCH.active = frozenset(names)
     try:

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from capture import CaptureEnv
+from capture import CaptureEnv, vec_isa
 from capture.aot_layer import _changed_source
 from capture.artifacts import ArtifactStore, UntrustedArtifact
 from capture.errors import CaptureConfigError
@@ -70,6 +70,21 @@ def test_store_distrusts_a_damaged_or_foreign_file(tmp_path, damage):
         store.load("a")
 
 
+@pytest.mark.parametrize("record", ["absent", "other compiler", "damaged"])
+def test_isa_record_that_does_not_hold_leaves_the_probe_to_inductor(tmp_path, caplog, record):
+    """Only a record naming this very compiler file is taken (the fresh-process test below shows one
+    taken); these never touch inductor's per-process choice, so inductor probes as it always did."""
+    store = ArtifactStore(tmp_path, "k")
+    if record == "other compiler":
+        store.save(vec_isa.NAME, json.dumps({"isas": ["avx2"], "compiler": ["/usr/bin/cc-7", 1, 2]}).encode())
+    elif record == "damaged":
+        store.save(vec_isa.NAME, b"{}")
+        store.path(vec_isa.NAME).write_bytes(store.path(vec_isa.NAME).read_bytes()[:-1])
+    with caplog.at_level(logging.WARNING):
+        assert vec_isa.IsaRecord(store)._holds() is False
+    assert ("ignored" in caplog.text) == (record == "damaged")
+
+
 def test_changed_source_names_the_edited_module():
     def fake(checksum):
         source = SimpleNamespace(module="capture.full_graph", firstlineno=1, lastlineno=3, checksum=checksum)
@@ -112,13 +127,23 @@ def test_capture_compiles_ahead_of_time_and_saves_one_artifact_per_bucket(built,
     stats = built.stats
     assert (stats["aot_compiles"], stats["artifacts_saved"], stats["artifacts_loaded"]) == (1, 1, 0)
     assert stats["buckets"][1]["origin"] == "compiled" and stats["executions"] > 0
-    assert [p.name for p in built.cache_dir.glob("*/*.aot")] == [ARTIFACT]
+    assert [p.name for p in built.cache_dir.glob("*/capture.*.aot")] == [ARTIFACT]
+    # What inductor's ISA probe answered in this process, recorded for the next one (capture/vec_isa.py).
+    (record,) = built.cache_dir.glob(f"*/{vec_isa.NAME}.aot")
+    assert json.loads(ArtifactStore(record.parent, record.parent.name).load(vec_isa.NAME))["isas"]
     assert built.tokens == _greedy(tiny)  # the eager engine's
 
 
 _FRESH = r"""
 import json, sys
 from torch._dynamo.utils import counters
+from torch._inductor import cpu_vec_isa
+base_probes = []
+check_build = cpu_vec_isa.VecISA.check_build
+def counted(self, code):
+    base_probes.extend([str(self)] if code == cpu_vec_isa.VecISA._avx_code else [])
+    return check_build(self, code)
+cpu_vec_isa.VecISA.check_build = counted
 from capture.plan_store import PlanStore
 from graphexec import Engine, SamplingParams
 from graphexec.config import EngineConfig
@@ -128,7 +153,7 @@ with Engine(overrides=json.loads(sys.argv[1])) as engine:
               for p in json.loads(sys.argv[2])]
     stats = engine.runner.backend_stats()["decode"]
 print(json.dumps({"tokens": tokens, "stats": stats, "dynamo": dict(counters["stats"]),
-                  "aot_autograd": dict(counters["aot_autograd"])}, default=str))
+                  "aot_autograd": dict(counters["aot_autograd"]), "base_isa_probes": base_probes}, default=str))
 """
 
 
@@ -145,6 +170,8 @@ def test_a_fresh_process_loads_the_artifact_and_compiles_nothing(built, tiny):
     # Neither Dynamo nor AOTAutograd/inductor compiled a graph in that process.
     assert out["dynamo"].get("unique_graphs", 0) == 0 and out["aot_autograd"].get("total", 0) == 0
     assert out["tokens"] == built.tokens == _greedy(tiny)
+    # The ISA record held (same CPU, same compiler file): inductor's per-ISA build-and-dlopen probe never ran.
+    assert out["base_isa_probes"] == []
 
 
 def _copy_plans(built, tmp_path):

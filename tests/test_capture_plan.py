@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import logging
+import subprocess
+import sys
 import time
 
 import pytest
@@ -211,6 +213,25 @@ def test_a_request_right_after_start_is_served_before_any_capture(tmp_path):
         assert stats["fallbacks"] > 0  # served eagerly
         assert time.perf_counter() - t0 < 5
 
+
+
+_IMPORTS = r"""
+import json, sys
+from graphexec import Engine, SamplingParams
+with Engine(overrides=json.loads(sys.argv[1])) as engine:
+    engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=4, temperature=0.0))
+print(json.dumps(sorted(m for m in sys.modules if m.startswith(("torch._dynamo", "torch._inductor")))))
+"""
+
+
+@pytest.mark.parametrize("plan", [["capture=eager"], ["capture=auto", "capture.idle_delay_s=1000", "capture.cache_dir=null"]])
+def test_serving_eagerly_never_imports_the_compiler(plan):
+    """Importing Dynamo and inductor costs ~3.5 s of a 2-core start: an eager engine, and an auto
+    engine before its first background capture, load and serve without them."""
+    overrides = ["model=tiny-llama", *plan]
+    result = subprocess.run([sys.executable, "-c", _IMPORTS, json.dumps(overrides)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == []
 
 
 def _assert_reported_by_the_server(engine):

@@ -6,6 +6,22 @@ import torch
 from torch import nn
 
 
+class Linear(nn.Linear):
+    """nn.Linear left uninitialised: the checkpoint's weights replace its parameters
+    (LlamaForCausalLM.load_weights).  Initialising them on the meta device would import Dynamo
+    (torch's meta normal_/uniform_ are refs behind torch._disable_dynamo): ~2 s of an eager start."""
+
+    def reset_parameters(self) -> None:
+        pass
+
+
+class Embedding(nn.Embedding):
+    """nn.Embedding left uninitialised, for the reason Linear is."""
+
+    def reset_parameters(self) -> None:
+        pass
+
+
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float):
         super().__init__()
@@ -52,8 +68,8 @@ class SwiGLU(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int):
         super().__init__()
         self.intermediate_size = intermediate_size
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)

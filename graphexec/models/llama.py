@@ -21,7 +21,7 @@ from torch import nn
 from graphexec.attention.op import unified_attention
 from graphexec.errors import CheckpointError
 from graphexec.models.config import ModelConfig
-from graphexec.models.layers import RMSNorm, RotaryEmbedding, SwiGLU
+from graphexec.models.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, SwiGLU
 from graphexec.models.parallel_layers import embed, gather_logits
 from graphexec.models.tp_layout import TPLayout
 from graphexec.parallel.group import SINGLE, TPGroup
@@ -36,8 +36,8 @@ class LlamaAttention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         self.q_size, self.kv_size = config.q_size, config.kv_size
         # q, k and v fused: one matmul reads all three weights.
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding, layer_id: int) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -69,11 +69,11 @@ class LlamaForCausalLM(nn.Module):
         self.tp = tp
         self.layout = TPLayout.build(config, tp.size, tp.rank)
         local, vocab_rows = self.layout.local_config(), self.layout.vocab_rows
-        self.embed_tokens = nn.Embedding(vocab_rows, config.hidden_size)
+        self.embed_tokens = Embedding(vocab_rows, config.hidden_size)
         self.rotary = RotaryEmbedding(config.head_dim, config.max_context, config.rope_theta)
         self.layers = nn.ModuleList(LlamaDecoderLayer(local, tp) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, vocab_rows, bias=False)
+        self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, vocab_rows, bias=False)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, layer_runner: Callable | None = None
