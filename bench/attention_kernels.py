@@ -39,10 +39,11 @@ def case_names() -> list[str]:
 
 
 def _worker(impl: str, case: str, dtype_name: str, seconds: float) -> dict:
+    from graphexec.attention.backend import ForwardContext
+    from graphexec.attention.forward_context import forward_context
+    from graphexec.batch.forward_batch import ForwardBatch
+    from graphexec.batch.forward_mode import ForwardMode
     from graphexec.cache.kv_pool import TokenToKVPool
-    from graphexec.runner.forward_batch import ForwardBatch
-    from graphexec.attention.forward_context import ForwardContext, forward_context
-    from graphexec.forward_mode import ForwardMode
 
     dtype = getattr(torch, dtype_name)
     torch.manual_seed(0)

@@ -22,7 +22,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from bench.plots import grouped_bars
-from graphexec.forward_mode import ForwardMode
+from graphexec.batch.forward_mode import ForwardMode
 
 _ALLOWED_PHASES = (["cold"], ["cold", "warm"])
 

@@ -25,8 +25,8 @@ def config_without_progress_bars(overrides: list[str]):
     share its backend."""
     from omegaconf import DictConfig, OmegaConf
 
+    from graphexec.batch.forward_mode import ForwardMode
     from graphexec.config import EngineConfig, compose
-    from graphexec.forward_mode import ForwardMode
 
     cfg = compose(overrides)
     quiet = [

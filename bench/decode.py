@@ -12,8 +12,8 @@ from tqdm import tqdm
 
 from bench.plots import grouped_bars
 from bench.timing import device_sync, paired_ms
+from graphexec.batch.forward_mode import ForwardMode
 from graphexec.engine.threads import call_in_thread
-from graphexec.forward_mode import ForwardMode
 
 
 def run(cfg, ctx) -> dict[str, Any]:
@@ -77,7 +77,7 @@ def _host_overhead(engine, batch_size: int, context_len: int, new_tokens: int) -
 def decode_batch(engine, batch_size: int, context_len: int):
     """`batch_size` requests whose KV holds `context_len` tokens, ready for one decode step."""
     from graphexec import SamplingParams
-    from graphexec.scheduler.request import Req
+    from graphexec.batch.request import Req
 
     runner = engine.runner
     gen = torch.Generator().manual_seed(batch_size)

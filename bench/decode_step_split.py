@@ -15,7 +15,7 @@ import time
 import torch
 
 from graphexec import Engine, SamplingParams
-from graphexec.scheduler.request import Req
+from graphexec.batch.request import Req
 
 STEPS, SKIP = 400, 50
 

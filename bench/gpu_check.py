@@ -140,7 +140,7 @@ def decode_graph(shapes: Shapes) -> dict[str, Any]:
 
     from bench.decode import decode_batch
     from bench.timing import device_sync, paired_ms
-    from graphexec.forward_mode import ForwardMode
+    from graphexec.batch.forward_mode import ForwardMode
 
     buckets = ",".join(map(str, shapes.decode_buckets))
     t0 = time.perf_counter()

@@ -21,7 +21,7 @@ from bench.plots import grouped_bars
 from bench.timing import device_sync, paired_ms
 from capture.buckets import bucket_for, validate_buckets
 from capture.full_graph import FullGraphBackend
-from graphexec.forward_mode import ForwardMode
+from graphexec.batch.forward_mode import ForwardMode
 
 PAD_CALLS = 200  # StaticInputs.load takes microseconds: average many calls per timed round
 

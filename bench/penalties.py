@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from bench.timing import paired_ms
-from graphexec.runner.sampler import Sampler, SamplingBatchInfo
+from graphexec.sampling.sampler import Sampler, SamplingBatchInfo
 from graphexec.sampling_params import SamplingParams
 
 VOCAB = 49152

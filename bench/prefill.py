@@ -50,7 +50,7 @@ def run(cfg, ctx) -> dict[str, Any]:
 def extend_batch(engine, tokens: int):
     """One prefill batch of exactly `tokens` new tokens (two requests), and how to free it."""
     from graphexec import SamplingParams
-    from graphexec.scheduler.request import Req
+    from graphexec.batch.request import Req
 
     runner = engine.runner
     gen = torch.Generator().manual_seed(tokens)

@@ -19,12 +19,12 @@ import torch
 
 from bench.report import machine
 from bench.timing import median_us_per_call
+from graphexec.batch.forward_batch import ForwardBatch
+from graphexec.batch.forward_mode import ForwardMode
+from graphexec.batch.prompt_logprobs import PromptLogprobPlan, PromptLogprobSpan
 from graphexec.cache.req_to_token_pool import ReqToTokenPool
-from graphexec.forward_mode import ForwardMode
 from graphexec.parallel.step_codec import decode, encode
 from graphexec.parallel.step_schema import StepKind, StepMessage
-from graphexec.runner.forward_batch import ForwardBatch
-from graphexec.runner.prompt_logprobs import PromptLogprobPlan, PromptLogprobSpan
 
 CONTEXT = 200  # tokens each decoding request already holds
 

@@ -17,8 +17,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from bench.decode import decode_batch
+from graphexec.batch.forward_mode import ForwardMode
 from graphexec.engine.threads import call_in_thread
-from graphexec.forward_mode import ForwardMode
 
 
 def _profile(engine, batch: int, context: int, steps: int, rows: int) -> str:

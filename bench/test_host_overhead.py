@@ -13,15 +13,16 @@ import torch
 
 from capture.padding import StaticInputs
 from graphexec import SamplingParams
+from graphexec.batch.forward_batch import ForwardBatch
+from graphexec.batch.padding import padding_policy
+from graphexec.batch.request import Req
+from graphexec.batch.schedule_batch import ScheduleBatch
 from graphexec.cache.kv_pool import TokenToKVPool
 from graphexec.cache.manager import KVCacheManager
 from graphexec.cache.req_to_token_pool import ReqToTokenPool
 from graphexec.config import SchedulerConfig
-from graphexec.runner.forward_batch import ForwardBatch, padding_policy
 from graphexec.runner.model_runner import StepOutput
-from graphexec.runner.sampler import Sampler, SamplerOutput, SamplingBatchInfo
-from graphexec.scheduler.request import Req
-from graphexec.scheduler.schedule_batch import ScheduleBatch
+from graphexec.sampling.sampler import Sampler, SamplerOutput, SamplingBatchInfo
 from graphexec.scheduler.scheduler import Scheduler
 
 VOCAB = 49152

@@ -48,8 +48,8 @@ def _rank(rank: int, size: int, store: str, args, out) -> None:
 def _measure(runner, config, tp, batch: int, args) -> dict:
     import torch
 
+    from graphexec.batch.request import Req
     from graphexec.sampling_params import SamplingParams
-    from graphexec.scheduler.request import Req
     from graphexec.scheduler.scheduler import Scheduler
 
     scheduler = Scheduler(runner, runner.kv_cache, config.scheduler)

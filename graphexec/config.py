@@ -16,8 +16,8 @@ from typing import Any, Mapping, Sequence
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from graphexec.batch.forward_mode import ForwardMode
 from graphexec.errors import ConfigError
-from graphexec.forward_mode import ForwardMode
 from graphexec.sampling_params import SamplingParams
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -8,13 +8,14 @@ import torch
 import torch.nn.functional as F
 
 from graphexec import Engine, SamplingParams
+from graphexec.attention.backend import ForwardContext
 from graphexec.attention.cpu import CpuAttnBackend, load_kernels
+from graphexec.attention.forward_context import forward_context
 from graphexec.attention.op import unified_attention
 from graphexec.attention.torch_native import TorchNativeAttnBackend
+from graphexec.batch.forward_batch import ForwardBatch
+from graphexec.batch.forward_mode import ForwardMode
 from graphexec.cache.kv_pool import TokenToKVPool
-from graphexec.runner.forward_batch import ForwardBatch
-from graphexec.attention.forward_context import ForwardContext, forward_context
-from graphexec.forward_mode import ForwardMode
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -7,7 +7,7 @@ import torch
 
 from capture.break_points import break_point
 from graphexec import ConfigError, Engine, SamplingParams
-from graphexec.forward_mode import ForwardMode
+from graphexec.batch.forward_mode import ForwardMode
 from tests.helpers import recorded_batches
 from tests.invariants import assert_no_leak
 

@@ -4,9 +4,9 @@ import dataclasses
 
 import pytest
 
+from graphexec.batch.forward_mode import ForwardMode
 from graphexec.config import EngineConfig, available_options
 from graphexec.errors import ConfigError
-from graphexec.forward_mode import ForwardMode
 
 
 def test_defaults_compose():

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from graphexec import Engine, EngineClosedError, InvalidRequestError, RequestFailedError, SamplingParams
-from graphexec.forward_mode import ForwardMode
+from graphexec.batch.forward_mode import ForwardMode
 from tests.conftest import TINY_OVERRIDES
 from tests.helpers import slowed, wait_until
 from tests.invariants import assert_no_leak

@@ -42,7 +42,7 @@ def test_tiny_greedy_matches_transformers(model):
 def _runner_logits(engine, prompts, decode_tokens):
     """Prefill all prompts in one extend batch, then one decode batch; return both logits."""
     runner = engine.runner
-    from graphexec.scheduler.request import Req
+    from graphexec.batch.request import Req
 
     reqs = [Req(f"r{i}", p, GREEDY, (), engine.max_context) for i, p in enumerate(prompts)]
     batch = engine.scheduler.plan_extend(reqs)
@@ -71,7 +71,7 @@ def test_smollm2_logits_close_to_transformers(smollm2_engine, hf_smollm2):
 
 def test_smollm2_greedy_matches_transformers(smollm2_engine, hf_smollm2):
     """Requests join a running batch mid-decode and finish at different steps; tokens stay exact."""
-    from graphexec.scheduler.request import Req
+    from graphexec.batch.request import Req
 
     engine, tok = smollm2_engine, smollm2_engine.tokenizer
     texts = [
@@ -160,7 +160,7 @@ def test_smollm2_chat_answer(smollm2_engine):
 def test_prefix_then_extend_equals_one_extend(tiny_engine):
     """Seed 001's R2: three cached prefix tokens plus three new ones give the full-prompt logits."""
     runner = tiny_engine.runner
-    from graphexec.scheduler.request import Req
+    from graphexec.batch.request import Req
 
     prompt = [11, 12, 13, 14, 15, 16]
     full, _ = _runner_logits(tiny_engine, [prompt], [5])

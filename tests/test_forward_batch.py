@@ -3,14 +3,15 @@
 import torch
 
 from graphexec import SamplingParams
-from graphexec.cache.kv_pool import DUMMY_SLOT, TokenToKVPool
+from graphexec.batch.forward_batch import ForwardBatch
+from graphexec.batch.forward_mode import ForwardMode
+from graphexec.batch.padding import DUMMY_REQ_ROW, DUMMY_SLOT
+from graphexec.batch.request import Req
+from graphexec.batch.schedule_batch import ScheduleBatch
+from graphexec.cache.kv_pool import TokenToKVPool
 from graphexec.cache.manager import KVCacheManager
-from graphexec.cache.req_to_token_pool import DUMMY_REQ_ROW, ReqToTokenPool
-from graphexec.runner.forward_batch import ForwardBatch
-from graphexec.forward_mode import ForwardMode
+from graphexec.cache.req_to_token_pool import ReqToTokenPool
 from graphexec.runner.logits_processor import LogitsProcessor
-from graphexec.scheduler.request import Req
-from graphexec.scheduler.schedule_batch import ScheduleBatch
 
 VOCAB = 64
 

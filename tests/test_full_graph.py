@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from graphexec import ConfigError, Engine, SamplingParams
-from graphexec.forward_mode import ForwardMode
+from graphexec.batch.forward_mode import ForwardMode
 from tests.helpers import recorded_batches
 from tests.invariants import assert_no_leak
 

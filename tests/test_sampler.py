@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from graphexec.runner.sampler import (
+from graphexec.sampling.sampler import (
     GREEDY_TEMPERATURE,
     Sampler,
     SamplerOutput,

@@ -11,14 +11,14 @@ from transformers.generation.logits_process import (
     RepetitionPenaltyLogitsProcessor,
 )
 
+from graphexec.batch.forward_batch import ForwardBatch
+from graphexec.batch.forward_mode import ForwardMode
+from graphexec.batch.request import Req
+from graphexec.batch.schedule_batch import ScheduleBatch
 from graphexec.errors import InvalidRequestError
-from graphexec.runner.forward_batch import ForwardBatch
-from graphexec.forward_mode import ForwardMode
-from graphexec.runner.penalties import LogitsPenalties
-from graphexec.runner.sampler import Sampler, SamplingBatchInfo, make_generator
+from graphexec.sampling.penalties import LogitsPenalties
+from graphexec.sampling.sampler import Sampler, SamplingBatchInfo, make_generator
 from graphexec.sampling_params import SamplingParams
-from graphexec.scheduler.request import Req
-from graphexec.scheduler.schedule_batch import ScheduleBatch
 
 VOCAB = 64
 EOS = 2

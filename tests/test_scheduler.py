@@ -3,8 +3,8 @@
 import torch
 
 from graphexec import Engine, SamplingParams
-from graphexec.forward_mode import ForwardMode
-from graphexec.scheduler.request import Req
+from graphexec.batch.forward_mode import ForwardMode
+from graphexec.batch.request import Req
 from tests.conftest import TINY_OVERRIDES
 from tests.helpers import recorded_batches
 from tests.invariants import assert_no_leak

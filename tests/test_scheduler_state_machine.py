@@ -23,13 +23,13 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from graphexec import SamplingParams
+from graphexec.batch.request import Req
 from graphexec.cache.kv_pool import TokenToKVPool
 from graphexec.cache.manager import KVCacheManager
 from graphexec.cache.req_to_token_pool import ReqToTokenPool
 from graphexec.config import SchedulerConfig
 from graphexec.runner.model_runner import StepOutput
-from graphexec.runner.sampler import SamplerOutput
-from graphexec.scheduler.request import Req
+from graphexec.sampling.sampler import SamplerOutput
 from graphexec.scheduler.scheduler import Scheduler
 
 EOS = 3

@@ -18,7 +18,7 @@ from capture.op_tape import TapeRecorder
 from capture.registry import create_backend
 from capture.segments import record_segments
 from graphexec import ConfigError, Engine, SamplingParams
-from graphexec.forward_mode import ForwardMode
+from graphexec.batch.forward_mode import ForwardMode
 from tests.helpers import recorded_batches
 from tests.invariants import assert_no_leak
 

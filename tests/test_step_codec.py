@@ -21,15 +21,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from graphexec import Engine, SamplingParams
+from graphexec.batch.forward_batch import ForwardBatch
+from graphexec.batch.forward_mode import ForwardMode
+from graphexec.batch.prompt_logprobs import PromptLogprobPlan, PromptLogprobSpan
 from graphexec.cache.req_to_token_pool import ReqToTokenPool
 from graphexec.config import EngineConfig
 from graphexec.errors import ConfigError, WorkerFailedError
-from graphexec.forward_mode import ForwardMode
 from graphexec.parallel import launch, step_schema, step_sync
 from graphexec.parallel.step_codec import decode, encode
 from graphexec.parallel.step_schema import HEADER_BYTES, StepKind, StepMessage, StepMessageError
-from graphexec.runner.forward_batch import ForwardBatch
-from graphexec.runner.prompt_logprobs import PromptLogprobPlan, PromptLogprobSpan
 from graphexec.structured.spec import StructuredSpec
 
 ROOT = Path(__file__).resolve().parent.parent

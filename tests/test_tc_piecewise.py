@@ -11,7 +11,7 @@ from capture.buckets import bucket_for
 from capture.graph_split import split_at_ops, structure_key
 from capture.tc_piecewise import TcPiecewiseBackend
 from graphexec import ConfigError, Engine, SamplingParams
-from graphexec.forward_mode import ForwardMode
+from graphexec.batch.forward_mode import ForwardMode
 from tests.invariants import assert_no_leak
 
 TINY = ["model=tiny-llama", "cache.num_slots=1024"]

@@ -221,11 +221,11 @@ PROMPTS = [[5, 17, 33, 100, 7, 8, 9, 250, 61, 2], [40, 41, 42, 43, 44, 45]]
 def _rank(rank: int, size: int, store: str, overrides: list[str], out_file: str) -> None:
     import torch.distributed as dist
 
+    from graphexec.batch.request import Req
     from graphexec.config import EngineConfig
     from graphexec.engine.rank_setup import load_and_capture
     from graphexec.parallel.group import SINGLE, TPGroup
     from graphexec.sampling_params import SamplingParams
-    from graphexec.scheduler.request import Req
     from graphexec.scheduler.scheduler import Scheduler
 
     # graphexec's own calls must not use deprecated collectives (all_gather_tensor warned).

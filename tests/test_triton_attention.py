@@ -30,15 +30,16 @@ pytest.importorskip("triton")
 from capture.op_tape import TapeRecorder  # noqa: E402
 from graphexec import Engine, SamplingParams  # noqa: E402
 from graphexec.attention import triton_ops as tk  # noqa: E402
-from graphexec.attention.backend import create_attention_backend, resolve_attention_backend  # noqa: E402
-from graphexec.attention.forward_context import ForwardContext, forward_context  # noqa: E402
+from graphexec.attention.backend import ForwardContext, create_attention_backend, resolve_attention_backend  # noqa: E402
+from graphexec.attention.forward_context import forward_context  # noqa: E402
 from graphexec.attention.op import PYTHON_ROUTED_OPS  # noqa: E402
 from graphexec.attention.triton_backend import TritonAttnBackend  # noqa: E402
-from graphexec.cache.kv_pool import DUMMY_SLOT, TokenToKVPool  # noqa: E402
-from graphexec.cache.req_to_token_pool import DUMMY_REQ_ROW, ReqToTokenPool  # noqa: E402
+from graphexec.batch.forward_batch import ForwardBatch  # noqa: E402
+from graphexec.batch.forward_mode import ForwardMode  # noqa: E402
+from graphexec.batch.padding import DUMMY_REQ_ROW, DUMMY_SLOT
+from graphexec.cache.kv_pool import TokenToKVPool  # noqa: E402
+from graphexec.cache.req_to_token_pool import ReqToTokenPool  # noqa: E402
 from graphexec.errors import ConfigError  # noqa: E402
-from graphexec.forward_mode import ForwardMode  # noqa: E402
-from graphexec.runner.forward_batch import ForwardBatch  # noqa: E402
 from tests.helpers import recorded_batches  # noqa: E402
 from tests.invariants import assert_no_leak  # noqa: E402
 

@@ -1,18 +1,32 @@
-"""The attention backend interface and the name → backend table used by config."""
+"""The attention backend interface, the ForwardContext it is handed each forward, and the
+name → backend table used by config."""
 
 from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
+from graphexec.batch.forward_batch import ForwardBatch
 from graphexec.errors import ConfigError
 
 if TYPE_CHECKING:
-    from graphexec.runner.forward_batch import ForwardBatch
-    from graphexec.attention.forward_context import ForwardContext
+    from graphexec.cache.kv_pool import TokenToKVPool
+    from graphexec.cache.req_to_token_pool import ReqToTokenPool
+
+
+@dataclass(frozen=True)
+class ForwardContext:
+    """What attention reads during one forward (set by the runner's forward scope:
+    forward_context.py): the batch, this backend, and the KV pools it reads and writes."""
+
+    forward_batch: ForwardBatch
+    attn_backend: AttentionBackend
+    kv_pool: TokenToKVPool
+    req_to_token_pool: ReqToTokenPool
 
 
 class AttentionBackend(ABC):
@@ -54,7 +68,7 @@ class AttentionBackend(ABC):
         v: torch.Tensor,
         out: torch.Tensor,
         layer_id: int,
-        ctx: "ForwardContext",
+        ctx: ForwardContext,
     ) -> None:
         """Store k/v at `out_cache_loc` and write attention over each request's KV into `out`."""
 

@@ -19,14 +19,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from graphexec.attention.forward_context import get_forward_context
 from graphexec.attention.op import bind_cpu_kernels, unbind_cpu_kernels
 from graphexec.attention.torch_native import TorchNativeAttnBackend
 from graphexec.errors import CheckpointError, ConfigError
-from graphexec.attention.forward_context import get_forward_context
 
 if TYPE_CHECKING:
-    from graphexec.runner.forward_batch import ForwardBatch
-    from graphexec.attention.forward_context import ForwardContext
+    from graphexec.attention.backend import ForwardContext
+    from graphexec.batch.forward_batch import ForwardBatch
 
 
 def load_kernels() -> None:

@@ -9,22 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterator
 
-if TYPE_CHECKING:
-    from graphexec.attention.backend import AttentionBackend
-    from graphexec.cache.kv_pool import TokenToKVPool
-    from graphexec.cache.req_to_token_pool import ReqToTokenPool
-    from graphexec.runner.forward_batch import ForwardBatch
-
-
-@dataclass(frozen=True)
-class ForwardContext:
-    forward_batch: "ForwardBatch"
-    attn_backend: "AttentionBackend"
-    kv_pool: "TokenToKVPool"
-    req_to_token_pool: "ReqToTokenPool"
+from graphexec.attention.backend import ForwardContext
 
 
 _CURRENT: contextvars.ContextVar[ForwardContext | None] = contextvars.ContextVar(

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from graphexec.attention.backend import AttentionBackend
 
 if TYPE_CHECKING:
-    from graphexec.runner.forward_batch import ForwardBatch
-    from graphexec.attention.forward_context import ForwardContext
+    from graphexec.attention.backend import ForwardContext
+    from graphexec.batch.forward_batch import ForwardBatch
 
 
 @dataclass(frozen=True)

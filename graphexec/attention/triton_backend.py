@@ -26,8 +26,8 @@ from graphexec.attention.backend import AttentionBackend
 from graphexec.errors import ConfigError
 
 if TYPE_CHECKING:
-    from graphexec.attention.forward_context import ForwardContext
-    from graphexec.runner.forward_batch import ForwardBatch
+    from graphexec.attention.backend import ForwardContext
+    from graphexec.batch.forward_batch import ForwardBatch
 
 
 def load_kernels() -> ModuleType:

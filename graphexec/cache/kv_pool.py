@@ -7,8 +7,7 @@ import math
 import numpy as np
 import torch
 
-# Slot 0 is the dummy target for padded rows: they write there and nothing reads it as live KV.
-DUMMY_SLOT = 0
+from graphexec.batch.padding import DUMMY_SLOT
 
 
 class SlotAllocator:

@@ -14,7 +14,7 @@ Every KV slot is, at any time, exactly one of: free; owned by one node of the pr
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Protocol, Sequence
 
 import torch
 
@@ -24,9 +24,16 @@ from graphexec.cache.req_to_token_pool import ReqToTokenPool
 from graphexec.parallel.group import SINGLE, TPGroup
 
 if TYPE_CHECKING:
+    from graphexec.batch.request import Req
     from graphexec.config import EngineConfig
-    from graphexec.models.config import ModelConfig
-    from graphexec.scheduler.request import Req
+
+
+class PoolShape(Protocol):
+    """What the KV pool needs to know of the model (one rank's graphexec/models ModelConfig has it)."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
 
 
 class KVCacheFullError(RuntimeError):
@@ -49,7 +56,7 @@ class KVCacheManager:
         self._held: dict[Req, _Holding] = {}
 
     @classmethod
-    def from_config(cls, config: EngineConfig, model: ModelConfig, max_context: int, tp: TPGroup = SINGLE) -> KVCacheManager:
+    def from_config(cls, config: EngineConfig, model: PoolShape, max_context: int, tp: TPGroup = SINGLE) -> KVCacheManager:
         """A rank's cache.  Rank 0's table keeps a journal when other tensor-parallel ranks mirror
         it (graphexec/parallel/step_sync.py)."""
         device = torch.device(config.device)

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-# Row 0 is the dummy request that padded batch rows point at; it is never handed out.
-DUMMY_REQ_ROW = 0
+from graphexec.batch.padding import DUMMY_REQ_ROW
+
 
 # A journal record: ("span", row, start, slots) | ("points", rows, cols, slots) | ("clear", row).
 TableChange = tuple

@@ -16,19 +16,19 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from graphexec.batch.request import Req
 from graphexec.config import EngineConfig
 from graphexec.engine.engine_loop import EngineLoop
 from graphexec.engine.engine_metrics import EngineMetrics
+from graphexec.engine.rank_setup import load_and_capture
 from graphexec.engine.request_output import RequestDelta, RequestOutput
 from graphexec.engine.request_stream import AsyncRequestStream, RequestStream
 from graphexec.engine.request_tracker import RequestTracker
 from graphexec.engine.threads import call_in_thread
-from graphexec.errors import InvalidRequestError, RequestFailedError
-from graphexec.engine.rank_setup import load_and_capture
 from graphexec.engine.tp_driver import TPDriver
+from graphexec.errors import InvalidRequestError, RequestFailedError
 from graphexec.parallel.group import SINGLE
 from graphexec.sampling_params import SamplingParams
-from graphexec.scheduler.request import Req
 from graphexec.scheduler.scheduler import Scheduler
 from graphexec.structured.spec import StructuredSpec
 from graphexec.text.prompt_encoder import Prompt, PromptEncoder

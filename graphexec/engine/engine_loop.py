@@ -36,10 +36,10 @@ from typing import Callable
 
 import torch
 
+from graphexec.batch.request import FinishReason
 from graphexec.engine.request_tracker import RequestTracker
 from graphexec.engine.serving_stats import ServingStats
 from graphexec.errors import EngineClosedError, WorkerFailedError
-from graphexec.scheduler.request import FinishReason
 from graphexec.scheduler.scheduler import Scheduler
 
 _log = logging.getLogger(__name__)

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from graphexec.batch.request import FinishReason, Req
 from graphexec.engine.request_output import RequestDelta, RequestOutput
-from graphexec.scheduler.request import FinishReason, Req
 from graphexec.text.detokenizer import Decoder, IncrementalDetokenizer
 from graphexec.text.stop_strings import StopStringMatcher
 

@@ -36,8 +36,8 @@ from graphexec.parallel.step_schema import (
 )  # fmt: skip
 
 if TYPE_CHECKING:
-    from graphexec.runner.forward_batch import ForwardBatch
-    from graphexec.runner.prompt_logprobs import PromptLogprobPlan
+    from graphexec.batch.forward_batch import ForwardBatch
+    from graphexec.batch.prompt_logprobs import PromptLogprobPlan
 
 # The runner's types are bound late, in the functions that build them: parallel/ sits below
 # runner/ (which imports parallel/group.py), docs/ARCHITECTURE.md.
@@ -100,7 +100,7 @@ def _put_batch(fb: ForwardBatch, scalars: dict, slots: dict) -> None:
 
 
 def _put_plan(plan: PromptLogprobPlan, scalars: dict, slots: dict) -> None:
-    from graphexec.runner.prompt_logprobs import PromptLogprobSpan
+    from graphexec.batch.prompt_logprobs import PromptLogprobSpan
 
     names = {f.name for f in dataclasses.fields(plan)}
     span_names = {f.name for f in dataclasses.fields(PromptLogprobSpan)}
@@ -311,7 +311,7 @@ def _check_counts(scalars: dict, tensors: dict[str, torch.Tensor]) -> None:
 
 
 def _decode_batch(s: dict, t: dict[str, torch.Tensor]) -> ForwardBatch:
-    from graphexec.runner.forward_batch import ForwardBatch
+    from graphexec.batch.forward_batch import ForwardBatch
 
     mode = MODES[s["forward_mode"]]
     seq_lens_cpu = tuple(t["seq_lens_cpu"].tolist())
@@ -372,7 +372,7 @@ def _check_equal(values: list[int], expected, name: str, other: str) -> None:
 
 
 def _decode_plan(s: dict, t: dict[str, torch.Tensor]) -> PromptLogprobPlan:
-    from graphexec.runner.prompt_logprobs import PromptLogprobPlan, PromptLogprobSpan
+    from graphexec.batch.prompt_logprobs import PromptLogprobPlan, PromptLogprobSpan
     from graphexec.sampling_params import MAX_LOGPROBS
 
     spans = [PromptLogprobSpan(**dict(zip(SPAN_FIELDS, row))) for row in t["logprob_spans"].tolist()]

@@ -35,7 +35,7 @@ from graphexec.parallel.step_codec import decode, encode
 from graphexec.parallel.step_schema import StepKind, StepMessage, StepMessageError
 
 if TYPE_CHECKING:
-    from graphexec.runner.forward_batch import ForwardBatch
+    from graphexec.batch.forward_batch import ForwardBatch
 
 __all__ = ["StepKind", "StepMessage", "StepSender", "batch_to", "receive"]
 

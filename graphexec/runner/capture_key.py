@@ -22,8 +22,8 @@ from typing import Any, Mapping
 
 import torch
 
+from graphexec.batch.forward_mode import ForwardMode
 from graphexec.config import EngineConfig
-from graphexec.forward_mode import ForwardMode
 from graphexec.loader import default_smollm2_gguf
 
 # Options that change nothing a graph does.

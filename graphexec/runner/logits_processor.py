@@ -10,7 +10,7 @@ from typing import Callable
 
 import torch
 
-from graphexec.runner.forward_batch import ForwardBatch
+from graphexec.batch.forward_batch import ForwardBatch
 
 
 class LogitsProcessor:

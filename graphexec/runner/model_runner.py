@@ -18,8 +18,13 @@ from capture import CaptureBackend, CaptureConfigError, CaptureEnv, Phase, creat
 from capture.bucketed import BucketedBackend
 from capture.eager import EagerRunner
 from capture.plan_store import PlanStore
-from graphexec.attention.backend import create_attention_backend, resolve_attention_backend
+from graphexec.attention.backend import ForwardContext, create_attention_backend, resolve_attention_backend
+from graphexec.attention.forward_context import forward_context
 from graphexec.attention.op import ATTENTION_OP, PYTHON_ROUTED_OPS
+from graphexec.batch.forward_batch import ForwardBatch
+from graphexec.batch.forward_mode import ForwardMode
+from graphexec.batch.padding import padding_policy
+from graphexec.batch.prompt_logprobs import PromptLogprobs
 from graphexec.cache.manager import KVCacheManager
 from graphexec.config import EngineConfig
 from graphexec.errors import ConfigError
@@ -28,15 +33,11 @@ from graphexec.models.config import ModelConfig
 from graphexec.models.llama import LlamaForCausalLM
 from graphexec.models.sharding import shard_state_dict
 from graphexec.models.tp_layout import TPLayout
+from graphexec.parallel.group import SINGLE, TPGroup
 from graphexec.quant import QuantEmbedding, QuantLinear, ensure_kernels
 from graphexec.runner.capture_key import capture_key
-from graphexec.runner.forward_batch import ForwardBatch, padding_policy
-from graphexec.attention.forward_context import ForwardContext, forward_context
-from graphexec.forward_mode import ForwardMode
-from graphexec.parallel.group import SINGLE, TPGroup
 from graphexec.runner.logits_processor import LogitsProcessor
-from graphexec.runner.prompt_logprobs import PromptLogprobs
-from graphexec.runner.sampler import Sampler, SamplerOutput
+from graphexec.sampling.sampler import Sampler, SamplerOutput
 from graphexec.structured.token_bitmask import TokenBitmask
 
 if TYPE_CHECKING:
@@ -50,7 +51,7 @@ class StepOutput:
     sampler: SamplerOutput
     logits: torch.Tensor  # [batch_size, vocab] fp32, the rows that sampled
     # Prompt logprobs computed by this forward: (batch index, first prompt position, entries)
-    # per request that asked (graphexec/runner/prompt_logprobs.py).
+    # per request that asked (graphexec/batch/prompt_logprobs.py).
     prompt_logprobs: list[tuple[int, int, list[dict]]] = field(default_factory=list)
 
 

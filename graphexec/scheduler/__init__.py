@@ -1,17 +1,15 @@
-"""Requests and scheduling: what runs next.
+"""Scheduling: what runs next.
 
-`request.py` (one request's state), `admission.py` (may the head of the queue start?),
-`schedule_batch.py` (one step's plan, built without side effects), `scheduler.py` (admit, retract,
-step, record).  Asks the KV cache manager (graphexec/cache/) for memory and the model runner
-(graphexec/runner/) for forwards; never touches a pool itself.
+`admission.py` (may the head of the queue start?), `scheduler.py` (admit, retract, step, record);
+the requests and the step plans it builds are graphexec/batch/'s `Req` and `ScheduleBatch`.
+Asks the KV cache manager (graphexec/cache/) for memory and the model runner (graphexec/runner/)
+for forwards; never touches a pool itself.
 """
 
 from graphexec.lazy_exports import lazy_getattr
 
 _PUBLIC = {
     "Scheduler": "graphexec.scheduler.scheduler",
-    "Req": "graphexec.scheduler.request",
-    "ScheduleBatch": "graphexec.scheduler.schedule_batch",
 }
 __all__ = sorted(_PUBLIC)
 

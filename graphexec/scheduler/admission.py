@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING
 from graphexec.config import SchedulerConfig
 
 if TYPE_CHECKING:
+    from graphexec.batch.request import Req
     from graphexec.cache.manager import KVCacheManager
-    from graphexec.scheduler.request import Req
 
 
 class ReserveAdmission:

@@ -20,13 +20,13 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 
+from graphexec.batch.request import FinishReason, Req
+from graphexec.batch.schedule_batch import ScheduleBatch
 from graphexec.cache.manager import KVCacheManager
 from graphexec.config import SchedulerConfig
 from graphexec.runner.model_runner import ModelRunner, StepOutput
-from graphexec.runner.sampler import make_generator
+from graphexec.sampling.sampler import make_generator
 from graphexec.scheduler.admission import create_admission
-from graphexec.scheduler.request import FinishReason, Req
-from graphexec.scheduler.schedule_batch import ScheduleBatch
 
 
 class Scheduler:

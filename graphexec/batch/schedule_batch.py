@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from graphexec.forward_mode import ForwardMode
-from graphexec.scheduler.request import Req
+from graphexec.batch.forward_mode import ForwardMode
+from graphexec.batch.request import Req
 
 
 @dataclass(frozen=True)

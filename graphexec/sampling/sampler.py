@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from graphexec.runner.penalties import LogitsPenalties, TokenHistory
+from graphexec.sampling.penalties import LogitsPenalties, TokenHistory
 from graphexec.sampling_params import SamplingParams
 from graphexec.structured.token_bitmask import RowGrammar, TokenBitmask
 

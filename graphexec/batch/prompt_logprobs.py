@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import torch
 
 if TYPE_CHECKING:
-    from graphexec.scheduler.request import Req
+    from graphexec.batch.request import Req
 
 # Rows pushed through the LM head at a time: bounds the [rows, vocab] fp32 logits a long prompt
 # would otherwise materialise at once (256 x 49,152 x 4 B = 48 MiB).

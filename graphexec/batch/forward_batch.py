@@ -7,16 +7,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from capture import PaddingPolicy, Phase
-from graphexec.cache.kv_pool import DUMMY_SLOT
-from graphexec.cache.req_to_token_pool import DUMMY_REQ_ROW
-from graphexec.forward_mode import ForwardMode
-from graphexec.runner.prompt_logprobs import PromptLogprobPlan
-from graphexec.runner.sampler import SamplingBatchInfo
+from capture import Phase
+from graphexec.batch.forward_mode import ForwardMode
+from graphexec.batch.prompt_logprobs import PromptLogprobPlan
+from graphexec.sampling.sampler import SamplingBatchInfo
 from graphexec.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from graphexec.scheduler.schedule_batch import ScheduleBatch
+    from graphexec.batch.schedule_batch import ScheduleBatch
 
 
 _NO_SAMPLING = SamplingParams(temperature=0.0)
@@ -171,12 +169,3 @@ class ForwardBatch:
         if self.forward_mode.is_extend():
             return self.extend_start_loc + self.extend_seq_lens - 1
         return torch.arange(self.batch_size, device=self.input_ids.device)
-
-
-def padding_policy(attention_seq_len: int) -> PaddingPolicy:
-    """What every padded row holds, declared once: the dummy request row (whose table entries all
-    point at the dummy slot), the dummy KV slot, token 0 at position 0, and a sequence length the
-    attention backend accepts (`AttentionBackend.padded_seq_len`)."""
-    return PaddingPolicy(
-        req_pool_index=DUMMY_REQ_ROW, out_cache_loc=DUMMY_SLOT, seq_len=attention_seq_len, input_id=0, position=0
-    )
