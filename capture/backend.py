@@ -1,9 +1,10 @@
 """The one interface every capture backend implements, what it is given, and the counters it keeps.
 
 The caller drives: it asks a backend which buckets to capture (`capture_plan`) and captures
-each inside its own forward scope (`capture_bucket`); per forward it asks `can_run`, then
-`prepare` (the padded batch to open its scope for) and runs what `prepare` returned inside that
-scope.  A backend never calls back into its caller.
+each inside its own forward scope (`capture_bucket`); per forward it asks `takes` (which counts a
+batch the backend cannot run as a fallback), then `prepare` (the padded batch to open its scope
+for) and runs what `prepare` returned inside that scope.  A backend never calls back into its
+caller, and only a backend moves its counters (`BackendStats`).
 """
 
 from __future__ import annotations
@@ -14,11 +15,11 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, TypeVar
 
 import torch
-from tqdm import tqdm
-
 from capture.batch import BucketableBatch, Phase
 from capture.measure import BucketDecision
 from capture.memory import memory_in_use
+from capture.option_parser import options_for
+from capture.options import CaptureOptions
 from capture.padding import PaddingPolicy
 from capture.recorders import Recorders
 
@@ -64,7 +65,8 @@ class PreparedForward:
 
 @dataclass
 class BackendStats:
-    """What a backend did, for benchmarks and /metrics."""
+    """What a backend did, for benchmarks and /metrics: its one set of counters, moved only by the
+    backend (and the helpers it owns, such as its AotLayer)."""
 
     capture_seconds: dict[int, float] = field(default_factory=dict)  # per bucket
     capture_bytes: dict[int, int] = field(default_factory=dict)  # per bucket (device or host RSS)
@@ -87,6 +89,12 @@ class BackendStats:
     artifacts_saved: int = 0
     artifacts_loaded: int = 0
     artifacts_rejected: int = 0
+    # Graphs handed to a compiler, all buckets together: breakable's segments, tc_piecewise's
+    # distinct pieces (identical pieces compile once).
+    compiles: int = 0
+    # Per bucket of tc_piecewise: compiled pieces in its graph, and split-op calls between them.
+    pieces: dict[int, int] = field(default_factory=dict)
+    splits: dict[int, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -99,8 +107,15 @@ class BackendStats:
             "artifacts_saved": self.artifacts_saved,
             "artifacts_loaded": self.artifacts_loaded,
             "artifacts_rejected": self.artifacts_rejected,
+            "compiles": self.compiles,
             "buckets": {
-                bucket: {"state": state, "ready_after_s": self.ready_after_seconds.get(bucket), "origin": self.origins.get(bucket)}
+                bucket: {
+                    "state": state,
+                    "ready_after_s": self.ready_after_seconds.get(bucket),
+                    "origin": self.origins.get(bucket),
+                    "pieces": self.pieces.get(bucket),
+                    "splits": self.splits.get(bucket),
+                }
                 | (self.decisions[bucket].as_dict() if bucket in self.decisions else {})
                 for bucket, state in sorted(self.states.items())
             },
@@ -117,12 +132,21 @@ class CaptureBackend(ABC):
     `prepare(fb)` per forward."""
 
     name: str = ""
+    # What this backend takes (capture/options.py).
+    options_type: type[CaptureOptions] = CaptureOptions
 
-    def __init__(self, env: CaptureEnv, options: Mapping[str, Any], config_path: str = "capture"):
+    def __init__(
+        self, env: CaptureEnv, options: CaptureOptions | Mapping[str, Any] | None = None, config_path: str = "capture"
+    ):
         self.env = env
-        self.options = dict(options)
         # Where this backend's options live in the config, so errors can name them.
         self.config_path = config_path
+        if options is None or isinstance(options, Mapping):
+            # Config data (the caller's eager backend, tests, benchmarks) goes through the one check.
+            options = options_for(self.name, options, config_path, device=env.device)
+        if not isinstance(options, self.options_type):
+            raise TypeError(f"{self.name} takes {self.options_type.__name__}, not {type(options).__name__}")
+        self.options = options
         self.stats = BackendStats()
 
     # Rows of fixed-address decode metadata this backend's graphs replay against (0: none).  The
@@ -138,20 +162,6 @@ class CaptureBackend(ABC):
         """Make `bucket` runnable, inside the caller's forward scope for `batch`."""
         raise NotImplementedError(f"{self.name} captures nothing")
 
-    def _progress(self, buckets: list[int], label: str) -> Iterator[int]:
-        """Buckets in capture order, largest first (on CUDA the smaller graphs then reuse the
-        shared pool's blocks), behind a progress bar unless `progress: false`."""
-        bar = tqdm(
-            sorted(buckets, reverse=True),
-            desc=f"capture {label}",
-            unit="bucket",
-            disable=not self.options.get("progress", True),
-        )
-        for bucket in bar:
-            bar.set_postfix(bucket=bucket)
-            yield bucket
-        bar.close()
-
     def _measured(self, bucket: int, capture: Callable[[], T]) -> T:
         """Run one bucket's capture, recording its seconds and memory in the stats."""
         before, t0 = memory_in_use(self.env.device), time.perf_counter()
@@ -162,6 +172,14 @@ class CaptureBackend(ABC):
 
     @abstractmethod
     def can_run(self, fb: BucketableBatch) -> bool: ...
+
+    def takes(self, fb: BucketableBatch) -> bool:
+        """Whether this backend runs fb.  One it cannot run is counted as a fallback here, where the
+        counters live: the caller runs it eagerly instead."""
+        if self.can_run(fb):
+            return True
+        self.stats.fallbacks += 1
+        return False
 
     @abstractmethod
     def prepare(self, fb: BucketableBatch) -> PreparedForward:

@@ -54,6 +54,14 @@ class _BreakSwitch:
             twin.append(torch.compiler.disable(fn, recursive=True))
 
 
+# TODO(issue 26): per context (a ContextVar), so a `breaking()` entered in one thread could never
+# cut a forward running in another.  Not yet: torch 2.13's Dynamo cannot trace ContextVar.get()
+# (measured: "Unsupported method call ... method `get` of class `ContextVar`", gb0156), so every
+# marked function would break a fullgraph=True trace (full_graph, tc_piecewise) and cut every
+# segmented one at each break point whether active or not; assume_constant_result over the read
+# fails on a frozenset and would not guard anyway.  A plain object's attribute is traced and
+# guarded (tests/test_segments.py), and today a forward and its `breaking()` share the engine
+# loop's thread.
 _SWITCH = _BreakSwitch()
 
 

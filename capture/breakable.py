@@ -23,28 +23,25 @@ import torch
 
 from capture.backend import CaptureEnv
 from capture.batch import BucketableBatch
-from capture.break_points import ATTENTION, DEBUG, break_point, breaking
-from capture.errors import CaptureConfigError
+from capture.break_points import DEBUG, break_point, breaking
+from capture.options import BreakableOptions
+from capture.own_frame import own_forward
 from capture.piecewise import PieceForward, PiecewiseBackend
 
 
 class BreakableBackend(PiecewiseBackend):
     name = "breakable"
-    extra_options = PiecewiseBackend.extra_options | {"breaks"}
+    options: BreakableOptions
+    options_type = BreakableOptions
 
-    def __init__(self, env: CaptureEnv, options: Mapping[str, Any], config_path: str = "capture.extend"):
+    def __init__(self, env: CaptureEnv, options: BreakableOptions | Mapping[str, Any], config_path: str = "capture.extend"):
         super().__init__(env, options, config_path)
-        breaks = self.options.get("breaks", [ATTENTION])
-        if not breaks or not all(isinstance(b, str) for b in breaks):
-            raise CaptureConfigError(f"{config_path}.breaks must be a non-empty list of break-point names, got {breaks}")
-        self.breaks = frozenset(breaks)
-        self.segments_compiled = 0  # graphs handed to inductor, all buckets together
         # When a list, every compiled graph appends "segment" each time it runs (tests, debugging).
         self.trace: list[str] | None = None
 
     def _build_forward(self) -> PieceForward:
         model = self.env.model
-        if DEBUG in self.breaks:
+        if DEBUG in self.options.breaks:
             # One break around everything: no compiled or recorded work, eager through this path.
             model = break_point(DEBUG)(model)
         if self.recorder is not None:
@@ -55,7 +52,7 @@ class BreakableBackend(PiecewiseBackend):
         from torch._inductor.compile_fx import compile_fx
 
         def count_and_compile(gm: torch.fx.GraphModule, example_inputs):
-            self.segments_compiled += 1
+            self.stats.compiles += 1
             compiled = compile_fx(gm, example_inputs)
 
             def run(*args):
@@ -65,14 +62,8 @@ class BreakableBackend(PiecewiseBackend):
 
             return run
 
-        # Graph breaks make Dynamo mark the frames it had to leave as skipped for every later
-        # compile in the process; compiling a frame of our own keeps that mark off the model's
-        # forward, which full_graph and tc_piecewise must still trace whole.
-        def segmented_forward(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-            return model(input_ids, positions)
-
-        return torch.compile(segmented_forward, backend=count_and_compile, fullgraph=False, dynamic=False)
+        return torch.compile(own_forward(model), backend=count_and_compile, fullgraph=False, dynamic=False)
 
     def _run_pieces(self, fb: BucketableBatch) -> torch.Tensor:
-        with breaking(self.breaks):
+        with breaking(self.options.breaks):
             return self._forward(fb.input_ids, fb.positions)

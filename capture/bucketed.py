@@ -19,9 +19,9 @@ A backend is this core with a *phase* and a *mechanism*:
 
 The core pads, runs and slices back exactly once: callers get the real rows only.  A batch runs
 here only if a bucket holds it with at most `max_padding` of the bucket as padding; otherwise
-`can_run` is False and the caller falls back to eager (and counts it).  Options common to every
-bucketed backend: graph, buckets, lazy (capture a bucket on first use), progress, max_padding,
-keep, min_speedup.
+`can_run` is False and the caller falls back to eager (`takes` counts it).  The options common to
+every bucketed backend (capture/options.py `BucketedOptions`): graph, buckets, lazy (capture a
+bucket on first use), progress, max_padding, keep, min_speedup.
 
 A graph must pay for itself: with `keep: faster` each captured bucket is timed against the eager
 forward on its capture batch (capture/measure.py) and dropped unless it is `min_speedup` times
@@ -36,31 +36,22 @@ from __future__ import annotations
 
 import time
 from abc import abstractmethod
-from typing import Any, Callable, Iterator, Mapping
+from typing import Callable, Iterator, Mapping
 
 import torch
+from tqdm import tqdm
 
 from capture.artifacts import ArtifactStore
 from capture.backend import CaptureBackend, CaptureEnv, PreparedForward
 from capture.batch import BucketableBatch, Phase
-from capture.buckets import bucket_for, validate_buckets
-from capture.errors import CaptureConfigError
+from capture.buckets import bucket_for
 from capture.measure import BucketDecision, decide, time_interleaved
+from capture.options import BucketedOptions
 from capture.padding import StaticInputs
 from capture.recorders import RECORDERS
 from capture.segments import GraphRecorder, SegmentedGraph, record_segments
 
 BucketRunner = Callable[[BucketableBatch], torch.Tensor]
-MECHANISMS = ("auto", "compile", "cuda_graph", "tape", "eager")
-COMMON_OPTIONS = frozenset({"graph", "buckets", "lazy", "progress", "max_padding", "keep", "min_speedup"})
-KEEP_POLICIES = ("all", "faster")
-# How much faster than eager a graph must measure to be kept: run-to-run noise of one timing on a
-# small shared CPU is a few percent even interleaved (bench=capture prints the measured ratios).
-DEFAULT_MIN_SPEEDUP = 1.05
-# Decode pads whole requests, which cost little next to the weights every row reads; a prefill
-# pads tokens, and its compute grows with them, so by default a batch that would be more than
-# 5 % padding runs eager (configs/capture/graph_first.yaml; bench=prefill measured why).
-DEFAULT_MAX_PADDING = {Phase.ROWS: 1.0, Phase.TOKENS: 0.05}
 # Runs of a bucket's forward before it is recorded: lazy initialisation (kernels, handles,
 # allocator growth, compilation) must happen outside the graphs.
 _WARMUPS_BEFORE_RECORDING = 2
@@ -68,32 +59,22 @@ _WARMUPS_BEFORE_RECORDING = 2
 
 class BucketedBackend(CaptureBackend):
     phase: Phase
-    # Backend-specific options, besides COMMON_OPTIONS.
-    extra_options: frozenset[str] = frozenset()
+    options: BucketedOptions
+    options_type = BucketedOptions
     # How a recording finds its graphs (capture.segments.record_segments): between the breaks, or
     # around the pieces the forward hands over itself.
     implicit_segments = True
 
-    def __init__(self, env: CaptureEnv, options: Mapping[str, Any], config_path: str):
+    def __init__(self, env: CaptureEnv, options: BucketedOptions | Mapping, config_path: str):
         super().__init__(env, options, config_path)
-        known = COMMON_OPTIONS | self.extra_options
-        unknown = sorted(set(self.options) - known)
-        if unknown:
-            raise CaptureConfigError(f"{config_path}.{unknown[0]} is not a {self.name} option; known: {sorted(known)}")
-        self.mechanism = _resolve_mechanism(self.options.get("graph", "auto"), env.device, f"{config_path}.graph")
+        self.mechanism = mechanism_on(self.options.graph, env.device)
         # Shared by every backend of the engine (one CUDA pool); None unless the mechanism records.
         self.recorder: GraphRecorder | None = None
         if self.mechanism in RECORDERS:
             self.recorder = env.recorders.get(self.mechanism, env.device, f"{config_path}.graph", env.traced_ops)
-        self.buckets = validate_buckets(self.options.get("buckets"), f"{config_path}.buckets")
-        self.lazy = bool(self.options.get("lazy", False))
-        self.max_padding = _padding_limit(
-            self.options.get("max_padding", DEFAULT_MAX_PADDING[self.phase]), f"{config_path}.max_padding"
-        )
-        self.keep = self.options.get("keep", "all")
-        if self.keep not in KEEP_POLICIES:
-            raise CaptureConfigError(f"{config_path}.keep={self.keep!r} is unknown; choose one of {list(KEEP_POLICIES)}")
-        self.min_speedup = _min_speedup(self.options.get("min_speedup", DEFAULT_MIN_SPEEDUP), f"{config_path}.min_speedup")
+        # Its own attribute, not read through the options: a benchmark offers a copy of this
+        # backend fewer buckets (bench/padding.py).
+        self.buckets = self.options.buckets
         self.buffers = StaticInputs(self.buckets[-1], env.device)
         self._created_at = time.perf_counter()
         self.stats.states.update({bucket: "pending" for bucket in self.buckets})
@@ -138,7 +119,7 @@ class BucketedBackend(CaptureBackend):
         # Each capture pass starts from a fresh forward (a break marked since the last pass cuts it).
         self._before_capture()
         self._prepared = True
-        if self.lazy:
+        if self.options.lazy:
             return
         # Every bucket not dropped, captured again if it was before (a new break marked since).
         todo = [b for b in self.buckets if self.stats.states[b] != "dropped"]
@@ -148,7 +129,7 @@ class BucketedBackend(CaptureBackend):
     def pending_buckets(self) -> list[int]:
         """Buckets neither captured nor dropped, smallest first (the order of expected use); none
         when `lazy` (a bucket is captured on its first batch)."""
-        if self.lazy:
+        if self.options.lazy:
             return []
         return [b for b in self.buckets if self.stats.states[b] in ("pending", "compiling")]
 
@@ -183,10 +164,10 @@ class BucketedBackend(CaptureBackend):
         """The preset decision, else `keep=all`, else the graph timed against eager on `batch`."""
         if bucket in self._preset:
             return self._preset[bucket]
-        if self.keep == "all" or self.mechanism == "eager":
+        if self.options.keep == "all" or self.mechanism == "eager":
             return BucketDecision(kept=True, reason="keep=all")
         eager_ms, graph_ms = time_interleaved(lambda: self._run_model(batch), lambda: runner(batch))
-        return decide(eager_ms, graph_ms, self.min_speedup)
+        return decide(eager_ms, graph_ms, self.options.min_speedup)
 
     def drop(self, bucket: int, reason: str) -> None:
         """Run `bucket` eager from now on (its capture failed, say)."""
@@ -197,6 +178,15 @@ class BucketedBackend(CaptureBackend):
         self.stats.states[bucket] = "dropped"
         self._runners.pop(bucket, None)
         self._recorded.pop(bucket, None)
+
+    def _progress(self, buckets: list[int], label: str) -> Iterator[int]:
+        """Buckets in capture order, largest first (on CUDA the smaller graphs then reuse the
+        shared pool's blocks), behind a progress bar unless `progress: false`."""
+        bar = tqdm(sorted(buckets, reverse=True), desc=f"capture {label}", unit="bucket", disable=not self.options.progress)
+        for bucket in bar:
+            bar.set_postfix(bucket=bucket)
+            yield bucket
+        bar.close()
 
     def _prepare_once(self) -> None:
         if not self._prepared:
@@ -234,9 +224,9 @@ class BucketedBackend(CaptureBackend):
             return False
         size = self.size_of(fb)
         bucket = bucket_for(size, self.buckets)
-        if bucket is None or bucket - size > self.max_padding * bucket:
+        if bucket is None or bucket - size > self.options.max_padding * bucket:
             return False
-        if self.lazy:
+        if self.options.lazy:
             return self.stats.states[bucket] != "dropped"
         return bucket in self._runners
 
@@ -261,24 +251,8 @@ class BucketedBackend(CaptureBackend):
         return self.buffers.load_tokens(fb, bucket, self.env.padding)
 
 
-def _resolve_mechanism(kind: Any, device: torch.device, option: str) -> str:
-    if kind not in MECHANISMS:
-        raise CaptureConfigError(f"{option}={kind!r} is unknown; choose one of {list(MECHANISMS)}")
-    if kind == "auto":
+def mechanism_on(graph: str, device: torch.device) -> str:
+    """What `graph` (checked by capture/option_parser.py) runs on `device`: auto resolved."""
+    if graph == "auto":
         return "cuda_graph" if device.type == "cuda" else "compile"
-    if kind == "cuda_graph" and device.type != "cuda":
-        raise CaptureConfigError(f"{option}=cuda_graph needs device=cuda; this engine runs on {device.type}")
-    return kind
-
-
-def _padding_limit(value: Any, option: str) -> float:
-    """The largest share of a bucket that may be padding before a batch runs eager instead."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
-        raise CaptureConfigError(f"{option} must be a fraction in [0, 1], got {value!r}")
-    return float(value)
-
-
-def _min_speedup(value: Any, option: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise CaptureConfigError(f"{option} must be a positive number (eager ms / graph ms to keep a graph), got {value!r}")
-    return float(value)
+    return graph

@@ -5,10 +5,12 @@ from __future__ import annotations
 import torch
 
 from capture.backend import CaptureBackend, PreparedForward
+from capture.options import EagerOptions
 
 
 class EagerRunner(CaptureBackend):
     name = "eager"
+    options_type = EagerOptions
 
     def can_run(self, fb) -> bool:
         return True

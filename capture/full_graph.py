@@ -17,13 +17,11 @@ batch, run, slice back; the `graph` option picks the mechanism).  What a bucket 
 `compile.aot` (the `compile` mechanism only) that layer is compiled ahead of time per bucket
 (capture/aot_layer.py): no Dynamo frame per call, and, given the plan's artifact store
 (`preset`), saved beside the plan so a later start with the same key loads it instead of
-tracing and compiling.
+tracing and compiling.  Every option, checked, is capture/options.py's `FullGraphOptions`.
 """
 
 from __future__ import annotations
 
-import os
-import types
 from typing import Any, Callable, Mapping
 
 import torch
@@ -32,9 +30,9 @@ from capture.aot_layer import AotLayer
 from capture.backend import CaptureEnv
 from capture.batch import BucketableBatch, Phase
 from capture.bucketed import BucketedBackend, BucketRunner
-from capture.errors import CaptureConfigError
-
-_COMPILE_OPTIONS = {"enabled", "mode", "dynamic", "freezing", "cache_dir", "regional", "skip_module_guards", "cpp_wrapper", "aot"}
+from capture.inductor_cache import inductor_cache_dir
+from capture.options import FullGraphOptions
+from capture.own_frame import own_code, own_forward
 
 
 class FullGraphBackend(BucketedBackend):
@@ -42,54 +40,44 @@ class FullGraphBackend(BucketedBackend):
 
     name = "full_graph"
     phase = Phase.ROWS
-    extra_options = frozenset({"compile"})
+    options: FullGraphOptions
+    options_type = FullGraphOptions
 
-    def __init__(self, env: CaptureEnv, options: Mapping[str, Any], config_path: str = "capture.decode"):
+    def __init__(self, env: CaptureEnv, options: FullGraphOptions | Mapping[str, Any], config_path: str = "capture.decode"):
         super().__init__(env, options, config_path)
-        self.compile_options = dict(self.options.get("compile") or {})
-        unknown = sorted(set(self.compile_options) - _COMPILE_OPTIONS)
-        if unknown:
-            raise CaptureConfigError(f"{config_path}.compile.{unknown[0]} is unknown; known: {sorted(_COMPILE_OPTIONS)}")
-        _check_aot(self.compile_options, f"{config_path}.compile")
         self._compiled: Callable | None = None
         self._aot: AotLayer | None = None
 
     def _bucket_forward(self) -> BucketRunner:
         # `compile.enabled` is a cuda_graph option: the tape records aten calls, which compiled
         # kernels do not make, so it always records the plain forward.
-        over_compiled = self.mechanism == "cuda_graph" and bool(self.compile_options.get("enabled", False))
+        over_compiled = self.mechanism == "cuda_graph" and self.options.compile.enabled
         compiled = self.mechanism == "compile" or over_compiled
         forward = self._compiled_forward() if compiled else self.env.model
         return lambda fb: forward(fb.input_ids, fb.positions)
 
     def _compiled_forward(self) -> Callable:
         if self._compiled is None:
-            opts = self.compile_options
-            if opts.get("cache_dir"):
-                # Inductor reads its on-disk cache location from the environment.
-                os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(opts["cache_dir"])
+            opts = self.options.compile
             options = self._inductor_options()
-            mode = opts.get("mode", "default")
-            if mode != "default" and options:
-                raise CaptureConfigError(
-                    f"{self.config_path}.compile.mode={mode!r} cannot be combined with freezing, skip_module_guards or cpp_wrapper"
-                )
             compile_kwargs = dict(
                 fullgraph=True,
-                dynamic=bool(opts.get("dynamic", False)),
-                **({"options": options} if options else {"mode": None if mode == "default" else mode}),
+                dynamic=opts.dynamic,
+                # A mode is torch.compile's alternative to inductor options (capture/option_parser.py
+                # refuses both at once).
+                **({"options": options} if options else {"mode": None if opts.mode == "default" else opts.mode}),
             )
-            self._compiled = self._regional_forward(compile_kwargs) if opts.get("regional") else self._whole_forward(compile_kwargs)
+            self._compiled = self._regional_forward(compile_kwargs) if opts.regional else self._whole_forward(compile_kwargs)
         return self._compiled
 
     def _inductor_options(self) -> dict[str, Any]:
-        opts = self.compile_options
-        options: dict[str, Any] = {"freezing": True} if opts.get("freezing") else {}
-        if opts.get("cpp_wrapper"):
+        opts = self.options.compile
+        options: dict[str, Any] = {"freezing": True} if opts.freezing else {}
+        if opts.cpp_wrapper:
             # Inductor's per-call wrapper in C++ instead of Python: the kernels of a graph are
             # launched without a Python frame between them.
             options["cpp_wrapper"] = True
-        if opts.get("skip_module_guards"):
+        if opts.skip_module_guards:
             # Weights never change identity or shape after loading, so checking every
             # module attribute on each call (30 times a step when regional) buys nothing.
             options["guard_filter_fn"] = torch.compiler.skip_guard_on_all_nn_modules_unsafe
@@ -106,7 +94,7 @@ class FullGraphBackend(BucketedBackend):
         # functional call over stacked per-layer weights would let one subgraph serve every layer
         # inside one whole-forward graph.
         dynamic = compile_kwargs.pop("dynamic")
-        compiled_layer = torch.compile(_own_code(_call_layer), dynamic=True if dynamic else None, **compile_kwargs)
+        compiled_layer = torch.compile(own_code(_call_layer), dynamic=True if dynamic else None, **compile_kwargs)
         model = self.env.model
 
         def run_layer(layer, positions, x, rotary, layer_id):
@@ -117,55 +105,28 @@ class FullGraphBackend(BucketedBackend):
 
         if self._uses_aot():
             self._aot = AotLayer(
-                _own_code(_call_layer), compile_kwargs.get("options", {}), self.artifacts,
+                own_code(_call_layer), compile_kwargs.get("options", {}), self.artifacts,
                 f"{self.config_path}.layer", self.stats, fallback=run_layer, option=f"{self.config_path}.compile.aot",
             )
             run_layer = self._aot
         return lambda ids, pos: model(ids, pos, layer_runner=run_layer)
 
     def _whole_forward(self, compile_kwargs: dict[str, Any]) -> Callable:
-        model = self.env.model
-
-        # Our own top frame, not the model's forward: Dynamo may have marked that code
-        # object as skipped after another backend's graph breaks (breakable), and a
-        # skipped top frame would be compiled layer by layer instead of whole.
-        def whole_forward(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-            return model(input_ids, positions)
-
-        return torch.compile(_own_code(whole_forward), **compile_kwargs)
+        return torch.compile(own_forward(self.env.model), **compile_kwargs)
 
     def _uses_aot(self) -> bool:
         # TODO(gpu): the cuda_graph mechanism records over the Dynamo-compiled layer; an artifact
         # would spare a GPU start the trace too, but that path has never run.
-        return self.mechanism == "compile" and bool(self.compile_options.get("aot", False))
+        return self.mechanism == "compile" and self.options.compile.aot
 
     def _make_runner(self, bucket: int, batch: BucketableBatch) -> BucketRunner:
-        runner = super()._make_runner(bucket, batch)
+        # A bucket is compiled (or its artifact loaded) on its first call, here.
+        with inductor_cache_dir(self.options.compile.cache_dir):
+            runner = super()._make_runner(bucket, batch)
         if self._aot is not None:
             self._aot.trust(bucket)
         return runner
 
 
-def _check_aot(opts: Mapping[str, Any], path: str) -> None:
-    """`aot` persists the regional layer; torch 2.13 cannot serialize a frozen graph, a batch size
-    left symbolic would specialize on its first bucket where Dynamo would recompile, and an
-    inductor mode cannot be combined with the guard filter an artifact needs."""
-    if not opts.get("aot"):
-        return
-    if opts.get("mode", "default") != "default":
-        raise CaptureConfigError(f"{path}.aot=true needs {path}.mode=default (or set {path}.aot=false)")
-    for option, wrong in (("regional", False), ("freezing", True), ("dynamic", True)):
-        if bool(opts.get(option, False)) is wrong:
-            raise CaptureConfigError(f"{path}.aot=true needs {path}.{option}={str(not wrong).lower()} (or set {path}.aot=false)")
-
-
 def _call_layer(layer, positions, x, rotary, layer_id):
     return layer(positions, x, rotary, layer_id)
-
-
-def _own_code(fn: Callable) -> Callable:
-    """`fn` over a code object of its own.  Dynamo caches compiled graphs on the code object, so
-    without this every backend in the process would share one cache, and with module guards
-    skipped (`skip_module_guards`) one engine's graph could run another engine's different
-    modules (seen: a dequantized model replaying a quantized model's layer graph)."""
-    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)

@@ -24,6 +24,7 @@ import torch
 from capture.backend import CaptureEnv
 from capture.batch import BucketableBatch, Phase
 from capture.bucketed import BucketedBackend, BucketRunner
+from capture.options import PiecewiseOptions
 
 PieceForward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -32,8 +33,9 @@ class PiecewiseBackend(BucketedBackend):
     """The TOKENS phase with the forward cut into pieces; subclasses say how it is cut."""
 
     phase = Phase.TOKENS
+    options_type = PiecewiseOptions
 
-    def __init__(self, env: CaptureEnv, options: Mapping[str, Any], config_path: str = "capture.extend"):
+    def __init__(self, env: CaptureEnv, options: PiecewiseOptions | Mapping[str, Any], config_path: str = "capture.extend"):
         super().__init__(env, options, config_path)
         self._forward: PieceForward | None = None
 

@@ -6,7 +6,8 @@ import importlib
 from typing import Any, Mapping
 
 from capture.backend import CaptureBackend, CaptureEnv
-from capture.errors import CaptureConfigError
+from capture.option_parser import options_for
+from capture.options import PIECEWISE
 
 _BACKENDS: Mapping[str, str] = {
     "eager": "capture.eager:EagerRunner",
@@ -16,15 +17,9 @@ _BACKENDS: Mapping[str, str] = {
 }
 
 
-# `piecewise` names the prefill backend by role; `variant` picks the implementation.  `auto`
-# takes tc_piecewise on CPU, what measured best there (bench/prefill.py), and breakable on CUDA,
-# where Breakable CUDA Graph needs no compiler and the seeds measure it capturing 3.8-5.2x
-# faster (TODO(gpu): never measured here: no device has been lent).
-PIECEWISE = "piecewise"
-_PIECEWISE_VARIANTS = ("auto", "breakable", "tc_piecewise")
-
-
 def available_backends() -> list[str]:
+    """Config names: the backends, and `piecewise` (the prefill backend by role, its `variant`
+    picking breakable or tc_piecewise: capture/options.py `PiecewiseChoice`)."""
     return sorted([*_BACKENDS, PIECEWISE])
 
 
@@ -38,16 +33,7 @@ def backend_class(name: str) -> type[CaptureBackend]:
 def create_backend(
     name: str, env: CaptureEnv, options: Mapping[str, Any] | None = None, config_path: str = "capture"
 ) -> CaptureBackend:
-    options = dict(options or {})
-    if name == PIECEWISE:
-        name, options = _resolve_piecewise(env, options, config_path)
-    return backend_class(name)(env, options, config_path)
-
-
-def _resolve_piecewise(env: CaptureEnv, options: dict[str, Any], config_path: str) -> tuple[str, dict[str, Any]]:
-    variant = options.pop("variant", "auto")
-    if variant not in _PIECEWISE_VARIANTS:
-        raise CaptureConfigError(f"{config_path}.variant={variant!r} is unknown; choose one of {list(_PIECEWISE_VARIANTS)}")
-    if variant != "auto":
-        return variant, options
-    return ("breakable" if env.device.type == "cuda" else "tc_piecewise"), options
+    """The backend `name` with `options`, a mode's config entry (checked by options_for; its errors
+    name options under `config_path`)."""
+    typed = options_for(name, options, config_path, device=env.device)
+    return backend_class(typed.backend)(env, typed, config_path)

@@ -14,18 +14,13 @@ The attention op writes its result into `out`, an `empty_like` made in the piece
 read by the piece after it.  The split module hands that very tensor object from the first piece
 to the op and then to the next piece, and runs them in the original order, so the write is seen.
 
-Options (under capture.extend / capture.mixed), besides buckets/progress/lazy:
-  graph      auto | compile | cuda_graph | tape | eager (capture/bucketed.py); tape records aten calls,
-             so it needs compiler=eager (inductor's kernels do not go through the dispatcher)
-  compiler   inductor (default) | eager (the same pieces, uncompiled: debugging) | tensorrt
-             (needs CUDA and torch_tensorrt; each piece goes to its Dynamo backend)
-  split_ops  qualified names of the ops the graph is cut at; default: the caller's
-             `CaptureEnv.split_ops` (graphexec: [graphexec::attention])
+Options (under capture.extend / capture.mixed): capture/options.py's `TcPiecewiseOptions`: the
+bucketed ones, `compiler` (inductor | eager | tensorrt) and `split_ops` (default: the caller's
+`CaptureEnv.split_ops`; graphexec: [graphexec::attention]).
 """
 
 from __future__ import annotations
 
-import importlib.util
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -34,13 +29,13 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from capture.backend import CaptureEnv
 from capture.batch import BucketableBatch
 from capture.break_points import run_break, run_piece
-from capture.errors import CaptureConfigError
 from capture.graph_split import SplitGraph, split_at_ops, structure_key
+from capture.options import TcPiecewiseOptions
+from capture.own_frame import own_forward
 from capture.piecewise import PieceForward, PiecewiseBackend
 
 # The break-point name the split-op pieces answer to while a bucket is recorded.
 SPLIT = "tc_piecewise_split"
-COMPILERS = ("inductor", "eager", "tensorrt")
 
 CompilePiece = Callable[[torch.fx.GraphModule, Sequence[torch.Tensor]], Callable[..., Any]]
 
@@ -53,13 +48,11 @@ class PieceCache:
     def __init__(self, compile_piece: CompilePiece):
         self._compile_piece = compile_piece
         self._compiled: dict[tuple, Callable[..., Any]] = {}
-        self.compiles = 0  # calls of the compiler, all buckets together
 
     def get(self, piece: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         key = (structure_key(piece), tuple(_layout(x) for x in example_inputs))
         if key not in self._compiled:
             self._compiled[key] = self._compile_piece(piece, list(example_inputs))
-            self.compiles += 1
         return self._compiled[key]
 
 
@@ -146,36 +139,23 @@ class _GraphedPiece:
 
 class TcPiecewiseBackend(PiecewiseBackend):
     name = "tc_piecewise"
+    options: TcPiecewiseOptions
+    options_type = TcPiecewiseOptions
     implicit_segments = False  # the split module hands over its pieces: each recorded alone
-    extra_options = PiecewiseBackend.extra_options | {"compiler", "split_ops"}
 
-    def __init__(self, env: CaptureEnv, options: Mapping[str, Any], config_path: str = "capture.extend"):
-        self.compiler = _resolve_compiler(options.get("compiler", "inductor"), env.device, config_path)
+    def __init__(self, env: CaptureEnv, options: TcPiecewiseOptions | Mapping[str, Any], config_path: str = "capture.extend"):
         super().__init__(env, options, config_path)
-        if self.mechanism == "tape" and self.compiler != "eager":
-            raise CaptureConfigError(
-                f"{config_path}.graph=tape records aten calls, which {self.compiler}'s compiled pieces do not make; "
-                f"set {config_path}.compiler=eager"
-            )
-        self.split_ops = _resolve_split_ops(self.options.get("split_ops", list(env.split_ops)), config_path)
-        self.pieces_per_bucket: dict[int, int] = {}  # compiled (non-split) pieces in each bucket's graph
-        self.splits_per_bucket: dict[int, int] = {}  # split-op calls in each bucket's graph
-        self.piece_cache = PieceCache(PIECE_COMPILERS.get(self.compiler, compile_with_inductor))
+        self.split_ops = frozenset(self.options.split_ops or env.split_ops)
+        self.piece_cache = PieceCache(self._compile_piece)
         # The bucket being traced: Dynamo calls our backend from inside `_run_pieces`, which sets it.
         self._tracing_bucket: int | None = None
 
+    def _compile_piece(self, piece: torch.fx.GraphModule, example_inputs: Sequence[torch.Tensor]) -> Callable[..., Any]:
+        self.stats.compiles += 1
+        return PIECE_COMPILERS[self.options.compiler](piece, example_inputs)
+
     def _build_forward(self) -> PieceForward:
-        model = self.env.model
-
-        # A top frame of our own rather than the model's forward: Dynamo marks a code object it
-        # could not trace in one go as skipped for every later compile, whatever the backend
-        # (the breakable backend's graph breaks do that to LlamaForCausalLM.forward), and from a
-        # skipped top frame Dynamo would hand us each layer's frames separately.  Inlined, the
-        # model's forward is traced whatever its mark.
-        def whole_forward(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-            return model(input_ids, positions)
-
-        return torch.compile(whole_forward, backend=self._split_and_compile, fullgraph=True, dynamic=False)
+        return torch.compile(own_forward(self.env.model), backend=self._split_and_compile, fullgraph=True, dynamic=False)
 
     def _run_pieces(self, fb: BucketableBatch) -> torch.Tensor:
         bucket = self._tracing_bucket = int(fb.input_ids.shape[0])
@@ -183,7 +163,7 @@ class TcPiecewiseBackend(PiecewiseBackend):
             hidden = self._forward(fb.input_ids, fb.positions)
         finally:
             self._tracing_bucket = None
-        if not self.splits_per_bucket.get(bucket):
+        if not self.stats.splits.get(bucket):
             # Correct but not piecewise: refuse rather than serve it under this backend's name.
             raise RuntimeError(
                 f"{self.name}: the {bucket}-token forward did not reach the backend as one graph cut at "
@@ -194,7 +174,7 @@ class TcPiecewiseBackend(PiecewiseBackend):
     def _split_and_compile(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         """The Dynamo backend: one call per bucket (static shapes), with the whole forward."""
         split = split_at_ops(gm, self.split_ops)
-        if self.compiler != "eager":
+        if self.options.compiler != "eager":
             compile_pieces(split, example_inputs, self.piece_cache)
         for piece in split.pieces:
             callable_piece = getattr(split.module, piece.name)
@@ -202,38 +182,7 @@ class TcPiecewiseBackend(PiecewiseBackend):
             wrapper = _SplitOpBreak if piece.is_split_op else _GraphedPiece
             setattr(split.module, piece.name, wrapper(callable_piece))
         if self._tracing_bucket is not None:
-            self.pieces_per_bucket[self._tracing_bucket] = split.num_pieces
-            self.splits_per_bucket[self._tracing_bucket] = split.num_splits
+            self.stats.pieces[self._tracing_bucket] = split.num_pieces
+            self.stats.splits[self._tracing_bucket] = split.num_splits
         return split.module
 
-
-def _resolve_compiler(compiler: Any, device: torch.device, config_path: str) -> str:
-    option = f"{config_path}.compiler"
-    if compiler not in COMPILERS:
-        raise CaptureConfigError(f"{option}={compiler!r} is unknown; choose one of {list(COMPILERS)}")
-    if compiler == "tensorrt" and (device.type != "cuda" or importlib.util.find_spec("torch_tensorrt") is None):
-        raise CaptureConfigError(
-            f"{option}=tensorrt needs device=cuda and torch_tensorrt installed (the `gpu` extra); "
-            f"this engine runs on {device.type}"
-        )
-    return compiler
-
-
-def _resolve_split_ops(split_ops: Any, config_path: str) -> frozenset[str]:
-    """Qualified names ('namespace::name') of registered ops, or a CaptureConfigError naming the option."""
-    option = f"{config_path}.split_ops"
-    if isinstance(split_ops, str) or not split_ops or not all(isinstance(op, str) for op in split_ops):
-        raise CaptureConfigError(f"{option} must be a non-empty list of op names like [namespace::attention], got {split_ops!r}")
-    for op in split_ops:
-        namespace, _, name = op.partition("::")
-        if not (namespace and name and _is_registered(namespace, name)):
-            raise CaptureConfigError(f"{option}: {op!r} is not a registered op ('namespace::name')")
-    return frozenset(split_ops)
-
-
-def _is_registered(namespace: str, name: str) -> bool:
-    try:
-        getattr(getattr(torch.ops, namespace), name)
-    except (AttributeError, RuntimeError):
-        return False
-    return True

@@ -2,7 +2,7 @@
 
 Before the first C++ kernel of a process inductor checks every vector ISA the CPU claims by
 building a tiny library with that ISA's flags and dlopening it in a subprocess: ten subprocesses,
-~1.9 s of the first decode bucket a warm start loads (`python -m bench.startup`, 2-core Xeon).  The
+~1.9 s of the first decode bucket a warm start loads (`graphexec-bench startup`, 2-core Xeon).  The
 answer is a function of the CPU's flags and the C++ compiler, so a process that probed for real
 writes it down (`remember`), and a later process whose CPU claims exactly the recorded ISAs and
 whose compiler is the same file skips the probe (`answered`).  Anything else probes as usual.

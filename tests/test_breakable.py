@@ -86,7 +86,7 @@ def test_debug_break_runs_everything_eagerly(eager_tokens):
     engine = Engine(overrides=_plan(breaks="[debug]"))
     backend = engine.runner.backends[ForwardMode.EXTEND]
     assert [engine.generate([p], PARAMS)[0].token_ids for p in _prompts()] == eager_tokens
-    assert backend.segments_compiled == 0 and backend.stats.executions == 4
+    assert backend.stats.compiles == 0 and backend.stats.executions == 4
 
 
 def test_user_marked_break_keeps_tokens(eager_tokens):
@@ -97,7 +97,7 @@ def test_user_marked_break_keeps_tokens(eager_tokens):
     engine.runner.capture_backend(backend)  # recompile with the new break marked
     assert [engine.generate([p], PARAMS)[0].token_ids for p in _prompts()] == eager_tokens
     attention_only = Engine(overrides=_plan(buckets="[32,64]")).runner.backends[ForwardMode.EXTEND]
-    assert backend.segments_compiled > attention_only.segments_compiled
+    assert backend.stats.compiles > attention_only.stats.compiles
 
 
 def test_padded_tokens_write_only_the_dummy_slot(breakable):

@@ -15,6 +15,7 @@ import torch
 from capture.break_points import break_point, breaking
 from capture.buckets import bucket_for
 from capture.op_tape import TapeRecorder
+from capture.options import BreakableOptions, TcPiecewiseOptions
 from capture.registry import create_backend
 from capture.segments import record_segments
 from graphexec import ConfigError, Engine, SamplingParams
@@ -140,6 +141,36 @@ def test_breaks_nested_in_a_break_run_eagerly_inside_it():
         torch.testing.assert_close(graph.replay(), (x * 2 + 1) * 3)
 
 
+def test_the_break_switch_is_traced_through_and_guarded():
+    """Dynamo reads which breaks are active while it traces, without a graph break (a whole forward
+    traces straight through an inactive break), and guards on it: code traced with the break off
+    is not reused with it on, where the break runs eagerly between graphs.  Once both ways are
+    compiled, flipping the switch compiles nothing more."""
+    x = torch.randn(4)
+    graphs = []  # the ops of each graph Dynamo hands over
+
+    def backend(gm, example_inputs):
+        graphs.append({n.target.__name__ for n in gm.graph.nodes if n.op == "call_function"})
+        return gm.forward
+
+    torch.compile(lambda t: _double(t + 1) - 1, backend=backend, fullgraph=True)(x)
+    assert graphs == [{"add", "mul", "sub"}]
+    compiled = torch.compile(lambda t: _double(t + 1) - 1, backend=backend)
+
+    def run(*active):
+        with breaking(active):
+            torch.testing.assert_close(compiled(x), x * 2 + 1)
+
+    run()
+    assert graphs[1:] == [{"add", "mul", "sub"}]
+    run("double")
+    assert graphs[2:] and all("mul" not in ops for ops in graphs[2:])  # x * 2 ran eagerly
+    run(), run("double"), run()
+    settled = len(graphs)
+    run("double"), run()
+    assert len(graphs) == settled
+
+
 def test_a_host_read_inside_a_segment_is_refused_as_cuda_capture_would():
     x = torch.randn(4)
     with pytest.raises(RuntimeError, match="reads a device value on the host inside a recorded segment"):
@@ -227,7 +258,7 @@ def test_auto_variant_is_breakable_on_cuda_and_tc_piecewise_on_cpu(tiny_engine, 
     cuda_env = dataclasses.replace(cpu_env, device=torch.device("cuda"))
     create_backend("piecewise", cpu_env, {"buckets": [16]}, "capture.extend")
     create_backend("piecewise", cuda_env, {"buckets": [16], "variant": "auto"}, "capture.extend")
-    assert made == [("tc_piecewise", {"buckets": [16]}), ("breakable", {"buckets": [16]})]
+    assert made == [("tc_piecewise", TcPiecewiseOptions(buckets=(16,))), ("breakable", BreakableOptions(buckets=(16,)))]
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))

@@ -9,6 +9,7 @@ from torch import fx
 from capture import Phase
 from capture.buckets import bucket_for
 from capture.graph_split import split_at_ops, structure_key
+from capture.options import TcPiecewiseOptions
 from capture.tc_piecewise import TcPiecewiseBackend
 from graphexec import ConfigError, Engine, SamplingParams
 from graphexec.batch.forward_mode import ForwardMode
@@ -182,7 +183,7 @@ def test_tc_piecewise_with_inductor_pieces_on_torch_2_11s_split_module(monkeypat
     batches = _batches()[3:5]  # 31 and 32 tokens: both run the 32-token pieces
     assert _generate(engine, batches) == _generate(eager_engine, batches)
     backend = engine.runner.backends[ForwardMode.EXTEND]
-    assert backend.piece_cache.compiles > 0 and backend.stats.executions >= 2
+    assert backend.stats.compiles > 0 and backend.stats.executions >= 2
 
 # -- the backend on the tiny model -------------------------------------------------------------
 
@@ -208,10 +209,10 @@ def test_tokens_equal_eager_around_bucket_edges(tc_engine, eager_engine):
 def test_pieces_are_splits_plus_one_and_attention_runs_between_them(tc_engine):
     backend = tc_engine.runner.backends[ForwardMode.EXTEND]
     layers = tc_engine.model_config.num_layers
-    assert backend.splits_per_bucket == {16: layers, 32: layers, 64: layers}
-    assert backend.pieces_per_bucket == {b: layers + 1 for b in (16, 32, 64)}
+    assert backend.stats.splits == {16: layers, 32: layers, 64: layers}
+    assert backend.stats.pieces == {b: layers + 1 for b in (16, 32, 64)}
     # Two layers: first, middle and last piece all differ, so none is shared within a bucket.
-    assert backend.piece_cache.compiles == 3 * (layers + 1)
+    assert backend.stats.compiles == 3 * (layers + 1)
 
     attn = tc_engine.runner.attn_backend
     seen = []
@@ -284,7 +285,7 @@ def test_eager_compiler_runs_the_same_pieces_uncompiled(eager_engine):
     backend = engine.runner.backends[ForwardMode.EXTEND]
     batches = _batches()[:6]
     assert _generate(engine, batches) == _generate(eager_engine, batches)
-    assert backend.piece_cache.compiles == 0 and backend.pieces_per_bucket == {32: 3, 64: 3}
+    assert backend.stats.compiles == 0 and backend.stats.pieces == {32: 3, 64: 3}
     assert backend.stats.padded_rows > 0
 
 
@@ -310,7 +311,7 @@ def test_one_graph_even_after_another_backend_broke_the_model_forward(eager_engi
     Engine(overrides=TINY + ["capture=eager", "+capture.extend={backend:breakable,buckets:[16],progress:false}"])
     engine = Engine(overrides=_plan(",compiler:eager", buckets="[16]"))
     backend = engine.runner.backends[ForwardMode.EXTEND]
-    assert backend.splits_per_bucket == {16: 2} and backend.pieces_per_bucket == {16: 3}
+    assert backend.stats.splits == {16: 2} and backend.stats.pieces == {16: 3}
     batches = _batches()[:2]
     assert _generate(engine, batches) == _generate(eager_engine, batches)
 
@@ -343,15 +344,16 @@ def test_config_errors_name_the_option(extra, message):
 
 def test_a_batch_that_would_be_mostly_padding_runs_eager(eager_engine):
     """max_padding=0.25: 17 or 23 tokens in bucket 32 are 47 % or 28 % padding (eager); 24 is 25 % (graph)."""
-    backend = TcPiecewiseBackend(eager_engine.runner.eager.env, {"buckets": [16, 32], "lazy": True, "max_padding": 0.25})
+    options = TcPiecewiseOptions(buckets=(16, 32), lazy=True, max_padding=0.25)
+    backend = TcPiecewiseBackend(eager_engine.runner.eager.env, options)
     eager_engine.runner.capture_backend(backend)  # lazy: builds the pieced forward, compiles nothing yet
 
     def batch(tokens):
         return dataclasses.make_dataclass("Batch", ["phase", "num_tokens"])(Phase.TOKENS, tokens)
 
     assert [backend.can_run(batch(n)) for n in (12, 16, 17, 23, 24, 32, 33)] == [True, True, False, False, True, True, False]
-    # One default, in capture/bucketed.py, the same as configs/capture/graph_first.yaml.
-    assert TcPiecewiseBackend(eager_engine.runner.eager.env, {"buckets": [16]}).max_padding == 0.05
+    # One default, in capture/options.py, the same as configs/capture/graph_first.yaml.
+    assert TcPiecewiseBackend(eager_engine.runner.eager.env, {"buckets": [16]}).options.max_padding == 0.05
 
 
 # -- the real model ------------------------------------------------------------------------------
@@ -377,8 +379,8 @@ def test_smollm2_tc_piecewise_equals_eager(smollm2_engine):
     params = SamplingParams(max_new_tokens=8, ignore_eos=True)
     batches = [prompts, prompts[:1]]  # ~100 tokens (bucket 128), ~30 (bucket 64)
     assert _generate(engine, batches, params) == _generate(smollm2_engine, batches, params)
-    assert backend.pieces_per_bucket == {64: 31, 128: 31} and backend.splits_per_bucket == {64: 30, 128: 30}
-    assert backend.piece_cache.compiles == 3 * 2
+    assert backend.stats.pieces == {64: 31, 128: 31} and backend.stats.splits == {64: 30, 128: 30}
+    assert backend.stats.compiles == 3 * 2
     assert backend.stats.executions == 2 and backend.stats.fallbacks == 0
     assert_no_leak(engine)
 
