@@ -1,9 +1,9 @@
 """Per-call cost of one attention layer: the old path (torch_native behind a custom_op, as the op
 was before the C++ kernels) against the `cpu` backend's C++ kernels behind the dispatcher.
 
-    python -m bench.attention_kernels                 # all cases, SmolLM2 heads (9 q / 3 kv, dim 64)
-    python -m bench.attention_kernels --dtype bfloat16 --repeats 5
-    python -m bench.attention_kernels --cases decode-b1-c2048 extend-1024
+    graphexec-bench attention_kernels                 # all cases, SmolLM2 heads (9 q / 3 kv, dim 64)
+    graphexec-bench attention_kernels --dtype bfloat16 --repeats 5
+    graphexec-bench attention_kernels --cases decode-b1-c2048 extend-1024
 
 Every measurement runs in a process of its own (old and new alternate, in both orders), so the
 two never share an OpenMP team, an allocator or caches; each case reports the best of
@@ -17,12 +17,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 
 import torch
 
+from bench.tables import header, machine_line, row
 from bench.timing import median_us_per_call
+from bench.workers import run_command
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64  # SmolLM2-135M
 DECODE = [(b, c) for b in (1, 8, 32) for c in (64, 512, 2048)]
@@ -141,16 +141,15 @@ def _old_custom_op():
 
 
 def _run_worker(impl: str, case: str, dtype: str, seconds: float, threads: int) -> dict:
-    cmd = [sys.executable, "-m", "bench.attention_kernels", "--worker", impl, "--cases", case, "--dtype", dtype,
-           "--seconds", str(seconds), "--threads", str(threads)]
+    args = ["--worker", impl, "--cases", case, "--dtype", dtype, "--seconds", str(seconds), "--threads", str(threads)]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    done = subprocess.run(cmd, capture_output=True, text=True, cwd=root, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"{impl} {case} failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    result = run_command("attention_kernels", args, timeout_s=600, cwd=root)
+    if "error" in result:
+        raise RuntimeError(f"{impl} {case} failed: {result['error']}")
+    return result
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", nargs="*", default=case_names(), help=f"default: all of {case_names()}")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -166,9 +165,9 @@ def main(argv: list[str] | None = None) -> None:
         return
 
     threads = args.threads or torch.get_num_threads()
-    print(f"attention per layer call, {HEADS} q / {KV_HEADS} kv heads x {HEAD_DIM}, {args.dtype}, {threads} threads; "
-          f"best of {args.repeats} processes each")
-    print(f"{'case':<22}{'old µs':>12}{'new µs':>12}{'speed-up':>10}{'old init':>11}{'new init':>11}")
+    print(f"{machine_line()}\nattention per layer call, {HEADS} q / {KV_HEADS} kv heads x {HEAD_DIM}, {args.dtype}, "
+          f"{threads} threads; best of {args.repeats} processes each\n")
+    print(header(["case", "old µs", "new µs", "speed-up", "old init µs", "new init µs"]))
     for case in args.cases:
         best: dict[str, dict] = {}
         for rep in range(args.repeats):
@@ -177,10 +176,6 @@ def main(argv: list[str] | None = None) -> None:
                 if impl not in best or result["call_us"] < best[impl]["call_us"]:
                     best[impl] = result
         old, new = best["old"], best["new"]
-        print(f"{case:<22}{old['call_us']:>12.1f}{new['call_us']:>12.1f}{old['call_us'] / new['call_us']:>9.1f}x"
-              f"{old['init_us']:>11.1f}{new['init_us']:>11.1f}", flush=True)
-    print("init: µs per forward to prepare the metadata (once per step, not per layer)")
-
-
-if __name__ == "__main__":
-    main()
+        print(row([case, f"{old['call_us']:.1f}", f"{new['call_us']:.1f}", f"{old['call_us'] / new['call_us']:.1f}x",
+                   f"{old['init_us']:.1f}", f"{new['init_us']:.1f}"]), flush=True)
+    print("\ninit: µs per forward to prepare the metadata (once per step, not per layer)")

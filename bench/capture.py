@@ -1,6 +1,6 @@
 """Capture suite: what starting an engine costs, per capture backend and bucket, cold and warm.
 
-Every phase is a fresh `python -m bench.capture_probe` process (nothing compiled in memory) run
+Every phase is a fresh `graphexec-bench capture_probe` process (nothing compiled in memory) run
 with the run's engine overrides.  The phases share one inductor cache directory, new and empty
 for this run: the cold phase compiles everything into it, the warm phase reuses what it left
 (with `compile.aot`, loading each kept decode bucket's artifact from the plan directory: its
@@ -10,18 +10,18 @@ A probe that fails is recorded as that phase's error, not raised, so the other p
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 from omegaconf import OmegaConf
 
 from bench.plots import grouped_bars
+from bench.tables import num as _num
+from bench.tables import table
+from bench.workers import run_command
 from graphexec.batch.forward_mode import ForwardMode
 
 _ALLOWED_PHASES = (["cold"], ["cold", "warm"])
@@ -58,26 +58,12 @@ def _explicit_cache_dirs(cfg) -> list[str]:
 
 def _run_probe(overrides: list[str], cache_dir: str, timeout_s: float) -> dict[str, Any]:
     # Triton's cache would otherwise live outside the fresh directory if the caller set it.
-    env = os.environ | {"TORCHINDUCTOR_CACHE_DIR": cache_dir, "TRITON_CACHE_DIR": os.path.join(cache_dir, "triton")}
+    env = {"TORCHINDUCTOR_CACHE_DIR": cache_dir, "TRITON_CACHE_DIR": os.path.join(cache_dir, "triton")}
     # Captured before the probe's engine returns, and the plan (which buckets keep their graphs)
     # stored in this run's directory: cold measures and stores it, warm loads it.
     plan_overrides = ["++capture.background=false", f"++capture.cache_dir={os.path.join(cache_dir, 'plans')}"]
-    cmd = [sys.executable, "-m", "bench.capture_probe", *overrides, *plan_overrides]
-    t0 = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        return {"error": f"probe timed out after {timeout_s:.0f} s", "process_seconds": time.perf_counter() - t0}
-    process_seconds = time.perf_counter() - t0
-    if proc.returncode != 0:
-        lines = proc.stderr.strip().splitlines()
-        error = lines[-1] if lines else f"probe exited with code {proc.returncode}"
-        return {"error": error, "exit_code": proc.returncode, "process_seconds": process_seconds}
-    try:
-        stats = json.loads(proc.stdout.strip().splitlines()[-1])
-    except (IndexError, json.JSONDecodeError):
-        return {"error": f"probe printed no JSON line: {proc.stdout[-200:]!r}", "process_seconds": process_seconds}
-    return stats | {"error": None, "process_seconds": process_seconds}
+    return {"error": None} | run_command("capture_probe", [*overrides, *plan_overrides], timeout_s, env=env, label="probe",
+                                         option="bench.probe_timeout_s")
 
 
 def _merge_backends(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
@@ -102,10 +88,6 @@ def _merge_backends(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     return list(merged.values())
 
 
-def _num(value: float | None, fmt: str = ".2f") -> str:
-    return "—" if value is None else format(value, fmt)
-
-
 def markdown(result: dict[str, Any]) -> str:
     phases = list(result["phases"])
     if result["cold_is_cold"]:
@@ -113,25 +95,17 @@ def markdown(result: dict[str, Any]) -> str:
     else:
         dirs = ", ".join(result["explicit_cache_dirs"])
         lines = [f"**Cold is not cold**: the config sets compile.cache_dir ({dirs}), which every phase reads as it was.", ""]
-    lines += ["| phase | engine start s | process s | peak RSS MiB | error |", "|---|---|---|---|---|"]
-    for phase, p in result["phases"].items():
-        rss = p.get("peak_rss_bytes")
-        error = (p["error"] or "").replace("|", "\\|")
-        lines.append(
-            f"| {phase} | {_num(p.get('start_seconds'))} | {_num(p['process_seconds'])} "
-            f"| {_num(None if rss is None else rss / 2**20, '.0f')} | {error} |"
-        )
+    lines.append(table(["phase", "engine start s", "process s", "peak RSS MiB", "error"], [
+        [phase, _num(p.get("start_seconds")), _num(p["process_seconds"]),
+         _num(None if p.get("peak_rss_bytes") is None else p["peak_rss_bytes"] / 2**20, ".0f"), p["error"] or ""]
+        for phase, p in result["phases"].items()]))
     for backend in result["backends"]:
         shared = [m for m in backend["modes"] if m != backend["name"]]
         lines += ["", f"### {backend['name']}: {backend['backend']}" + (f" (shared by {', '.join(shared)})" if shared else ""), ""]
         if not backend["buckets"]:
             lines.append("Nothing captured (no buckets).")
             continue
-        lines.append(
-            "| bucket | eager ms | graph ms | speedup | decision | "
-            + " | ".join(f"{ph} s" for ph in phases) + " | " + " | ".join(f"{ph} MiB" for ph in phases) + " |"
-        )
-        lines.append("|---" * (5 + 2 * len(phases)) + "|")
+        rows = []
         for row in backend["buckets"]:
             # "(artifact)": the bucket's compiled layer was loaded, not compiled (compile.aot).
             seconds = [_num(row.get(f"{ph}_seconds")) + (" (artifact)" if row.get(f"{ph}_origin") == "artifact" else "")
@@ -140,7 +114,9 @@ def markdown(result: dict[str, Any]) -> str:
             state = row.get(f"{phases[-1]}_state") or "—"
             decision = state if not row.get("reason") else f"{state} ({row['reason']})"
             measured = [_num(row.get("eager_ms")), _num(row.get("graph_ms")), _num(row.get("speedup"))]
-            lines.append(f"| {row['bucket']} | " + " | ".join([*measured, decision, *seconds, *mib]) + " |")
+            rows.append([row["bucket"], *measured, decision, *seconds, *mib])
+        lines.append(table(["bucket", "eager ms", "graph ms", "speedup", "decision", *(f"{ph} s" for ph in phases),
+                            *(f"{ph} MiB" for ph in phases)], rows))
         if len(phases) > 1:
             lines.append("")
             lines.append(f"{phases[-1]} s of a kept bucket is what loading its graph costs with the cache and plan warm; "

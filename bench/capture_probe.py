@@ -2,19 +2,18 @@
 cost: whole start seconds, peak RSS, and per distinct capture backend its seconds and bytes per
 bucket.  The capture suite (bench/capture.py) runs it once per phase, cold and warm.
 
-    python -m bench.capture_probe model=tiny-llama capture.decode.buckets=[1,4]
+    graphexec-bench capture_probe model=tiny-llama capture.decode.buckets=[1,4]
 
 On failure it exits non-zero with a one-line reason as the last line of stderr.
 """
 
 from __future__ import annotations
 
-import json
 import resource
-import sys
 import time
-import traceback
 from typing import Any
+
+from bench.workers import emit
 
 
 def config_without_progress_bars(overrides: list[str]):
@@ -68,33 +67,19 @@ def distinct_backends(runner) -> list[dict[str, Any]]:
     return list(by_instance.values())
 
 
+def peak_rss_bytes() -> int:
+    # ru_maxrss is KiB on Linux.  Inductor's compile workers are other processes: not counted.
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def probe(overrides: list[str]) -> dict[str, Any]:
     t0 = time.perf_counter()
     from graphexec import Engine
 
     engine = Engine(config=config_without_progress_bars(overrides))
     start_seconds = time.perf_counter() - t0
-    # ru_maxrss is KiB on Linux.  Inductor's compile workers are separate processes, not counted.
-    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return {"start_seconds": start_seconds, "peak_rss_bytes": peak_rss, "backends": distinct_backends(engine.runner)}
+    return {"start_seconds": start_seconds, "peak_rss_bytes": peak_rss_bytes(), "backends": distinct_backends(engine.runner)}
 
 
-def print_result_or_fail(label: str, measure) -> None:
-    """A worker process's ending: its result as one JSON line on stdout, or a one-line reason as the
-    last line of stderr (which the suite records as that run's error) and exit status 1."""
-    try:
-        result = measure()
-    except Exception as exc:
-        traceback.print_exc()
-        reason = " ".join(f"{type(exc).__name__}: {exc}".split())
-        print(f"{label} failed: {reason}", file=sys.stderr)
-        raise SystemExit(1)
-    print(json.dumps(result))
-
-
-def main() -> None:
-    print_result_or_fail("probe", lambda: probe(sys.argv[1:]))
-
-
-if __name__ == "__main__":
-    main()
+def main(argv: list[str]) -> None:
+    emit("probe", lambda: probe(argv))

@@ -4,7 +4,7 @@ sweep directory, from each run's results.json (a failed run is listed with its e
 Hydra calls it at the end of a sweep (configs/bench.yaml registers the callback); it also runs
 on any directory holding run directories:
 
-    python -m bench.compare multirun/bench/e2e/2026-11-29_12-00-00
+    graphexec-bench compare multirun/bench/e2e/2026-11-29_12-00-00
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from hydra.experimental.callback import Callback
 from bench.plots import grouped_bars
 from bench.report import RESULTS
 from bench.suites import load_suite
+from bench.tables import table
 
 COMPARISON = "comparison.md"
 
@@ -48,14 +49,9 @@ def write_comparison(sweep_dir: Path) -> Path | None:
         keys = _keys(group)
         names = _distinct_labels(group)
         common = " ".join(_common_overrides(group))
-        lines += [f"## {suite}", "", f"Overrides every run shares: {common or 'none'}", "", "| run | " + " | ".join(keys) + " |", "|---" * (len(keys) + 1) + "|"]
-        for run in group:
-            if run["status"] != "ok":
-                lines.append(f"| {names[run['run_dir']]} | FAILED: {run['error']} |" + " |" * (len(keys) - 1))
-                continue
-            cells = [_cell(run["summary"].get(k)) for k in keys]
-            lines.append(f"| {names[run['run_dir']]} | " + " | ".join(cells) + " |")
-        lines.append("")
+        rows = [[names[run["run_dir"]], *([_cell(run["summary"].get(k)) for k in keys] if run["status"] == "ok"
+                                          else [f"FAILED: {run['error']}", *[""] * (len(keys) - 1)])] for run in group]
+        lines += [f"## {suite}", "", f"Overrides every run shares: {common or 'none'}", "", table(["run", *keys], rows), ""]
         plotted = _plot_keys(suite, keys)
         ok = [r for r in group if r["status"] == "ok"]
         if ok and plotted:
@@ -115,14 +111,10 @@ class ComparisonReport(Callback):
             print(f"written to {out}")
 
 
-def main() -> None:
-    if len(sys.argv) != 2:
-        sys.exit("usage: python -m bench.compare SWEEP_DIR")
-    out = write_comparison(Path(sys.argv[1]))
+def main(argv: list[str]) -> None:
+    if len(argv) != 1:
+        sys.exit("usage: graphexec-bench compare SWEEP_DIR")
+    out = write_comparison(Path(argv[0]))
     if out is None:
-        sys.exit(f"error: no */{RESULTS} under {sys.argv[1]}")
+        sys.exit(f"error: no */{RESULTS} under {argv[0]}")
     print(out.read_text())
-
-
-if __name__ == "__main__":
-    main()

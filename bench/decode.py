@@ -11,6 +11,7 @@ import torch
 from tqdm import tqdm
 
 from bench.plots import grouped_bars
+from bench.tables import ms_range, num, table
 from bench.timing import device_sync, paired_ms
 from graphexec.batch.forward_mode import ForwardMode
 from graphexec.engine.threads import call_in_thread
@@ -104,26 +105,18 @@ def decode_batch(engine, batch_size: int, context_len: int):
 
 def markdown(result: dict[str, Any]) -> str:
     name = result["backend"]
-    lines = [
-        f"| bucket | eager ms | {name} ms | speedup | capture s (this process) | capture MiB |",
-        "|---|---|---|---|---|---|",
-    ]
-    for row in result["buckets"]:
-        e, g = row["eager"], row[name]
-        cap = row["capture_seconds"]
-        lines.append(
-            f"| {row['bucket']} | {e['median_ms']:.1f} ({e['min_ms']:.1f}–{e['max_ms']:.1f}) "
-            f"| {g['median_ms']:.1f} ({g['min_ms']:.1f}–{g['max_ms']:.1f}) | {row['speedup']:.2f}× "
-            f"| {'—' if cap is None else f'{cap:.1f}'} | {row['capture_mib']:.0f} |"
-        )
+    lines = [table(
+        ["bucket", "eager ms", f"{name} ms", "speedup", "capture s (this process)", "capture MiB"],
+        [[row["bucket"], ms_range(row["eager"]), ms_range(row[name]), f"{row['speedup']:.2f}×",
+          num(row["capture_seconds"], ".1f"), f"{row['capture_mib']:.0f}"] for row in result["buckets"]],
+    )]
     host = result.get("host")
     if host:
         lines += [
             "", f"Where a decode step of {host['batch_size']} requests goes, through the whole engine (mean of {host['steps']} steps):", "",
-            "| step ms | model forward | logits + sampling | scheduler + batch building | publishing | host overhead |",
-            "|---|---|---|---|---|---|",
-            f"| {host['step_ms']:.1f} | {host['forward_ms']:.1f} | {host['logits_sample_ms']:.2f} | {host['scheduler_ms']:.2f} "
-            f"| {host['publish_ms']:.2f} | {host['host_fraction']:.1%} |",
+            table(["step ms", "model forward", "logits + sampling", "scheduler + batch building", "publishing", "host overhead"],
+                  [[f"{host['step_ms']:.1f}", f"{host['forward_ms']:.1f}", *(f"{host[k]:.2f}" for k in
+                    ("logits_sample_ms", "scheduler_ms", "publish_ms")), f"{host['host_fraction']:.1%}"]]),
         ]
     return "\n".join(lines) + "\n"
 

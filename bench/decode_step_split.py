@@ -4,7 +4,7 @@ logits + sampling.  Medians of 350 steps on one thread, default plan, SmolLM2.
 
 Run it in each checkout to compare two commits side by side (fresh process each, alternated):
 
-    python -m bench.decode_step_split
+    graphexec-bench decode_step_split
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ import time
 
 import torch
 
+from bench.stats import upper_median
+from bench.tables import machine_line, table
 from graphexec import Engine, SamplingParams
 from graphexec.batch.request import Req
 
@@ -44,10 +46,10 @@ def measure(engine: Engine) -> dict[str, float]:
                 for key, seconds in zip(times, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
                     times[key].append(seconds)
     scheduler.release(req)
-    return {key: sorted(v)[len(v) // 2] * 1e3 for key, v in times.items()}
+    return {key: upper_median(v) * 1e3 for key, v in times.items()}
 
 
-def main() -> None:
+def main(argv: list[str]) -> None:
     engine = Engine(overrides=["capture.extend.progress=false", "capture.decode.progress=false", "capture.background=false"])
     result: dict[str, float] = {}
     # A thread of its own, as the engine loop runs the model: the main thread loaded and captured
@@ -55,9 +57,6 @@ def main() -> None:
     thread = threading.Thread(target=lambda: result.update(measure(engine)))
     thread.start()
     thread.join()
-    print("  ".join(f"{key} {ms:.3f} ms" for key, ms in result.items()), f"(medians of {STEPS - SKIP} B=1 steps)")
+    print(f"{machine_line()}; medians of {STEPS - SKIP} B=1 steps, ms\n")
+    print(table(list(result), [[f"{ms:.3f}" for ms in result.values()]]))
     engine.shutdown()
-
-
-if __name__ == "__main__":
-    main()

@@ -1,6 +1,6 @@
 """Data-parallel replicas against one: `graphexec-serve` at each `parallel.dp_size`, the same load.
 
-    python -m bench.dp [--models tiny smol] [--dp 1 2] [--requests 48] [--concurrency 8] [--json out.json]
+    graphexec-bench dp [--models tiny smol] [--dp 1 2] [--requests 48] [--concurrency 8] [--json out.json]
 
 Boundary: orchestration, one concurrent load, a markdown table.  For every model and dp size a
 fresh graphexec-serve is started (bench/serve_server.py: free port, /health, stopped after), and
@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -32,6 +31,8 @@ import httpx
 from bench.serve_client import SendOptions, send_all
 from bench.serve_datasets import BenchRequest
 from bench.serve_server import launched_server
+from bench.stats import median
+from bench.tables import machine_line, table
 from graphexec.parallel.replicas import threads_per_replica_rank
 
 MODELS = {
@@ -74,7 +75,7 @@ async def _load(url: str, model: dict, requests: int, concurrency: int, max_toke
         "requests": requests, "errors": [r.error for r in records if not r.success], "wall_s": round(wall, 3),
         "req_per_s": round(len(done) / wall, 3),
         "output_tok_per_s": round(sum(r.output_tokens for r in done) / wall, 1),
-        "ttft_p50_s": round(statistics.median(ttfts), 4) if ttfts else None,
+        "ttft_p50_s": round(median(ttfts), 4) if ttfts else None,
         "cached_tokens": int(cached),
         "replicas_used": sorted({r.replica for r in done if r.replica is not None}),
     }
@@ -97,7 +98,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         model = MODELS[name]
         for dp in args.dp:
             overrides = [*model["overrides"], f"capture={args.capture}", f"parallel.dp_size={dp}"]
-            print(f"bench.dp: {name} dp={dp} ...", file=sys.stderr, flush=True)
+            print(f"graphexec-bench dp: {name} dp={dp} ...", file=sys.stderr, flush=True)
             with tempfile.TemporaryDirectory(prefix="bench-dp-") as logs:
                 with launched_server(overrides, Path(logs), args.start_timeout_s) as target:
                     # One untimed request per replica: first-call costs stay out of the load.
@@ -110,19 +111,16 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
-def table(rows: list[dict[str, Any]]) -> str:
-    head = "| model | dp | threads each | req/s | output tok/s | TTFT p50 s | cached tokens | replicas used | errors | start s |"
-    lines = [head, "|" + "---|" * (head.count("|") - 1)]
-    for r in rows:
-        lines.append(
-            f"| {r['model']} | {r['dp']} | {r['threads_per_replica']} | {r['req_per_s']} | {r['output_tok_per_s']} | {r['ttft_p50_s']} | "
-            f"{r['cached_tokens']} | {','.join(r['replicas_used']) or '-'} | {len(r['errors'])} | {r['start_s']} |"
-        )
-    return "\n".join(lines)
+def report(rows: list[dict[str, Any]]) -> str:
+    return machine_line() + "\n\n" + table(
+        ["model", "dp", "threads each", "req/s", "output tok/s", "TTFT p50 s", "cached tokens", "replicas used", "errors",
+         "start s"],
+        [[r["model"], r["dp"], r["threads_per_replica"], r["req_per_s"], r["output_tok_per_s"], r["ttft_p50_s"],
+          r["cached_tokens"], ",".join(r["replicas_used"]) or "-", len(r["errors"]), r["start_s"]] for r in rows])
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.dp", description=__doc__.split("\n\n")[0])
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=["tiny"])
     parser.add_argument("--dp", nargs="+", type=int, default=[1, 2])
     parser.add_argument("--requests", type=int, default=48)
@@ -135,10 +133,6 @@ def main(argv: list[str] | None = None) -> None:
     if any(dp < 1 for dp in args.dp) or args.requests < 1 or args.concurrency < 1 or args.max_tokens < 1:
         parser.error("--dp, --requests, --concurrency and --max-tokens must be >= 1")
     rows = run(args)
-    print(table(rows))
+    print(report(rows))
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
-
-
-if __name__ == "__main__":
-    main()

@@ -8,16 +8,16 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-import numpy as np
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
 from bench.plots import grouped_bars
+from bench.stats import PERCENTILES, median, percentiles
+from bench.tables import table
 from bench.workload import WorkItem, WorkloadSpec, make_workload, ordinary_token_range
 from graphexec.engine.threads import call_in_thread
 
 COMPARE_UNIT = "tok/s"  # which summary numbers a multirun comparison plots
-PERCENTILES = (50, 90, 99)
 
 
 def run(cfg, ctx) -> dict[str, Any]:
@@ -113,12 +113,6 @@ def _side_round(wall: float, results: Sequence) -> dict[str, Any]:
     }
 
 
-def percentiles(values: Sequence[float]) -> dict[str, float | None]:
-    if not values:
-        return {f"p{p}": None for p in PERCENTILES}
-    return {f"p{p}": float(np.percentile(values, p)) for p in PERCENTILES}
-
-
 def agreement(ours: Sequence[list[int]], theirs: Sequence[list[int]]) -> dict[str, float]:
     """Identical requests, and the mean share of each request's tokens before the first difference."""
     prefix = []
@@ -128,7 +122,7 @@ def agreement(ours: Sequence[list[int]], theirs: Sequence[list[int]]) -> dict[st
     return {
         "identical_requests": sum(a == b for a, b in zip(ours, theirs)),
         "compared": len(prefix),
-        "mean_prefix_fraction": float(np.mean(prefix)) if prefix else 0.0,
+        "mean_prefix_fraction": sum(prefix) / len(prefix) if prefix else 0.0,
     }
 
 
@@ -139,9 +133,9 @@ def _result(spec: WorkloadSpec, items: Sequence[WorkItem], sides: dict, cfg, bac
         rates = [r["tokens_per_s"] for r in rounds]
         out_sides[name] = {
             "requests": rounds[0]["requests"],
-            "tokens_per_s": float(np.median(rates)),
+            "tokens_per_s": median(rates),
             "tokens_per_s_rounds": rates,
-            "wall_s": float(np.median([r["wall_s"] for r in rounds])),
+            "wall_s": median(r["wall_s"] for r in rounds),
             "output_tokens": rounds[0]["output_tokens"],
             "ttft_s": percentiles([t for r in rounds for t in r["ttft_s"]]),
             "tpot_ms": {k: None if v is None else v * 1e3 for k, v in percentiles([t for r in rounds for t in r["tpot_s"]]).items()},
@@ -178,17 +172,15 @@ def markdown(result: dict[str, Any]) -> str:
         f"tokens ({w['useful_output_tokens']} in all), EOS ignored, greedy. HF groups of {result['hf_group_size']}, "
         "left-padded, each to its longest output.",
         "",
-        "| side | requests | useful tok/s | × | wall s | TTFT p50 / p90 / p99 s | TPOT p50 / p90 / p99 ms | same tokens as graphexec |",
-        "|---|---|---|---|---|---|---|---|",
     ]
     base = result["sides"]["graphexec"]["tokens_per_s"]
-    for name, s in result["sides"].items():
-        agree = s.get("agreement")
-        lines.append(
-            f"| {_LABELS.get(name, name)} | {s['requests']} | {s['tokens_per_s']:.1f} | {base / s['tokens_per_s']:.2f}× "
-            f"| {s['wall_s']:.1f} | {_triple(s['ttft_s'], '.2f')} | {_triple(s['tpot_ms'], '.0f')} "
-            f"| {_agreement_cell(agree)} |"
-        )
+    lines.append(table(
+        ["side", "requests", "useful tok/s", "×", "wall s", "TTFT p50 / p90 / p99 s", "TPOT p50 / p90 / p99 ms",
+         "same tokens as graphexec"],
+        [[_LABELS.get(name, name), s["requests"], f"{s['tokens_per_s']:.1f}", f"{base / s['tokens_per_s']:.2f}×",
+          f"{s['wall_s']:.1f}", _triple(s["ttft_s"], ".2f"), _triple(s["tpot_ms"], ".0f"), _agreement_cell(s.get("agreement"))]
+         for name, s in result["sides"].items()],
+    ))
     lines += ["", "× is graphexec's useful tokens/s over that side's. Engine forwards per backend: " + "; ".join(
         f"{'/'.join(b['modes'])} → {b['backend']}: {b['executions']} (eager fallbacks {b['fallbacks']}, padded rows {b['padded_rows']})"
         for b in result["engine_backends"]

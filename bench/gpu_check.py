@@ -7,9 +7,12 @@
   capture       breakable vs tc_piecewise: seconds to capture each token bucket, each variant in a
                 fresh process on an empty inductor and Triton cache; goal: breakable >= 3x faster
 
-    python -m bench.gpu_check --part parity --out DIR/parity.json
-    python -m bench.gpu_check --merge DIR --out gpu_check.json --summary summary.txt [--pytest pytest.txt]
-    python -m bench.gpu_check --part all --out gpu_check.json --summary summary.txt   # every part here
+    graphexec-bench gpu_check --part parity --out DIR/parity.json
+    graphexec-bench gpu_check --merge DIR --out gpu_check.json --summary summary.txt [--pytest pytest.txt]
+    graphexec-bench gpu_check --part all --out gpu_check.json --summary summary.txt   # every part here
+
+(scripts/gpu_check.sh runs `python -m bench.cli gpu_check ...`: the same, from a working tree
+that is not installed.)
 
 `--rehearse` runs the same code on the CPU with the tiny model: Triton's interpreter for the kernels
 and the op tape where the GPU records CUDA graphs (capture/recorders.py), so the logic is exercised
@@ -23,13 +26,14 @@ import argparse
 import dataclasses
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 import traceback
 from pathlib import Path
 from typing import Any, Callable
+
+from bench.workers import run_command
 
 DECODE_GOAL = 5.0  # full_graph vs eager at B=1
 CAPTURE_GOAL = 3.0  # tc_piecewise capture seconds / breakable capture seconds
@@ -185,19 +189,9 @@ def capture(shapes: Shapes, rehearse: bool) -> dict[str, Any]:
 
 def _capture_in_fresh_process(variant: str, shapes: Shapes, rehearse: bool) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix=f"gpu-check-{variant}-") as cache:
-        out = Path(cache) / "result.json"
-        env = os.environ | {"TORCHINDUCTOR_CACHE_DIR": os.path.join(cache, "inductor"),
-                            "TRITON_CACHE_DIR": os.path.join(cache, "triton")}
-        cmd = [sys.executable, "-m", "bench.gpu_check", "--part", "capture_variant", "--variant", variant,
-               "--out", str(out), *(["--rehearse"] if rehearse else [])]
-        t0, timeout = time.perf_counter(), shapes.variant_timeout_s[variant]
-        try:
-            done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            return {"error": f"timed out after {timeout} s", "process_seconds": time.perf_counter() - t0}
-        if not out.is_file():
-            return {"error": f"exit {done.returncode}: {done.stderr.strip()[-2000:]}"}
-        return json.loads(out.read_text()) | {"process_seconds": time.perf_counter() - t0}
+        env = {"TORCHINDUCTOR_CACHE_DIR": os.path.join(cache, "inductor"), "TRITON_CACHE_DIR": os.path.join(cache, "triton")}
+        args = ["--part", "capture_variant", "--variant", variant, *(["--rehearse"] if rehearse else [])]
+        return run_command("gpu_check", args, shapes.variant_timeout_s[variant], env=env, label=f"{variant} capture")
 
 
 def capture_variant(shapes: Shapes, variant: str) -> dict[str, Any]:
@@ -379,23 +373,28 @@ def summary_text(result: dict[str, Any], pytest_log: Path | None) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--part", choices=[*PARTS, "capture_variant", "all"])
     parser.add_argument("--variant", choices=VARIANTS)
     parser.add_argument("--merge", type=Path, help="folder of part JSONs to merge into --out")
-    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--out", type=Path, help="where the JSON goes (capture_variant: one line on stdout)")
     parser.add_argument("--summary", type=Path)
     parser.add_argument("--pytest", type=Path, help="pytest's output, whose last line goes into the summary")
     parser.add_argument("--rehearse", action="store_true", help="CPU, tiny model, interpreter and op tape")
     args = parser.parse_args(argv)
     if (args.part is None) == (args.merge is None):
         parser.error("give exactly one of --part and --merge")
+    if args.out is None and args.part != "capture_variant":
+        parser.error("--out is required")
     if args.rehearse:
         # Before anything imports triton: without a GPU its kernels run only in the interpreter.
         os.environ.setdefault("TRITON_INTERPRET", "1")
     shapes = REHEARSAL if args.rehearse else GPU
-    if args.part not in (None, "all"):
+    if args.part == "capture_variant":  # a fresh process of the capture part (bench/workers.py reads the line)
+        print(json.dumps(run_part(args.part, shapes, args.rehearse, args.variant)))
+        return
+    if args.part is not None and args.part != "all":
         _write(args.out, json.dumps(run_part(args.part, shapes, args.rehearse, args.variant), indent=1))
         return
     if args.part == "all":
@@ -410,7 +409,3 @@ def main(argv: list[str] | None = None) -> None:
         text = summary_text(result, args.pytest)
         _write(args.summary, text)
         print(text, end="")
-
-
-if __name__ == "__main__":
-    main()

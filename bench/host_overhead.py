@@ -8,13 +8,20 @@
     publish        the engine loop's per-step publishing: detokenizing, stop strings, streams
 
 Host overhead is everything but `forward` and `logits+sample`, as a share of the whole step.
+
+`graphexec-bench host_overhead [pytest options]` runs the pytest-benchmark micro-suites of the same
+host-side costs (tests/test_bench_host_overhead.py; the default test run skips them).
 """
 
 from __future__ import annotations
 
+import os
 import time
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, Iterator
+
+MICRO_SUITES = Path(__file__).resolve().parent.parent / "tests" / "test_bench_host_overhead.py"
 
 
 @contextmanager
@@ -85,3 +92,10 @@ def breakdown(records: list[dict[str, Any]], mode: str = "decode") -> dict[str, 
     total = parts["forward_ms"] + parts["logits_sample_ms"] + parts["scheduler_ms"] + parts["publish_ms"]
     parts |= {"step_ms": total, "host_fraction": (parts["scheduler_ms"] + parts["publish_ms"]) / total}
     return parts
+
+
+def main(argv: list[str]) -> int:
+    import pytest
+
+    os.environ["GRAPHEXEC_BENCH_MICRO"] = "1"  # the micro-suites' switch: skipped without it
+    return pytest.main([str(MICRO_SUITES), "--benchmark-only", "-p", "no:cacheprovider", *argv])

@@ -10,9 +10,9 @@ side is lm-eval's `hf` model on transformers' SmolLM2 loaded from the same GGUF.
 Accuracy and exact match must be equal; perplexities agree to `PPL_RTOL` (graphexec runs the
 packed Q4_1/Q8_0 weights, transformers their fp32 dequantization: logits agree to ~2e-3).
 
-    python -m bench.lm_eval_check                      # starts graphexec-serve (default plan)
-    python -m bench.lm_eval_check --url http://127.0.0.1:8000 --model smollm2-135m
-    python -m bench.lm_eval_check --serve-args capture=eager --out results.json
+    graphexec-bench lm_eval_check                      # starts graphexec-serve (default plan)
+    graphexec-bench lm_eval_check --url http://127.0.0.1:8000 --model smollm2-135m
+    graphexec-bench lm_eval_check --serve-args capture=eager --out results.json
 """
 
 from __future__ import annotations
@@ -20,13 +20,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from bench.serve_server import launched_server
+from bench.tables import machine_line, table
 
 DATA = Path(__file__).resolve().parent / "lm_eval_data"
 PPL_RTOL = 2e-3
@@ -133,7 +133,7 @@ def _score(results: dict[str, Any], task: str, metric: str) -> float:
     return float(results["results"][task][f"{metric},none"])
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--url", help="a running OpenAI-compatible server (default: start graphexec-serve)")
     parser.add_argument("--model", default="smollm2-135m", help="the served model name")
@@ -151,14 +151,10 @@ def main(argv: list[str] | None = None) -> int:
     hf = evaluate_hf()
     hf_s = time.perf_counter() - t0
     rows = compare(server, hf)
-    print(f"| task | metric | graphexec-serve ({server_s:.0f} s) | lm-eval hf ({hf_s:.0f} s) | agree |")
-    print("|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['task']} | {r['metric']} | {r['graphexec']:.6g} | {r['hf']:.6g} | {'yes' if r['agree'] else 'NO'} |")
+    print(machine_line() + "\n")
+    print(table(["task", "metric", f"graphexec-serve ({server_s:.0f} s)", f"lm-eval hf ({hf_s:.0f} s)", "agree"],
+                [[r["task"], r["metric"], f"{r['graphexec']:.6g}", f"{r['hf']:.6g}", "yes" if r["agree"] else "NO"]
+                 for r in rows]))
     if args.out:
         args.out.write_text(json.dumps({"rows": rows, "server_seconds": server_s, "hf_seconds": hf_s}, indent=2))
     return 0 if all(r["agree"] for r in rows) else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

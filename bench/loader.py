@@ -1,7 +1,7 @@
 """What opening a GGUF costs: graphexec's parser (graphexec/loader/gguf_file.py) against gguf's
 GGUFReader, then the whole native load (`load_gguf`: parse, repack the blocks, tokenizer).
 
-    python -m bench.loader [--path FILE.gguf] [--rounds 3]
+    graphexec-bench loader [--path FILE.gguf] [--rounds 3]
 
 Boundary: measurement only, this process, pure Python/numpy (no OpenMP team to disturb).  Sides
 alternate each round; the file is read once first so both find it in the page cache.
@@ -10,11 +10,10 @@ alternate each round; the file is read once first so both find it in the page ca
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import time
 
-from bench.report import machine
+from bench.stats import spread
+from bench.tables import machine_line, table
 from graphexec.loader import default_smollm2_gguf
 from graphexec.loader.gguf import load_gguf
 from graphexec.loader.gguf_file import read_gguf
@@ -34,7 +33,7 @@ CASES = {
 }
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--path", default=None, help="a GGUF file (default: the embedded SmolLM2)")
     parser.add_argument("--rounds", type=int, default=3)
@@ -48,10 +47,7 @@ def main(argv: list[str] | None = None) -> None:
             start = time.perf_counter()
             case(path)
             seconds[name].append(time.perf_counter() - start)
-    print(json.dumps({"machine": machine(), "file": str(path)}, indent=1))
-    for name, times in seconds.items():
-        print(f"{name:32s} median {statistics.median(times):6.3f} s  (min {min(times):.3f}, max {max(times):.3f})")
-
-
-if __name__ == "__main__":
-    main()
+    print(f"{machine_line()}\nfile {path}\n")
+    print(table(["case", "median s", "min s", "max s"],
+                [[name, *(f"{s[k]:.3f}" for k in ("median", "min", "max"))] for name, times in seconds.items()
+                 for s in [spread(times)]]))

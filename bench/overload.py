@@ -1,6 +1,6 @@
 """graphexec-serve under overload and hostile clients (issue 13), as a client sees it, before/after.
 
-    python -m bench.overload --url http://127.0.0.1:8000 --pid <server pid> [--scenario NAME ...]
+    graphexec-bench overload --url http://127.0.0.1:8000 --pid <server pid> [--scenario NAME ...]
 
 Boundary: this module only talks HTTP (and raw TCP for clients no HTTP library imitates) to a
 server someone else started, and reads that server's RSS through psutil when given its pid.  It
@@ -17,7 +17,8 @@ Scenarios (default: all, in this order):
             oversized body, a client that drops mid-body, a client stalled in its headers):
             counts and outcomes by type, normal latency percentiles, the running batch over time.
 
-Prints a Markdown report; `--json PATH` also writes every number.  Only asyncio, httpx and psutil.
+Prints a Markdown report; `--json PATH` also writes every number.  Only asyncio, httpx, psutil and
+the serve suite's SSE reader (bench/serve_client.py); no torch.
 """
 
 from __future__ import annotations
@@ -35,6 +36,10 @@ from dataclasses import asdict, dataclass, field
 from urllib.parse import urlsplit
 
 import httpx
+
+from bench.serve_client import sse_events
+from bench.stats import nearest_rank_ms as percentiles
+from bench.tables import machine_line, table
 
 SCENARIOS = ("fairness", "big-body", "health", "load")
 HUGE_MAX_TOKENS = 1_000_000_000
@@ -85,11 +90,9 @@ async def stream_completion(client: httpx.AsyncClient, url: str, body: dict, dea
             if response.status_code != 200:
                 await response.aread()
                 return
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
+            async for event in sse_events(response):
                 outcome.chunks += 1
-                choices = json.loads(line[6:]).get("choices") or [{}]
+                choices = event.get("choices") or [{}]
                 if outcome.ttft_s is None and choices[0].get("text"):
                     outcome.ttft_s = time.perf_counter() - start
             outcome.finished = True
@@ -202,18 +205,6 @@ async def sampling(*probes):
     finally:
         stop.set()
         await asyncio.gather(*tasks, return_exceptions=True)
-
-
-def percentiles(values: list[float]) -> dict:
-    """p50 / p90 / p99 / max in milliseconds (nearest rank), and how many values."""
-    if not values:
-        return {"n": 0}
-    ordered = sorted(values)
-
-    def rank(q: float) -> float:
-        return round(ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))] * 1000, 1)
-
-    return {"n": len(ordered), "p50_ms": rank(0.5), "p90_ms": rank(0.9), "p99_ms": rank(0.99), "max_ms": rank(1.0)}
 
 
 # --- scenarios ----------------------------------------------------------------------------------
@@ -408,9 +399,7 @@ def _ms(stats: dict, key: str) -> str:
 
 
 def _table(header: list[str], *rows: list) -> list[str]:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
-    return lines + [""]
+    return [table(header, rows), ""]
 
 
 def _running(metrics: dict) -> str:
@@ -418,7 +407,7 @@ def _running(metrics: dict) -> str:
 
 
 def markdown(results: dict) -> str:
-    lines = [f"## graphexec-serve overload: {results['url']} (model {results['model']})", ""]
+    lines = [f"## graphexec-serve overload: {results['url']} (model {results['model']})", "", machine_line(torch_facts=False), ""]
     renderers = {"fairness": _fairness_md, "big-body": _big_body_md, "health": _health_md, "load": _load_md}
     for name, render in renderers.items():
         if name in results:
@@ -479,7 +468,7 @@ def _jsonable(value):
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m bench.overload", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add = parser.add_argument
     add("--url", default="http://127.0.0.1:8000", help="the running graphexec-serve")
     add("--pid", type=int, help="the server's process id, for its RSS (big-body)")
@@ -522,14 +511,10 @@ async def run(args: argparse.Namespace) -> dict:
         return results
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str]) -> None:
     args = parse_args(argv)
     results = asyncio.run(run(args))
     print(markdown(results))
     if args.json:
         with open(args.json, "w") as out:
             json.dump(results, out, indent=2, default=_jsonable)
-
-
-if __name__ == "__main__":
-    main()

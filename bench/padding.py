@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from bench.plots import grouped_bars
+from bench.tables import num, table
 from bench.timing import device_sync, paired_ms
 from capture.buckets import bucket_for, validate_buckets
 from capture.full_graph import FullGraphBackend
@@ -140,21 +141,16 @@ def markdown(result: dict[str, Any]) -> str:
              f"captured once over buckets {result['captured_buckets']} (capture s per bucket: {caps}). "
              "Times are medians of paired rounds; `eager` rows are batches above the set's largest bucket.", ""]
     for s in result["sets"]:
+        rows = [[r["batch_size"], r["bucket"] or "eager", r["wasted_rows"], f"{r['ms']:.2f} ({r['min_ms']:.2f}–{r['max_ms']:.2f})",
+                 f"{r['vs_eager']:.2f}×", num(r["pad_us"], ".0f")] for r in s["rows"]]
         lines += [f"### bucket set {s['label']}", "",
-                  "| B | bucket | wasted rows | ms (min–max) | × vs eager exact | pad µs |", "|---|---|---|---|---|---|"]
-        for r in s["rows"]:
-            pad = "—" if r["pad_us"] is None else f"{r['pad_us']:.0f}"
-            lines.append(f"| {r['batch_size']} | {r['bucket'] or 'eager'} | {r['wasted_rows']} "
-                         f"| {r['ms']:.2f} ({r['min_ms']:.2f}–{r['max_ms']:.2f}) "
-                         f"| {r['vs_eager']:.2f}× | {pad} |")
-        lines.append("")
+                  table(["B", "bucket", "wasted rows", "ms (min–max)", "× vs eager exact", "pad µs"], rows), ""]
     finest = result["sets"][0]["finest"]
     lines += ["### across sets", "", f"Over B = {result['batch_sizes']}; × vs finest is the mean per-B latency "
               f"ratio against {finest}.", "",
-              "| bucket set | mean wasted fraction | mean ms | × vs finest | eager at B |", "|---|---|---|---|---|"]
-    for s in result["sets"]:
-        lines.append(f"| {s['label']} | {s['mean_wasted_fraction']:.1%} | {s['mean_ms']:.2f} | {s['vs_finest']:.2f}× "
-                     f"| {', '.join(map(str, s['eager_at'])) or '—'} |")
+              table(["bucket set", "mean wasted fraction", "mean ms", "× vs finest", "eager at B"],
+                    [[s["label"], f"{s['mean_wasted_fraction']:.1%}", f"{s['mean_ms']:.2f}", f"{s['vs_finest']:.2f}×",
+                      ", ".join(map(str, s["eager_at"])) or "—"] for s in result["sets"]])]
     return "\n".join(lines) + "\n"
 
 

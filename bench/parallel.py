@@ -1,7 +1,7 @@
 """Parallel suite: the same requests at several `parallel.tp_size` values, side by side.
 
 Boundary: orchestration and report.  Each tensor-parallel size runs as a fresh process per round
-(`python -m bench.peer_worker --side graphexec` with `parallel.tp_size=N`, which starts its own
+(`graphexec-bench peer_worker --side graphexec` with `parallel.tp_size=N`, which starts its own
 N-1 worker ranks), alternated (tp=1, tp=N, tp=1, ...) so machine noise lands on every side alike.
 The prompts, shapes and per-round numbers are the peer suite's (bench/peer.py): B=1 decode
 ms/token, prompt tok/s, batched decode tok/s, start-up, rank 0's peak RSS.
@@ -22,6 +22,8 @@ from omegaconf import OmegaConf
 
 from bench import peer
 from bench.plots import grouped_bars
+from bench.stats import spread
+from bench.tables import spread_cell, table
 
 COMPARE_UNIT = "tok/s"
 
@@ -64,7 +66,7 @@ def run(cfg, ctx) -> dict[str, Any]:
     opts = options(cfg.bench)
     source = EngineConfig.from_dictconfig(cfg).model
     gguf = peer.gguf_path(source)
-    spec = peer.build_spec(peer._tokenizer(source, gguf), _peer_options(opts), gguf)
+    spec = peer.build_spec(peer.tokenizer_of(source, gguf), _peer_options(opts), gguf)
     ctx.out_dir.mkdir(parents=True, exist_ok=True)
     spec_path = ctx.out_dir / "parallel_spec.json"
     spec_path.write_text(json.dumps(spec))
@@ -84,7 +86,7 @@ def run(cfg, ctx) -> dict[str, Any]:
     per_side = {side: [_metrics(peer.round_metrics(w), opts) for w in rounds] for side, rounds in raw.items()}
     rows = []
     for key, label in _ROWS:
-        cells = {side: peer.stats([m[key] for m in per_side[side] if key in m]) for side in sides}
+        cells = {side: spread([m[key] for m in per_side[side] if key in m]) for side in sides}
         rows.append({"key": key, "label": label, "sides": cells})
     errors = {side: [w["error"] for w in rounds if w.get("error")] for side, rounds in raw.items()}
     tokens = {side: [w["decode"][0]["token_ids"] for w in rounds if not w.get("error")] for side, rounds in raw.items()}
@@ -113,11 +115,8 @@ def markdown(result: dict[str, Any]) -> str:
         f"{o['prompt_len']}-token prompt; batch of {o['batch_size']}; a {o['prefill_len']}-token prompt for prefill. "
         f"Cells: median (min-max) over rounds. Greedy tokens equal across sizes: {result['greedy_tokens_equal']}.",
         "",
-        "| | " + " | ".join(sides) + " |",
-        "|---|" + "---|" * len(sides),
+        table(["", *sides], [[row["label"], *(spread_cell(row["sides"][s]) for s in sides)] for row in result["rows"]]),
     ]
-    for row in result["rows"]:
-        lines.append(f"| {row['label']} | " + " | ".join(peer._cell(row["sides"][s]) for s in sides) + " |")
     for side, errors in result["errors"].items():
         for error in errors:
             lines.append(f"\n{side} failed a round: {error}")

@@ -2,7 +2,7 @@
 
 Boundary: this module orchestrates and reports.  It builds the prompts once (token ids, so both
 sides read exactly the same ones), writes them into a spec file, runs each side as a fresh
-`python -m bench.peer_worker` process per round, alternating graphexec and llama.cpp (A B A B ...)
+`graphexec-bench peer_worker` process per round, alternating graphexec and llama.cpp (A B A B ...)
 so machine noise lands on both alike, and turns the workers' JSON into min / median / max over
 rounds, ratios, a Markdown table and plots.  The measuring itself is bench/peer_worker.py's.
 
@@ -18,8 +18,6 @@ import importlib.metadata
 import importlib.util
 import json
 import os
-import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,6 +26,9 @@ from typing import Any, Callable, Sequence
 from omegaconf import OmegaConf
 
 from bench.plots import grouped_bars
+from bench.stats import median, spread
+from bench.tables import spread_cell, table
+from bench.workers import run_command
 
 COMPARE_UNIT = "tok/s"  # which summary numbers a multirun comparison plots
 SIDES = ("graphexec", "llamacpp")
@@ -59,7 +60,7 @@ def run(cfg, ctx) -> dict[str, Any]:
     source = EngineConfig.from_dictconfig(cfg).model
     gguf = gguf_path(source)
     peer = peer_status(opts, gguf, source)
-    spec = build_spec(_tokenizer(source, gguf), opts, gguf)
+    spec = build_spec(tokenizer_of(source, gguf), opts, gguf)
     ctx.out_dir.mkdir(parents=True, exist_ok=True)
     spec_path = ctx.out_dir / SPEC_FILE
     spec_path.write_text(json.dumps(spec))
@@ -143,8 +144,8 @@ def _llamacpp_version() -> str | None:
         return None
 
 
-def _tokenizer(source, gguf: Path | None):
-    """Only the tokenizer (no weights) of the configured model."""
+def tokenizer_of(source, gguf: Path | None):
+    """Only the tokenizer (no weights) of the configured model (the serve suite's too)."""
     if gguf is not None:
         from graphexec.loader import load_gguf_tokenizer
 
@@ -156,7 +157,7 @@ def _tokenizer(source, gguf: Path | None):
     from graphexec.text.tokenizer import Tokenizer
 
     if not (Path(source.path) / "tokenizer.json").is_file():
-        raise ValueError(f"model.path={source.path} has no tokenizer.json: the peer suite builds its prompts from text")
+        raise ValueError(f"model.path={source.path} has no tokenizer.json: the suite builds its prompts from text")
     return Tokenizer.from_hf_dir(source.path)
 
 
@@ -200,28 +201,12 @@ def prompt_maker(ids: Sequence[int], bos_token_id: int | None) -> Callable[..., 
 def run_worker(side: str, spec_path: Path, overrides: Sequence[str], threads: int, timeout_s: float) -> dict[str, Any]:
     """One side in a fresh process; its JSON, or {"error": ...}: a failure is this round's, not the suite's."""
     # Both sides' OpenMP runtimes read these at start: the same team size whatever the machine.
-    env = os.environ | {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     engine_overrides = list(overrides) if side == "graphexec" else []
-    cmd = [sys.executable, "-m", "bench.peer_worker", "--side", side, "--spec", str(spec_path), *engine_overrides]
     # On a shared machine other work competing for the cores is the main noise: record it.
-    facts: dict[str, Any] = {"busy_cores_before": busy_cores()}
-    t0 = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        return facts | {"error": f"worker timed out after {timeout_s:.0f} s (bench.worker_timeout_s)",
-                        "process_seconds": time.perf_counter() - t0}
-    facts |= {"process_seconds": time.perf_counter() - t0, "exit_code": proc.returncode}
-    lines = proc.stderr.strip().splitlines()
-    last_line = lines[-1] if lines else f"worker exited with code {proc.returncode}"
-    try:
-        result = json.loads(proc.stdout.strip().splitlines()[-1])
-    except (IndexError, json.JSONDecodeError):
-        error = last_line if proc.returncode != 0 else f"worker printed no JSON line: {proc.stdout[-200:]!r}"
-        return facts | {"error": error}
-    # The JSON line is printed last: a crash after it (in interpreter teardown) loses no
-    # measurement, so the round counts and the crash is reported beside it.
-    return result | facts | {"error": None, "exit_error": last_line if proc.returncode != 0 else None}
+    facts: dict[str, Any] = {"busy_cores_before": busy_cores(), "error": None}
+    return facts | run_command("peer_worker", ["--side", side, "--spec", str(spec_path), *engine_overrides], timeout_s,
+                               env=env, option="bench.worker_timeout_s")
 
 
 def busy_cores(window_s: float = 0.5) -> float | None:
@@ -265,27 +250,16 @@ def round_metrics(worker: dict[str, Any]) -> dict[str, float]:
         return {}
     m: dict[str, float | None] = {"start_s": worker["start_seconds"], "process_s": worker["process_seconds"]}
     decode = worker["decode"]
-    m["decode_ms"] = _median(d["decode_ms_per_token"] for d in decode)
+    m["decode_ms"] = median(d["decode_ms_per_token"] for d in decode)
     m["decode_tok_s"] = None if not m["decode_ms"] else 1e3 / m["decode_ms"]
-    m["request_ms"] = _median(d["request_ms_per_token"] for d in decode)
-    m["decode_ttft_s"] = _median(d["ttft_s"] for d in decode)
-    m |= {f"pp_tok_s@{n}": _median(r["tokens_per_s"] for r in reps) for n, reps in worker["prefill"].items()}
-    m |= {f"batch_tok_s@{b}": _median(r["decode_tokens_per_s"] for r in reps) for b, reps in worker["batch"].items()}
+    m["request_ms"] = median(d["request_ms_per_token"] for d in decode)
+    m["decode_ttft_s"] = median(d["ttft_s"] for d in decode)
+    m |= {f"pp_tok_s@{n}": median(r["tokens_per_s"] for r in reps) for n, reps in worker["prefill"].items()}
+    m |= {f"batch_tok_s@{b}": median(r["decode_tokens_per_s"] for r in reps) for b, reps in worker["batch"].items()}
     for name, key in (("peak_rss_mib", "peak_rss_bytes"), ("weight_mib", "weight_bytes"), ("kv_mib", "kv_bytes"), ("rope_mib", "rope_bytes")):
         value = worker["memory"].get(key)
         m[name] = None if value is None else value / 2**20
     return {k: v for k, v in m.items() if v is not None}
-
-
-def _median(values) -> float | None:
-    values = [v for v in values if v is not None]
-    return statistics.median(values) if values else None
-
-
-def stats(values: Sequence[float]) -> dict[str, Any] | None:
-    if not values:
-        return None
-    return {"min": min(values), "median": statistics.median(values), "max": max(values), "rounds": len(values), "values": list(values)}
 
 
 def row_specs(prefill_lengths: Sequence[int], batch_sizes: Sequence[int], decode: dict[str, int]) -> list[dict[str, Any]]:
@@ -312,8 +286,8 @@ def row_specs(prefill_lengths: Sequence[int], batch_sizes: Sequence[int], decode
 def table_rows(specs: list[dict[str, Any]], per_side: dict[str, list[dict[str, float]]]) -> list[dict[str, Any]]:
     rows = []
     for spec in specs:
-        ours = stats([m[spec["key"]] for m in per_side.get("graphexec", []) if spec["key"] in m])
-        theirs = stats([m[spec["peer_key"]] for m in per_side.get("llamacpp", []) if spec["peer_key"] in m])
+        ours = spread([m[spec["key"]] for m in per_side.get("graphexec", []) if spec["key"] in m])
+        theirs = spread([m[spec["peer_key"]] for m in per_side.get("llamacpp", []) if spec["peer_key"] in m])
         ratio = ours["median"] / theirs["median"] if ours and theirs and theirs["median"] else None
         rows.append(spec | {"graphexec": ours, "llamacpp": theirs, "ratio": ratio})
     return rows
@@ -375,18 +349,6 @@ def _batch_details(rounds: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
 # report
 
 
-def _cell(s: dict[str, Any] | None) -> str:
-    if s is None:
-        return "—"
-    if s["rounds"] == 1:
-        return _fmt(s["median"])
-    return f"{_fmt(s['median'])} ({_fmt(s['min'])}–{_fmt(s['max'])})"
-
-
-def _fmt(v: float) -> str:
-    return f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"
-
-
 def markdown(result: dict[str, Any]) -> str:
     peer, engine, w = result["peer"], result["engine"] or {}, result["workload"]
     lines = [_setup_line(result), ""]
@@ -396,15 +358,13 @@ def markdown(result: dict[str, Any]) -> str:
         f"Cells: median (min–max) over {result['rounds']} rounds, each side a fresh process per round, "
         f"alternated graphexec → llama.cpp; ratio = graphexec median / llama.cpp median (↓ lower is better, ↑ higher).",
         "",
-        "| metric | graphexec | llama.cpp | ratio |",
-        "|---|---|---|---|",
+        table(["metric", "graphexec", "llama.cpp", "ratio"],
+              [[row["label"], spread_cell(row["graphexec"]), spread_cell(row["llamacpp"]),
+                "—" if row["ratio"] is None else f"{row['ratio']:.2f}×"]
+               for row in result["rows"] if row["graphexec"] is not None or row["llamacpp"] is not None]),
+        "",
+        *_notes(result, engine, w),
     ]
-    for row in result["rows"]:
-        if row["graphexec"] is None and row["llamacpp"] is None:
-            continue
-        ratio = "—" if row["ratio"] is None else f"{row['ratio']:.2f}×"
-        lines.append(f"| {row['label']} | {_cell(row['graphexec'])} | {_cell(row['llamacpp'])} | {ratio} |")
-    lines += ["", *_notes(result, engine, w)]
     return "\n".join(lines) + "\n"
 
 
@@ -446,7 +406,7 @@ def _notes(result: dict[str, Any], engine: dict[str, Any], w: dict[str, Any]) ->
                 for r in wk["decode"]]
     internal = [v for v in internal if v is not None]
     if internal:
-        notes.append(f"- llama.cpp's own eval timer: {statistics.median(internal):.3g} ms/token decode (the table's "
+        notes.append(f"- llama.cpp's own eval timer: {median(internal):.3g} ms/token decode (the table's "
                      "number is wall clock between yielded tokens, Python included, as for graphexec).")
     busy = {side: [w.get("busy_cores_before") for w in rounds] for side, rounds in result["raw"].items()}
     if any(v is not None for values in busy.values() for v in values):

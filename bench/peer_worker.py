@@ -2,8 +2,8 @@
 `Engine` API, or llama.cpp through `llama-cpp-python`, on the prompts of a spec file the suite
 wrote.  Prints its measurements as one JSON line on stdout.
 
-    python -m bench.peer_worker --side graphexec --spec peer_spec.json model=tiny-llama capture=eager
-    python -m bench.peer_worker --side llamacpp --spec peer_spec.json
+    graphexec-bench peer_worker --side graphexec --spec peer_spec.json model=tiny-llama capture=eager
+    graphexec-bench peer_worker --side llamacpp --spec peer_spec.json
 
 Boundary: this module measures one side and reports raw per-repeat numbers; it does not compare,
 aggregate over rounds or render anything (bench/peer.py does).  Each side runs alone in its
@@ -15,19 +15,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from bench.capture_probe import config_without_progress_bars, print_result_or_fail
+from bench.capture_probe import config_without_progress_bars, peak_rss_bytes
+from bench.workers import emit
 
 SIDES = ("graphexec", "llamacpp")
-
-
-def peak_rss_bytes() -> int:
-    # ru_maxrss is KiB on Linux.  Inductor's compile workers are other processes: not counted.
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 # ---------------------------------------------------------------------------------------------
@@ -282,8 +277,8 @@ def _llamacpp_memory(llama_cpp, llama, n_ctx: int) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.peer_worker", description=__doc__.split("\n\n")[0])
+def main(argv: Sequence[str]) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--side", choices=SIDES, required=True)
     parser.add_argument("--spec", type=Path, required=True, help="the JSON spec bench/peer.py wrote")
     parser.add_argument("overrides", nargs="*", help="graphexec engine overrides (graphexec side only)")
@@ -293,8 +288,4 @@ def main(argv: Sequence[str] | None = None) -> None:
         spec = json.loads(args.spec.read_text())
         return graphexec_side(spec, args.overrides) if args.side == "graphexec" else llamacpp_side(spec)
 
-    print_result_or_fail(f"{args.side} worker", measure)
-
-
-if __name__ == "__main__":
-    main()
+    emit(f"{args.side} worker", measure)

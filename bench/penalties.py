@@ -1,9 +1,9 @@
 """Per-step cost of the sampler's logits processing (penalties, logit_bias, min_tokens) against
 its fast path, at SmolLM2's vocabulary.
 
-    python -m bench.penalties                              # B = 1 and 16, 512 prompt + 256 output tokens
-    python -m bench.penalties --batch-sizes 1 16 64 --prompt 2048 --output 1024 --rounds 15
-    python -m bench.penalties --threads 1        # no OpenMP wake-ups: the ops' own cost
+    graphexec-bench penalties                      # B = 1 and 16, 512 prompt + 256 output tokens
+    graphexec-bench penalties --batch-sizes 1 16 64 --prompt 2048 --output 1024 --rounds 15
+    graphexec-bench penalties --threads 1          # no OpenMP wake-ups: the ops' own cost
 
 One step is what the engine pays per decode step for sampling: `SamplingBatchInfo.from_params`
 (host: per-row tensors, and for the penalty sides the flat token histories) plus `Sampler()`
@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from bench.tables import machine_line, table
 from bench.timing import paired_ms
 from graphexec.sampling.sampler import Sampler, SamplingBatchInfo
 from graphexec.sampling_params import SamplingParams
@@ -67,7 +68,7 @@ def measure(batch_size: int, prompt: int, output: int, rounds: int, steps: int) 
     return paired_ms(sides, rounds, steps)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--prompt", type=int, default=512, help="prompt tokens per row")
@@ -80,23 +81,15 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     results = {}
-    print(f"vocab {VOCAB}, {args.prompt} prompt + {args.output} output tokens per row, "
+    print(f"{machine_line()}\nvocab {VOCAB}, {args.prompt} prompt + {args.output} output tokens per row, "
           f"torch threads {torch.get_num_threads()}; median ms per step (build = from_params share)")
     for batch_size in args.batch_sizes:
         timings = measure(batch_size, args.prompt, args.output, args.rounds, args.steps)
         results[batch_size] = timings
         fast = timings["fast path (greedy) | step"]
-        print(f"\nB={batch_size}")
-        print(f"  {'side':22} {'step ms median (min)':>21} {'build ms median (min)':>22} {'vs fast (min)':>14}")
-        for name in SIDES:
-            step, built = timings[f"{name} | step"], timings[f"{name} | build"]
-            print(
-                f"  {name:22} {step['median_ms']:10.3f} ({step['min_ms']:7.3f}) "
-                f"{built['median_ms']:10.3f} ({built['min_ms']:8.3f}) {step['min_ms'] / fast['min_ms']:13.1f}x"
-            )
+        rows = [[f"B={batch_size}", name, *(f"{t['median_ms']:.3f} ({t['min_ms']:.3f})" for t in (step, built)),
+                 f"{step['min_ms'] / fast['min_ms']:.1f}x"]
+                for name in SIDES for step, built in [(timings[f"{name} | step"], timings[f"{name} | build"])]]
+        print("\n" + table(["B", "side", "step ms median (min)", "build ms median (min)", "vs fast (min)"], rows), flush=True)
     if args.json:
         print(json.dumps(results, indent=1))
-
-
-if __name__ == "__main__":
-    main()

@@ -12,6 +12,7 @@ import torch
 from tqdm import tqdm
 
 from bench.plots import grouped_bars
+from bench.tables import num, table
 from bench.timing import device_sync, paired_ms
 from capture import create_backend
 
@@ -89,15 +90,11 @@ def _lines_of_code(cls) -> int:
 
 def markdown(result: dict[str, Any]) -> str:
     names = result["variants"]
-    head = "| tokens | eager ms | " + " | ".join(f"{n} ms (×) | {n} capture s" for n in names) + " |"
-    lines = [head, "|" + "---|" * (2 + 2 * len(names))]
-    for row in result["buckets"]:
-        cells = [f"{row['bucket']}", _ms(row["eager"]["median_ms"])]
-        for n in names:
-            v = row[n]
-            cap = v["capture_seconds"]
-            cells += [f"{_ms(v['median_ms'])} ({v['speedup']:.2f}×)", "—" if cap is None else f"{cap:.1f}"]
-        lines.append("| " + " | ".join(cells) + " |")
+    rows = [[row["bucket"], _ms(row["eager"]["median_ms"]),
+             *(cell for n in names for cell in (f"{_ms(row[n]['median_ms'])} ({row[n]['speedup']:.2f}×)",
+                                               num(row[n]["capture_seconds"], ".1f")))]
+            for row in result["buckets"]]
+    lines = [table(["tokens", "eager ms", *(c for n in names for c in (f"{n} ms (×)", f"{n} capture s"))], rows)]
     lines += ["", "lines of code (variant, piecewise base, segmented capture): " + ", ".join(f"{n} {c}" for n, c in result["lines_of_code"].items())]
     return "\n".join(lines) + "\n"
 

@@ -2,8 +2,8 @@
 of qkv, o, gate_up, down with SmolLM2's shapes and random Q4_1 codes, streamed from memory, not
 cache-resident) plus the tied Q8_0 LM head, per activation row count M.
 
-    python -m bench.quant_kernels                      # M = 1 2 4 8 16 32 64 128 256
-    python -m bench.quant_kernels --rows 1 8 --rounds 9
+    graphexec-bench quant_kernels                      # M = 1 2 4 8 16 32 64 128 256
+    graphexec-bench quant_kernels --rows 1 8 --rounds 9
 
 Sides, paired (A B A B ...) in one process (single-threaded Python driving the same OpenMP team):
   qlinear fp32      graphexec::qlinear, fp32 activations (the block-streaming kernel)
@@ -21,6 +21,7 @@ import argparse
 
 import torch
 
+from bench.tables import header, machine_line, row
 from bench.timing import paired_ms
 from graphexec.quant import ensure_kernels
 
@@ -87,7 +88,7 @@ def _int4pack(codes, scales, mins):
     return w, sz, k
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 256])
     parser.add_argument("--rounds", type=int, default=5)
@@ -95,13 +96,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     ensure_kernels()
     linears, head = _weights()
-    print("| M | " + " | ".join(_sides(1, linears, head, not args.no_dense)) + " |  (median ms per forward's linears)")
+    print(f"{machine_line()}\nmedian ms per forward's linears\n")
+    print(header(["M", *_sides(1, linears, head, not args.no_dense)]))
     for rows in args.rows:
         sides = _sides(rows, linears, head, not args.no_dense)
         with torch.inference_mode():
             result = paired_ms(sides, rounds=args.rounds, steps=1)
-        print(f"| {rows} | " + " | ".join(f"{r['median_ms']:.2f}" for r in result.values()) + " |", flush=True)
-
-
-if __name__ == "__main__":
-    main()
+        print(row([rows, *(f"{r['median_ms']:.2f}" for r in result.values())]), flush=True)

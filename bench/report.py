@@ -24,7 +24,7 @@ def machine() -> dict[str, Any]:
 
     return {
         "platform": platform.platform(),
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
         "cpu_count": os.cpu_count(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),  # the ISA level torch dispatches to
         "torch_threads": torch.get_num_threads(),
@@ -34,7 +34,7 @@ def machine() -> dict[str, Any]:
     }
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):

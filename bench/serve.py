@@ -88,22 +88,11 @@ def options(bench_cfg) -> dict[str, Any]:
 
 def model_tokenizer(cfg):
     """The configured model's tokenizer, without its weights: prompts are measured in its tokens."""
-    from bench.peer import gguf_path
+    from bench.peer import gguf_path, tokenizer_of
     from graphexec.config import EngineConfig
 
     source = EngineConfig.from_dictconfig(cfg).model
-    gguf = gguf_path(source)
-    if gguf is not None:
-        from graphexec.loader import load_gguf_tokenizer
-
-        return load_gguf_tokenizer(gguf)
-    if source.source == "random":
-        from graphexec.text.tokenizer import ByteTokenizer
-
-        return ByteTokenizer(vocab_size=source.architecture.get("vocab_size", 258))
-    from graphexec.text.tokenizer import Tokenizer
-
-    return Tokenizer.from_hf_dir(source.path)
+    return tokenizer_of(source, gguf_path(source))
 
 
 def served_model(url: str, configured: str | None, fallback: str) -> tuple[str, str]:

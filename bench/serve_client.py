@@ -5,7 +5,8 @@ Boundary: HTTP only (httpx, asyncio).  `send_all` dispatches the requests at the
 vLLM's `bench serve`), at most `max_concurrency` in flight, and returns one `RequestRecord` per
 request: success or the error's text, time to the first streamed token, the arrival time of every
 later chunk, and the token counts the server reported in `usage`.  Nothing here interprets the
-numbers (bench/serve_metrics.py does).
+numbers (bench/serve_metrics.py does).  `sse_events` is the one reader of a streamed answer's
+server-sent events (bench/overload.py reads through it too).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import json
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, AsyncIterator, Sequence
 
 import httpx
 import numpy as np
@@ -130,15 +131,20 @@ async def _exchange(client: httpx.AsyncClient, url: str, body: dict, record: Req
             _usage(record, answer.get("usage"))
 
 
-async def _read_events(response: httpx.Response, record: RequestRecord, sent: float) -> None:
-    """Server-sent events: a chunk with text is a token arrival; the usage chunk gives the counts."""
+async def sse_events(response: httpx.Response) -> AsyncIterator[dict[str, Any]]:
+    """The JSON events of a server-sent-event stream, up to `data: [DONE]`."""
     async for line in response.aiter_lines():
         if not line.startswith("data:"):
             continue
         data = line[5:].strip()
         if data == "[DONE]":
-            break
-        event = json.loads(data)
+            return
+        yield json.loads(data)
+
+
+async def _read_events(response: httpx.Response, record: RequestRecord, sent: float) -> None:
+    """Server-sent events: a chunk with text is a token arrival; the usage chunk gives the counts."""
+    async for event in sse_events(response):
         if "error" in event:
             record.error = f"error event: {json.dumps(event['error'])[:_ERROR_CHARS]}"
             return

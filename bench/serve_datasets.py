@@ -19,6 +19,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from bench.workload import ordinary_token_range
+
 # A word token: one leading space, then ASCII letters only (no digits, punctuation or specials).
 _WORD = re.compile(r"^ [A-Za-z]{2,}$")
 _MIN_WORDS = 256
@@ -99,7 +101,7 @@ def random_dataset(opts: dict[str, Any], tokenizer, vocab: WordVocabulary | None
     fmt = rnd["prompt_format"]
     if fmt not in ("text", "token_ids"):
         raise ValueError(f"bench.dataset.random.prompt_format={fmt!r} must be text or token_ids")
-    low, high = ordinary_ids(tokenizer.vocab_size)
+    low, high = ordinary_token_range(tokenizer.vocab_size)
     requests = []
     for i, (n_in, n_out) in enumerate(zip(inputs, outputs)):
         if fmt == "token_ids":
@@ -108,13 +110,6 @@ def random_dataset(opts: dict[str, Any], tokenizer, vocab: WordVocabulary | None
             prompt = vocab.text(n_in, rng)
         requests.append(BenchRequest(i, "completions", prompt, None, n_in, n_out))
     return requests
-
-
-def ordinary_ids(vocab_size: int) -> tuple[int, int]:
-    """Token ids past the special tokens small vocabularies put first (chat markers, EOS)."""
-    from bench.workload import ordinary_token_range
-
-    return ordinary_token_range(vocab_size)
 
 
 def chat_dataset(opts: dict[str, Any], tokenizer, vocab: WordVocabulary) -> list[BenchRequest]:

@@ -13,22 +13,12 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-import numpy as np
-
 from bench.serve_client import RequestRecord
+from bench.stats import distribution
 
 STAT_NAMES = ("mean", "median", "p90", "p99")
 LATENCIES = ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms")
 SLO_KEYS = ("ttft_ms", "tpot_ms", "e2el_ms")  # bench.slo.*: a request meets them all or is not good
-
-
-def distribution(values_ms: Sequence[float]) -> dict[str, float | None]:
-    """mean, median, p90, p99 (numpy's linear interpolation), min, max and the count."""
-    if not values_ms:
-        return {name: None for name in (*STAT_NAMES, "min", "max")} | {"count": 0}
-    v = np.asarray(values_ms, dtype=float)
-    return {"mean": float(v.mean()), "median": float(np.percentile(v, 50)), "p90": float(np.percentile(v, 90)),
-            "p99": float(np.percentile(v, 99)), "min": float(v.min()), "max": float(v.max()), "count": int(v.size)}
 
 
 def tpot_ms(record: RequestRecord) -> float | None:

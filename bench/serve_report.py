@@ -11,6 +11,8 @@ from typing import Any
 from bench.plots import grouped_bars
 from bench.serve_client import RequestRecord
 from bench.serve_metrics import LATENCIES, STAT_NAMES, itl_ms, per_request
+from bench.tables import sig3 as _f
+from bench.tables import table
 
 COMPARE_UNIT = "tok/s"  # which summary numbers a multirun comparison plots
 LATENCY_LABELS = {"ttft_ms": "TTFT", "tpot_ms": "TPOT", "itl_ms": "ITL", "e2el_ms": "E2E latency"}
@@ -51,25 +53,17 @@ def _setup(result: dict[str, Any]) -> list[str]:
 
 
 def _throughput_table(result: dict[str, Any]) -> list[str]:
-    lines = ["| rate | completed | failed | duration s | req/s | goodput req/s | input tok/s | output tok/s | total tok/s |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for run in result["runs"]:
-        m = run["metrics"]
-        lines.append(
-            f"| {rate_label(run['request_rate'])} | {m['completed']}/{m['requests']} | {m['failed']} "
-            f"| {m['duration_s']:.1f} | {_f(m['request_throughput'])} | {_f(m['goodput'])} | {_f(m['input_throughput'])} "
-            f"| {_f(m['output_throughput'])} | {_f(m['total_throughput'])} |")
-    return lines
+    rows = [[rate_label(run["request_rate"]), f"{m['completed']}/{m['requests']}", m["failed"], f"{m['duration_s']:.1f}",
+             *(_f(m[k]) for k in ("request_throughput", "goodput", "input_throughput", "output_throughput", "total_throughput"))]
+            for run in result["runs"] for m in [run["metrics"]]]
+    return [table(["rate", "completed", "failed", "duration s", "req/s", "goodput req/s", "input tok/s", "output tok/s",
+                   "total tok/s"], rows)]
 
 
 def _latency_table(result: dict[str, Any]) -> list[str]:
-    lines = ["| rate | metric (ms) | mean | median | p90 | p99 |", "|---|---|---|---|---|---|"]
-    for run in result["runs"]:
-        for key in LATENCIES:
-            dist = run["metrics"][key]
-            cells = " | ".join(_f(dist[s]) for s in STAT_NAMES)
-            lines.append(f"| {rate_label(run['request_rate'])} | {LATENCY_LABELS[key]} | {cells} |")
-    return lines
+    rows = [[rate_label(run["request_rate"]), LATENCY_LABELS[key], *(_f(run["metrics"][key][s]) for s in STAT_NAMES)]
+            for run in result["runs"] for key in LATENCIES]
+    return [table(["rate", "metric (ms)", *STAT_NAMES], rows)]
 
 
 def _notes(result: dict[str, Any]) -> list[str]:
@@ -103,12 +97,6 @@ def _server_counters(snapshots: dict[str, Any]) -> str:
     parts = [f"{after[k] - before[k]} {label}" for k, label in
              (("generated_tokens_total", "tokens generated"), ("retractions_total", "retractions")) if k in before and k in after]
     return ", ".join(parts)
-
-
-def _f(value: float | None) -> str:
-    if value is None:
-        return "—"
-    return f"{value:.3g}" if abs(value) < 100 else f"{value:.0f}"
 
 
 def _records(run: dict[str, Any]) -> list[RequestRecord]:

@@ -5,9 +5,9 @@
   all ready s   from Engine(...) until no bucket is pending (background capture; eager: engine + first token)
   B=1 ms/token  128 greedy tokens after that (prefix cache flushed), the plan's steady state
 
-    python -m bench.startup --plans eager auto --rounds 2                      # warm caches
-    python -m bench.startup --plans eager auto --rounds 1 --cold               # each run: empty inductor cache and plan dir
-    python -m bench.startup --plans eager auto_blocking auto_blocking_dynamo --capture-overrides capture.decode.keep=all
+    graphexec-bench startup --plans eager auto --rounds 2                      # warm caches
+    graphexec-bench startup --plans eager auto --rounds 1 --cold               # each run: empty inductor cache and plan dir
+    graphexec-bench startup --plans eager auto_blocking auto_blocking_dynamo --capture-overrides capture.decode.keep=all
         # every decode graph live before the engine returns: loaded artifacts (compile.aot) against
         # Dynamo over inductor's warm cache (compile.aot=false), the same buckets on both sides
 
@@ -23,13 +23,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import subprocess
 import sys
 import tempfile
-import time
 
 from bench.report import machine
+from bench.stats import median
+from bench.tables import machine_line, table
+from bench.workers import run_python
 
 _WORKER = r"""
 import json, sys, time
@@ -64,18 +64,15 @@ _PLANS = {"eager": ["capture=eager"], "auto": ["capture=auto"], "auto_blocking":
 
 
 def _run(plan: str, cache_dir: str, timeout_s: float, extra: list[str], capture_extra: list[str]) -> dict:
-    env = os.environ | {"TORCHINDUCTOR_CACHE_DIR": os.path.join(cache_dir, "inductor")}
+    env = {"TORCHINDUCTOR_CACHE_DIR": os.path.join(cache_dir, "inductor")}
     # capture_extra for the capture plans only (eager has no decode buckets to keep or compile).
     extra = [*extra, *([] if plan == "eager" else capture_extra)]
     overrides = [*_PLANS[plan], *extra, f"++capture.cache_dir={os.path.join(cache_dir, 'plans')}"]
-    t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", _WORKER, *overrides], env=env, capture_output=True, text=True, timeout=timeout_s)
-    if proc.returncode != 0:
-        return {"plan": plan, "error": proc.stderr.strip().splitlines()[-1:]}
-    return {"plan": plan, "process_s": time.perf_counter() - t0} | json.loads(proc.stdout.strip().splitlines()[-1])
+    result = {"plan": plan} | run_python(["-c", _WORKER, *overrides], timeout_s, env=env, label="start-up run")
+    return result if "error" in result or result["exit_code"] == 0 else result | {"error": result["exit_error"]}
 
 
-def main() -> None:
+def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--plans", nargs="+", default=["eager", "auto"], choices=sorted(_PLANS))
     parser.add_argument("--rounds", type=int, default=2)
@@ -84,7 +81,7 @@ def main() -> None:
     parser.add_argument("--json", help="write every run here")
     parser.add_argument("--overrides", nargs="*", default=[], help="more engine overrides for every plan")
     parser.add_argument("--capture-overrides", nargs="*", default=[], help="more engine overrides for every plan but eager")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     runs = []
     with tempfile.TemporaryDirectory(prefix="graphexec-startup-") as shared:
         if not args.cold:
@@ -101,22 +98,16 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"machine": machine(), "cold": args.cold, "runs": runs}, f, indent=1)
-    info = machine()
-    print(f"CPU: {info['cpu']} ({info['cpu_capability']}, {info['cpu_count']} cores); "
-          f"{'cold' if args.cold else 'warm'} caches; medians of {args.rounds} round(s)\n")
-    print("| plan | engine s | first token s | all ready s | B=1 ms/token | decode buckets kept | dynamo graphs | artifacts loaded |")
-    print("|---|---|---|---|---|---|---|---|")
-    for plan in args.plans:
-        ok = [r for r in runs if r["plan"] == plan and "error" not in r]
-        if not ok:
-            print(f"| {plan} | failed: {[r.get('error') for r in runs if r['plan'] == plan][:1]} |||||||")
-            continue
-        med = {k: statistics.median(r[k] for r in ok) for k in ("engine_s", "first_token_s", "all_ready_s", "b1_ms_per_token")}
-        states = ok[-1]["decode_buckets"]
-        kept = ",".join(b for b, s in states.items() if s == "ready") or "—"
-        print(f"| {plan} | {med['engine_s']:.1f} | {med['first_token_s']:.2f} | {med['all_ready_s']:.1f} | {med['b1_ms_per_token']:.1f} "
-              f"| {kept} | {ok[-1].get('dynamo_graphs', '—')} | {ok[-1].get('artifacts_loaded', '—')} |")
+    print(f"{machine_line()}; {'cold' if args.cold else 'warm'} caches; medians of {args.rounds} round(s)\n")
+    print(table(["plan", "engine s", "first token s", "all ready s", "B=1 ms/token", "decode buckets kept", "dynamo graphs",
+                 "artifacts loaded"], [_row(plan, runs) for plan in args.plans]))
 
 
-if __name__ == "__main__":
-    main()
+def _row(plan: str, runs: list[dict]) -> list:
+    ok = [r for r in runs if r["plan"] == plan and "error" not in r]
+    if not ok:
+        return [plan, f"failed: {[r.get('error') for r in runs if r['plan'] == plan][:1]}", *[""] * 6]
+    med = {k: median(r[k] for r in ok) for k in ("engine_s", "first_token_s", "all_ready_s", "b1_ms_per_token")}
+    kept = ",".join(b for b, s in ok[-1]["decode_buckets"].items() if s == "ready") or "—"
+    return [plan, f"{med['engine_s']:.1f}", f"{med['first_token_s']:.2f}", f"{med['all_ready_s']:.1f}",
+            f"{med['b1_ms_per_token']:.1f}", kept, ok[-1].get("dynamo_graphs", "—"), ok[-1].get("artifacts_loaded", "—")]

@@ -1,7 +1,7 @@
 """What rank 0's per-step message costs the host: pickle (the protocol before issue 28) against
 graphexec/parallel/step_codec.py, encode + decode, for decode batches and a prefill chunk.
 
-    python -m bench.step_message [--seconds 1.0]
+    graphexec-bench step_message [--seconds 1.0]
 
 Boundary: measurement only, one thread, in this process.  Each case is the StepMessage a
 StepSender sends: the ForwardBatch without sampling state plus the table journal that step
@@ -17,7 +17,7 @@ import pickle
 
 import torch
 
-from bench.report import machine
+from bench.tables import header, machine_line, row
 from bench.timing import median_us_per_call
 from graphexec.batch.forward_batch import ForwardBatch
 from graphexec.batch.forward_mode import ForwardMode
@@ -93,25 +93,18 @@ def cases() -> dict[str, StepMessage]:
     }
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=1.0, help="timing per measurement")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    info = machine()
-    print(f"CPU: {info['cpu']} ({info['cpu_count']} cores), torch {info['torch']}, python {info['python']}")
-    print("| message | bytes pickle / codec | pickle enc + dec µs | codec enc + dec µs | pickle total µs | codec total µs |")
-    print("|---|---|---|---|---|---|")
+    print(machine_line())
+    print(header(["message", "bytes pickle / codec", "pickle enc + dec µs", "codec enc + dec µs", "pickle total µs",
+                  "codec total µs"]))
     for name, message in cases().items():
         r = measure(message, args.seconds)
         pickle_us, codec_us = (r[f"{side}_encode_us"] + r[f"{side}_decode_us"] for side in ("pickle", "codec"))
-        print(
-            f"| {name} | {r['pickle_bytes']:,} / {r['codec_bytes']:,} "
-            f"| {r['pickle_encode_us']:.1f} + {r['pickle_decode_us']:.1f} | {r['codec_encode_us']:.1f} + {r['codec_decode_us']:.1f} "
-            f"| {pickle_us:.1f} | {codec_us:.1f} |",
-            flush=True,
-        )
-
-
-if __name__ == "__main__":
-    main()
+        print(row([name, f"{r['pickle_bytes']:,} / {r['codec_bytes']:,}",
+                   f"{r['pickle_encode_us']:.1f} + {r['pickle_decode_us']:.1f}",
+                   f"{r['codec_encode_us']:.1f} + {r['codec_decode_us']:.1f}", f"{pickle_us:.1f}", f"{codec_us:.1f}"]),
+              flush=True)

@@ -3,9 +3,9 @@ and sampler, for a batch of B requests with `--context` tokens of KV each.  Prin
 self CPU time and the step's wall time (profiled steps run slower than unprofiled ones; read the
 shares).  Any engine override works:
 
-    python -m bench.step_profile --batch 1 8 -- capture=eager
-    python -m bench.step_profile --batch 1 8 -- capture.decode.buckets=[1,8]
-    python -m bench.step_profile --batch 1 -- model.weights=dequantize capture=eager
+    graphexec-bench step_profile --batch 1 8 -- capture=eager
+    graphexec-bench step_profile --batch 1 8 -- capture.decode.buckets=[1,8]
+    graphexec-bench step_profile --batch 1 -- model.weights=dequantize capture=eager
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from bench.decode import decode_batch
+from bench.tables import machine_line
 from graphexec.batch.forward_mode import ForwardMode
 from graphexec.engine.threads import call_in_thread
 
@@ -44,7 +45,7 @@ def _profile(engine, batch: int, context: int, steps: int, rows: int) -> str:
     return f"B={batch}, backend {backend.name}: {wall_ms:.2f} ms per step unprofiled (mean of {steps})\n{table}"
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--context", type=int, default=64)
@@ -59,11 +60,8 @@ def main(argv: list[str] | None = None) -> None:
         buckets = ",".join(str(b) for b in sorted(set(args.batch)))
         overrides += [f"capture.decode.buckets=[{buckets}]", "capture.extend.progress=false", "capture.decode.progress=false"]
     engine = Engine(overrides=[*overrides, "++capture.background=false"])
+    print(machine_line(), flush=True)
     # On a thread that ends, like the engine's own setup, so only one OpenMP team is ever live.
     for batch in args.batch:
         print(call_in_thread(lambda: _profile(engine, batch, args.context, args.steps, args.rows)), flush=True)
     engine.shutdown()
-
-
-if __name__ == "__main__":
-    main()

@@ -8,8 +8,8 @@
    unconstrained for the same number of tokens (ignore_eos), paired rounds, median time per
    output token after the first (TPOT).
 
-    python -m bench.structured_cost --batch 1 8 --rounds 7
-    OMP_NUM_THREADS=1 python -m bench.structured_cost --batch 1 8 --rounds 7 -- capture=eager
+    graphexec-bench structured_cost --batch 1 8 --rounds 7
+    OMP_NUM_THREADS=1 graphexec-bench structured_cost --batch 1 8 --rounds 7 -- capture=eager
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ import time
 
 import torch
 
+from bench.stats import median
+from bench import tables
 from graphexec import Engine, SamplingParams
 from graphexec.structured.spec import StructuredSpec
 from graphexec.structured.token_bitmask import TokenBitmask
@@ -85,16 +87,16 @@ def engine_tpot_ms(engine: Engine, prompts: list[str], params: list[SamplingPara
     free = [SamplingParams(max_new_tokens=len(ids) + 1, ignore_eos=True) for ids in outputs]
     with_grammar, without = [], []
     for _ in range(rounds):
-        with_grammar.append(statistics.median(o.tpot for o in engine.generate(prompts, params, chat=True) if o.tpot))
-        without.append(statistics.median(o.tpot for o in engine.generate(prompts, free, chat=True) if o.tpot))
+        with_grammar.append(median(o.tpot for o in engine.generate(prompts, params, chat=True) if o.tpot))
+        without.append(median(o.tpot for o in engine.generate(prompts, free, chat=True) if o.tpot))
 
     def summary(values: list[float]) -> tuple[float, float]:
-        return statistics.median(values) * 1e3, min(values) * 1e3
+        return median(values) * 1e3, min(values) * 1e3
 
     return summary(with_grammar), summary(without), outputs
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--max-new-tokens", type=int, default=64)
@@ -102,20 +104,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("overrides", nargs="*", help="engine overrides (after --)")
     args = parser.parse_args(argv)
     with Engine(overrides=[*args.overrides, "++capture.background=false"]) as engine:  # graphs before timing
-        print("| B | fill + apply + accept µs/step: default (numpy on CPU) / torch unpack | "
-              "TPOT constrained ms: median / best round | TPOT unconstrained ms: median / best round | overhead (medians) |")
-        print("|---|---|---|---|---|")
+        print(tables.machine_line() + "\n")
+        print(tables.header(["B", "fill + apply + accept µs/step: default (numpy on CPU) / torch unpack",
+                      "TPOT constrained ms: median / best round", "TPOT unconstrained ms: median / best round",
+                      "overhead (medians)"]))
         for batch in args.batch:
             prompts, params = _workload(batch, args.max_new_tokens)
             constrained_ms, free_ms, outputs = engine_tpot_ms(engine, prompts, params, args.rounds)
             replays = [replay_us(engine, params, outputs, mode) for mode in ("default", "unpack")]
             overhead = (constrained_ms[0] / free_ms[0] - 1) * 100
-            print(
-                f"| {batch} | {' / '.join(f'{us:.0f}' for us in replays)} | "
-                f"{constrained_ms[0]:.2f} / {constrained_ms[1]:.2f} | {free_ms[0]:.2f} / {free_ms[1]:.2f} | {overhead:+.1f} % |",
-                flush=True,
-            )
-
-
-if __name__ == "__main__":
-    main()
+            print(tables.row([batch, " / ".join(f"{us:.0f}" for us in replays), f"{constrained_ms[0]:.2f} / {constrained_ms[1]:.2f}",
+                       f"{free_ms[0]:.2f} / {free_ms[1]:.2f}", f"{overhead:+.1f} %"]), flush=True)

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import statistics
 import time
 from typing import Callable, Mapping
 
 import torch
+
+from bench.stats import min_median_max_ms, upper_median
 
 
 def device_sync(device: torch.device) -> Callable[[], None]:
@@ -32,9 +33,7 @@ def paired_ms(
                 fn()
             sync()
             per_side[name].append((time.perf_counter() - t0) * 1e3 / steps)
-    return {
-        name: {"median_ms": statistics.median(v), "min_ms": min(v), "max_ms": max(v)} for name, v in per_side.items()
-    }
+    return {name: min_median_max_ms(v) for name, v in per_side.items()}
 
 
 def median_us_per_call(fn: Callable[[], object], seconds: float, min_calls: int = 5) -> float:
@@ -48,5 +47,4 @@ def median_us_per_call(fn: Callable[[], object], seconds: float, min_calls: int 
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    times.sort()
-    return times[len(times) // 2] * 1e6
+    return upper_median(times) * 1e6

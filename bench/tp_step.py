@@ -1,6 +1,6 @@
 """One decode step of the sharded model at tp_size=1 vs tp_size=N: what a rank costs and holds.
 
-    python -m bench.tp_step [--tp 3] [--batch 1 8] [--steps 20] [--context 64] [--model smollm2-135m]
+    graphexec-bench tp_step [--tp 3] [--batch 1 8] [--steps 20] [--context 64] [--model smollm2-135m]
 
 Boundary: measurement only.  Every side runs as spawned ranks (one thread each, gloo over a
 file:// store; tp_size=1 is one spawned process), each loading its shard through the engine's own
@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import argparse
 import resource
-import statistics
 import tempfile
 import time
+
+from bench.stats import median
+from bench.tables import machine_line, num, table
 
 
 def _rank(rank: int, size: int, store: str, args, out) -> None:
@@ -46,31 +48,23 @@ def _rank(rank: int, size: int, store: str, args, out) -> None:
 
 
 def _measure(runner, config, tp, batch: int, args) -> dict:
-    import torch
+    from types import SimpleNamespace
 
-    from graphexec.batch.request import Req
-    from graphexec.sampling_params import SamplingParams
+    from bench.decode import decode_batch
     from graphexec.scheduler.scheduler import Scheduler
 
-    scheduler = Scheduler(runner, runner.kv_cache, config.scheduler)
-    gen = torch.Generator().manual_seed(batch)
-    vocab = runner.model_config.vocab_size
-    reqs = [Req(f"b{i}", torch.randint(3, vocab, (args.context,), generator=gen).tolist(),
-                SamplingParams(max_new_tokens=2, ignore_eos=True), (), runner.max_context) for i in range(batch)]
-    runner.forward(runner.init_forward_batch(scheduler.plan_extend(reqs)))
-    for req in reqs:
-        req.num_computed_tokens = req.seq_len
-        req.output_ids.append(5)
-    fb = runner.init_forward_batch(scheduler.plan_decode(reqs))
+    # decode_batch reads these four of an engine; a rank has a runner and its own scheduler.
+    rank = SimpleNamespace(runner=runner, scheduler=Scheduler(runner, runner.kv_cache, config.scheduler),
+                           model_config=runner.model_config, max_context=runner.max_context)
+    fb, release = decode_batch(rank, batch, args.context)
     counts = _count_collectives(lambda: runner.forward_logits(fb))
     step_ms = []
     for _ in range(args.steps):
         start = time.perf_counter()
         runner.forward_logits(fb)  # re-running rewrites the same slots: every step sees the same state
         step_ms.append((time.perf_counter() - start) * 1e3)
-    for req in reqs:
-        scheduler.release(req, cache=False)
-    return {"batch": batch, "step_ms": statistics.median(step_ms), **counts,
+    release()
+    return {"batch": batch, "step_ms": median(step_ms), **counts,
             "all_reduce_ms": _all_reduce_ms(tp, batch, runner.model_config.hidden_size)}
 
 
@@ -110,7 +104,7 @@ def _all_reduce_ms(tp, batch: int, hidden: int, repeats: int = 100) -> float | N
         start = time.perf_counter()
         dist.all_reduce(x, group=tp.group)
         times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+    return median(times)
 
 
 def run_side(size: int, args) -> list[tuple]:
@@ -129,25 +123,16 @@ def run_side(size: int, args) -> list[tuple]:
     return results
 
 
-def table(sides: dict[int, list[tuple]]) -> str:
-    lines = [
-        "| tp | B | step ms (median) | all-reduces / step | all-gathers / step | ms / all-reduce [B, hidden] "
-        "| weights MiB / rank | peak RSS MiB / rank (max) |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for size, ranks in sides.items():
-        _, rows, weights_mib, _ = ranks[0]
-        rss = max(r[3] for r in ranks)
-        for row in rows:
-            ar = "—" if row["all_reduce_ms"] is None else f"{row['all_reduce_ms']:.3f}"
-            lines.append(
-                f"| {size} | {row['batch']} | {row['step_ms']:.1f} | {row['all_reduces']} | {row['all_gathers']} "
-                f"| {ar} | {weights_mib:.1f} | {rss:.0f} |"
-            )
-    return "\n".join(lines)
+def report(sides: dict[int, list[tuple]]) -> str:
+    rows = [[size, row["batch"], f"{row['step_ms']:.1f}", row["all_reduces"], row["all_gathers"],
+             num(row["all_reduce_ms"], ".3f"), f"{ranks[0][2]:.1f}", f"{max(r[3] for r in ranks):.0f}"]
+            for size, ranks in sides.items() for row in ranks[0][1]]
+    return machine_line() + "\n\n" + table(
+        ["tp", "B", "step ms (median)", "all-reduces / step", "all-gathers / step", "ms / all-reduce [B, hidden]",
+         "weights MiB / rank", "peak RSS MiB / rank (max)"], rows)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--tp", type=int, default=3)
@@ -157,9 +142,5 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--timeout-s", type=float, default=1200.0)
     args = parser.parse_args(argv)
     sides = {size: run_side(size, args) for size in (1, args.tp)}
-    print(table(sides))
+    print(report(sides))
     print("\nRanks are processes on this machine's cores (one thread each): no speed-up is claimed here.")
-
-
-if __name__ == "__main__":
-    main()

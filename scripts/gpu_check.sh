@@ -16,7 +16,7 @@
 # Each step runs under its own `timeout`, capped by what is left of the budget.  The model is
 # SmolLM2-135M's shape with random weights (configs/model/smollm2-135m-random.yaml): its GGUF
 # package is not on that machine.
-# GPU_CHECK_REHEARSE=1 runs the same steps on a CPU machine (bench.gpu_check --rehearse: tiny model,
+# GPU_CHECK_REHEARSE=1 runs the same steps on a CPU machine (bench.cli gpu_check --rehearse: tiny model,
 # Triton's interpreter, the op tape; pytest's GPU tests skip), with GPU_WHEELS_DIR built for the local
 # Python (GPU_WHEELS_TARGET=local bash scripts/gpu_wheels.sh DIR).
 set -u
@@ -101,9 +101,9 @@ export -f describe_device
 step "$CAP_DEVICE" "device" describe_device | tee "$out/device.txt"
 
 parts="$(mktemp -d)"
-step "$CAP_PARITY" "parity" "$python" -m bench.gpu_check --part parity --out "$parts/parity.json" "${rehearse[@]}"
-step "$CAP_DECODE" "decode_graph" "$python" -m bench.gpu_check --part decode_graph --out "$parts/decode_graph.json" "${rehearse[@]}"
-step "$CAP_CAPTURE" "capture" "$python" -m bench.gpu_check --part capture --out "$parts/capture.json" "${rehearse[@]}"
+step "$CAP_PARITY" "parity" "$python" -m bench.cli gpu_check --part parity --out "$parts/parity.json" "${rehearse[@]}"
+step "$CAP_DECODE" "decode_graph" "$python" -m bench.cli gpu_check --part decode_graph --out "$parts/decode_graph.json" "${rehearse[@]}"
+step "$CAP_CAPTURE" "capture" "$python" -m bench.cli gpu_check --part capture --out "$parts/capture.json" "${rehearse[@]}"
 
 # Only the files that hold GPU tests: collecting the others would import packages the image lacks
 # (openai, jsonschema, lm_eval) for tests that would be deselected anyway.
@@ -113,6 +113,6 @@ pytest_cap=$(( BUDGET_S - (SECONDS - start) - CAP_SUMMARY ))
 step "$pytest_cap" "pytest -m gpu" "$python" -m pytest -q -p no:cacheprovider -m gpu "${gpu_tests[@]}" \
     | tee "$out/pytest.txt"
 
-step "$CAP_SUMMARY" "summary" "$python" -m bench.gpu_check --merge "$parts" --out "$out/gpu_check.json" \
+step "$CAP_SUMMARY" "summary" "$python" -m bench.cli gpu_check --merge "$parts" --out "$out/gpu_check.json" \
     --summary "$out/summary.txt" --pytest "$out/pytest.txt" "${rehearse[@]}"
 echo "total $(( SECONDS - start )) s of a ${BUDGET_S} s budget" | tee -a "$log" "$out/summary.txt"

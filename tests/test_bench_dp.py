@@ -26,7 +26,7 @@ def test_cache_hits_reads_one_server_or_the_replicas_total():
 @pytest.mark.slow
 def test_dp_bench_runs_tiny_at_dp_1_and_2(tmp_path):
     out = tmp_path / "rows.json"
-    cmd = [sys.executable, "-m", "bench.dp", "--models", "tiny", "--dp", "1", "2", "--requests", "16",
+    cmd = [sys.executable, "-m", "bench.cli", "dp", "--models", "tiny", "--dp", "1", "2", "--requests", "16",
            "--concurrency", "8", "--max-tokens", "4", "--json", str(out)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -11,7 +11,7 @@ import types
 import pytest
 import torch
 
-from bench import peer, peer_worker
+from bench import peer, peer_worker, workers
 from bench.report import run_suite
 from bench.suites import SuiteContext
 from graphexec.config import compose
@@ -105,7 +105,7 @@ def test_worker_failures_are_recorded_and_a_crash_after_the_results_keeps_them(m
             return subprocess.CompletedProcess(cmd, 134, '{"decode": []}\n', "terminate called without an active exception\n")
         return subprocess.CompletedProcess(cmd, 1, "", "Traceback ...\nllamacpp worker failed: OSError: bad file\n")
 
-    monkeypatch.setattr(peer.subprocess, "run", fake_run)
+    monkeypatch.setattr(workers.subprocess, "run", fake_run)
     ours = peer.run_worker("graphexec", tmp_path / "s.json", ["model=tiny-llama"], 3, 60)
     theirs = peer.run_worker("llamacpp", tmp_path / "s.json", ["model=tiny-llama"], 3, 60)
     assert ours["error"] is None and ours["decode"] == [] and ours["exit_code"] == 134
@@ -177,7 +177,7 @@ def test_suite_with_both_sides_alternates_aggregates_and_reports(tmp_path, monke
 
     monkeypatch.setattr(peer, "gguf_path", lambda source: tmp_path / "m.gguf")
     monkeypatch.setattr(peer, "llamacpp_importable", lambda: True)
-    monkeypatch.setattr(peer, "_tokenizer", lambda source, gguf: ByteTokenizer(320))
+    monkeypatch.setattr(peer, "tokenizer_of", lambda source, gguf: ByteTokenizer(320))
     monkeypatch.setattr(peer, "run_worker", fake_run_worker)
     ctx = SuiteContext(out_dir=tmp_path, overrides=("model=tiny-llama",), progress=False)
     payload = run_suite(peer, "peer", lambda: peer.run(cfg, ctx), tmp_path, {}, "fake")

@@ -23,7 +23,8 @@ SCRIPT = REPO / "scripts" / "gpu_check.sh"
 CALL_LIMIT_S = 480  # the timeout_s docs/GPU.md gives the device call
 MAX_FILES_BACK = 8  # the device tool returns at most this many files from $OUT
 # What the GPU path runs: the runtime, the capture library and the bench modules gpu_check uses.
-GPU_PATH = ["graphexec", "capture", "bench/gpu_check.py", "bench/decode.py", "bench/prefill.py", "bench/timing.py"]
+GPU_PATH = ["graphexec", "capture", "bench/gpu_check.py", "bench/decode.py", "bench/prefill.py", "bench/timing.py",
+            "bench/workers.py", "bench/stats.py", "bench/tables.py", "bench/cli.py"]
 LOCAL = {"graphexec", "capture", "bench", "tests"}
 # Imported only by features the check does not run, and neither in the image nor carried.
 NOT_CARRIED = {

@@ -5,7 +5,7 @@ here they are names, shapes, types and read-only views of the memory-mapped file
 
 Why not gguf's `GGUFReader`: it builds a numpy view per part of every metadata field (each string
 of a 49k-token vocabulary is two of them), 4.4 s of SmolLM2's 5.3 s load on a 2-core Xeon
-(`python -m bench.loader`).  Here a string array is one pass of `struct.unpack_from` and a numeric
+(`graphexec-bench loader`).  Here a string array is one pass of `struct.unpack_from` and a numeric
 array one `np.frombuffer`.  Everything is bounds-checked against the file's size before it is read
 or allocated, so a truncated or hostile file is a CheckpointError, never a huge allocation.
 """

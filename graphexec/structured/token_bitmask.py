@@ -11,7 +11,7 @@ elsewhere the packed rows go to the device (32x fewer bytes than a bool mask) an
 there with shifts and one masked_fill.  On CPU the numpy way costs a fraction of the torch one,
 within about 2x whatever the row allows, so every row takes it (no per-row choice);
 llguidance.torch's kernel is no cheaper once compiled and is torch.compile'd, seconds on the first
-constrained step.  `python -m bench.structured_cost` replays real outputs through `apply`.
+constrained step.  `graphexec-bench structured_cost` replays real outputs through `apply`.
 """
 
 from __future__ import annotations

@@ -1,0 +1,61 @@
+"""Fresh-process workers: a bench side that must not share a process with another (two OpenMP
+teams, an inductor cache, a CUDA context) runs through here.
+
+Boundary: no measuring.  The parent half (`run_python`, `run_command`) starts a Python process
+with a timeout and takes the last line of its stdout as the JSON result; a timeout, a non-zero
+exit without that line, or a line that is not JSON becomes {"error": ...}, so a failed side is
+that side's record, never the caller's exception.  The child half (`emit`) prints that line, or
+a one-line reason as the last line of stderr and exits 1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from typing import Any, Callable, Mapping, Sequence
+
+
+def run_command(command: str, args: Sequence[str], timeout_s: float, **kwargs: Any) -> dict[str, Any]:
+    """`graphexec-bench <command> <args>` in a fresh process (bench/cli.py's commands)."""
+    return run_python(["-m", "bench.cli", command, *args], timeout_s, **kwargs)
+
+
+def run_python(args: Sequence[str], timeout_s: float, env: Mapping[str, str] | None = None, label: str = "worker",
+               option: str | None = None, cwd: str | None = None) -> dict[str, Any]:
+    """`python <args>` with `env` added to this environment.  The result is the worker's JSON plus
+    process_seconds, exit_code and exit_error (a crash after the JSON line, in interpreter
+    teardown, loses no measurement); or {"error": ...} with what is known.  `option` names the
+    setting behind `timeout_s` in the timeout's message."""
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run([sys.executable, *args], env=os.environ | dict(env or {}), capture_output=True, text=True,
+                              timeout=timeout_s, cwd=cwd)
+    except subprocess.TimeoutExpired:
+        why = f"{label} timed out after {timeout_s:.0f} s" + (f" ({option})" if option else "")
+        return {"error": why, "process_seconds": time.perf_counter() - t0}
+    facts = {"process_seconds": time.perf_counter() - t0, "exit_code": proc.returncode}
+    lines = proc.stderr.strip().splitlines()
+    last_line = lines[-1] if lines else f"{label} exited with code {proc.returncode}"
+    try:
+        result = json.loads(proc.stdout.strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):
+        error = last_line if proc.returncode != 0 else f"{label} printed no JSON line: {proc.stdout[-200:]!r}"
+        return facts | {"error": error}
+    return result | facts | {"exit_error": last_line if proc.returncode != 0 else None}
+
+
+def emit(label: str, measure: Callable[[], dict[str, Any]]) -> None:
+    """A worker's ending: its result as one JSON line on stdout, or a one-line reason as the last
+    line of stderr (the parent records it as that run's error) and exit status 1."""
+    try:
+        result = measure()
+    except Exception as exc:
+        traceback.print_exc()
+        reason = " ".join(f"{type(exc).__name__}: {exc}".split())
+        print(f"{label} failed: {reason}", file=sys.stderr)
+        raise SystemExit(1)
+    print(json.dumps(result))
