@@ -1,6 +1,7 @@
 """The package installs non-editably with its Hydra configs, and nothing is left out of it."""
 
 import json
+import os
 import subprocess
 import sys
 import tomllib
@@ -71,6 +72,21 @@ def test_an_empty_kernel_dir_variable_means_the_default(monkeypatch):
     monkeypatch.setenv("GRAPHEXEC_KERNEL_DIR", "/tmp/elsewhere")
     assert build_dir() == Path("/tmp/elsewhere")
 
+
+
+def test_kernels_build_with_this_environments_ninja_activated_or_not(monkeypatch):
+    """Whatever PATH says (an activated venv or not), the build runs the environment's own ninja:
+    two ninja versions disagree on a build's recorded command lines and rebuilt it on every switch."""
+    import shutil
+    import sysconfig
+
+    from graphexec.kernels import _own_ninja
+
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    own = os.path.join(sysconfig.get_path("scripts"), "ninja")
+    with _own_ninja():
+        assert shutil.which("ninja") == own
+    assert os.environ["PATH"] == "/usr/bin:/bin"
 
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"], "additionalProperties": False}
 

@@ -11,11 +11,14 @@ path, so a shared directory would rebuild on every switch.  `scripts/setup.sh` b
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
 import sys
+import sysconfig
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -42,18 +45,37 @@ def load() -> Path:
         # Minutes of silence otherwise: a first build looks like a hang (logging is off in the CLIs).
         print(f"graphexec: building the C++ CPU kernels in {directory} (about a minute on 2 cores, once)", file=sys.stderr, flush=True)
     try:
-        load_extension(
-            name="graphexec_kernels",
-            sources=[str(s) for s in _SOURCES],
-            extra_cflags=["-O3", "-march=native", "-fopenmp", "-DNDEBUG"],
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(directory),
-            is_python_module=False,
-            verbose=False,
-        )
+        with _own_ninja():
+            load_extension(
+                name="graphexec_kernels",
+                sources=[str(s) for s in _SOURCES],
+                extra_cflags=["-O3", "-march=native", "-fopenmp", "-DNDEBUG"],
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(directory),
+                is_python_module=False,
+                verbose=False,
+            )
     except (RuntimeError, OSError, ImportError) as error:
         raise CheckpointError(
             f"graphexec's CPU kernels failed to build in {directory} ({error}); quantized weights need them. "
             "Install a C++ compiler and ninja, or load dense weights with model.weights=dequantize"
         ) from error
     return directory
+
+
+@contextlib.contextmanager
+def _own_ninja() -> Iterator[None]:
+    """This environment's ninja (the `ninja` dependency) first on PATH while building.  torch runs
+    whichever `ninja` PATH finds, and ninja versions record a build's command lines differently
+    (1.11 and 1.13 do): with the environment activated or not, a build looked stale to the other
+    ninja and was redone from scratch (~90 s on 2 cores) on every switch."""
+    scripts = sysconfig.get_path("scripts")
+    if not os.path.exists(os.path.join(scripts, "ninja")):
+        yield
+        return
+    previous = os.environ.get("PATH", "")
+    os.environ["PATH"] = scripts + os.pathsep + previous
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = previous
