@@ -19,13 +19,15 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
 
-from graphexec.batch.forward_batch import ForwardBatch
 from graphexec.batch.forward_mode import ForwardMode
+
+if TYPE_CHECKING:
+    from graphexec.batch.forward_batch import ForwardBatch
 
 # A journal record of graphexec/cache/req_to_token_pool.py (not imported: parallel/ sits below
 # cache/): ("span", row, start, slots) | ("points", rows, cols, slots) | ("clear", row).
