@@ -94,8 +94,9 @@ def evaluate_server(base_url: str, model: str) -> dict[str, Any]:
     )
 
 
-def evaluate_hf(model: Any = None) -> dict[str, Any]:
-    """lm-eval's `hf` model on transformers' SmolLM2 from the default GGUF (or `model`)."""
+def evaluate_hf(model: Any = None, tokenizer: Any = None) -> dict[str, Any]:
+    """lm-eval's `hf` model on transformers' SmolLM2 from the default GGUF (or `model` and its
+    `tokenizer`: reading them from the GGUF costs seconds each)."""
     import lm_eval
     import transformers
     from lm_eval.models.huggingface import HFLM
@@ -103,7 +104,8 @@ def evaluate_hf(model: Any = None) -> dict[str, Any]:
     from graphexec.loader import default_smollm2_gguf
 
     path = default_smollm2_gguf()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    if tokenizer is None:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     if model is None:
         import torch
 

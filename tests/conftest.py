@@ -42,6 +42,14 @@ def hf_smollm2():
     return load()
 
 
+@pytest.fixture(scope="session")
+def hf_smollm2_tokenizer():
+    """transformers' tokenizer from the same GGUF (reading it costs seconds: once per run)."""
+    from tests.reference import hf_smollm2_tokenizer as load
+
+    return load()
+
+
 @pytest.fixture()
 def tiny_engine():
     from graphexec import Engine

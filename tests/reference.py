@@ -20,6 +20,15 @@ def hf_smollm2():
     ).eval()
 
 
+def hf_smollm2_tokenizer():
+    import transformers
+
+    from graphexec.loader import default_smollm2_gguf
+
+    path = default_smollm2_gguf()
+    return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
 @torch.no_grad()
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], torch.Tensor]:
     """Greedy tokens with HF's own KV cache (no EOS stop), and the logits of the prompt's last position."""

@@ -12,7 +12,7 @@ pytest.importorskip("lm_eval", reason="lm-eval is in the dev extra: bash scripts
 
 
 @pytest.mark.slow
-def test_local_completions_scores_equal_lm_evals_hf_model(smollm2_engine, hf_smollm2):
+def test_local_completions_scores_equal_lm_evals_hf_model(smollm2_engine, hf_smollm2, hf_smollm2_tokenizer):
     from bench.lm_eval_check import compare, evaluate_hf, evaluate_server, per_doc
     from graphexec.server.app import create_app
     from tests.helpers import ServerThread, server_config
@@ -20,7 +20,7 @@ def test_local_completions_scores_equal_lm_evals_hf_model(smollm2_engine, hf_smo
     smollm2_engine.flush_cache()
     with ServerThread(create_app(smollm2_engine, server_config())) as server:
         ours = evaluate_server(server.url, smollm2_engine.config.model.name)
-    theirs = evaluate_hf(hf_smollm2)
+    theirs = evaluate_hf(hf_smollm2, hf_smollm2_tokenizer)
     rows = compare(ours, theirs)
     assert all(row["agree"] for row in rows), rows
     # Per document, not only the aggregates: the same greedy answers, and each choice's

@@ -18,41 +18,15 @@ def smollm2() -> LoadedCheckpoint:
     return load_gguf(default_smollm2_gguf(), name="smollm2-135m")
 
 
-class ParameterNamesOnly:
-    """Stands in for a model where load_gguf_checkpoint only reads its type, depth and parameter names.
-
-    Walking a real model's 400 submodules costs several seconds of name-map rebuilding; the top-level
-    names alone already map every tensor of a Llama file.
-    """
-
-    def __init__(self, model):
-        self.config = model.config
-        self._state_dict = model.state_dict()
-
-    def state_dict(self):
-        return self._state_dict
-
-    def named_children(self):
-        return []
-
-
 @pytest.fixture(scope="module")
-def transformers_smollm2_tensors(smollm2):
-    """transformers' own GGUF weights for SmolLM2.
-
-    `AutoModelForCausalLM.from_pretrained(..., gguf_file=...)` dequantizes Llama files with exactly this
-    function (via its GGUF quantizer's legacy path), but refuses to start without `accelerate`; calling it
-    directly gives the same tensors without that extra dependency.
-    """
-    transformers = pytest.importorskip("transformers")
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    from bench.hf_baseline import hf_config_from
-
-    with torch.device("meta"):
-        model = ParameterNamesOnly(transformers.LlamaForCausalLM(hf_config_from(smollm2.config)))
-    loaded = load_gguf_checkpoint(str(default_smollm2_gguf()), return_tensors=True, model_to_load=model)
-    return loaded["tensors"]
+def transformers_smollm2_tensors(hf_smollm2):
+    """transformers' own GGUF weights for SmolLM2: `from_pretrained(..., gguf_file=...)` dequantizes
+    and un-permutes them (transformers.modeling_gguf_pytorch_utils.load_gguf_checkpoint).  The
+    session's reference model, so the file is read by transformers once per run."""
+    tensors = hf_smollm2.state_dict()
+    # No output.weight in the file: the head is the embedding (tied), not a tensor of its own.
+    assert tensors.pop("lm_head.weight").data_ptr() == tensors["model.embed_tokens.weight"].data_ptr()
+    return tensors
 
 
 def test_smollm2_config(smollm2):
@@ -71,7 +45,6 @@ def test_smollm2_config(smollm2):
 
 def test_smollm2_tensors_equal_transformers(smollm2, transformers_smollm2_tensors):
     ours, theirs = smollm2.state_dict, transformers_smollm2_tensors
-    # No output.weight in the file, so neither side has a separate head.
     assert set(ours) == set(theirs) and "lm_head.weight" not in ours
     for key, tensor in ours.items():
         reference = torch.as_tensor(theirs[key])

@@ -25,12 +25,8 @@ def server(smollm2_engine):
 
 
 @pytest.fixture(scope="module")
-def hf_tokenizer():
-    transformers = pytest.importorskip("transformers")
-    from graphexec.loader import default_smollm2_gguf
-
-    path = default_smollm2_gguf()
-    return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+def hf_tokenizer(hf_smollm2_tokenizer):
+    return hf_smollm2_tokenizer
 
 
 def _post(server, path: str, body: dict) -> httpx.Response:

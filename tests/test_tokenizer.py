@@ -44,10 +44,8 @@ def ours() -> Tokenizer:
 
 
 @pytest.fixture(scope="module")
-def theirs():
-    transformers = pytest.importorskip("transformers")
-    path = default_smollm2_gguf()
-    return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+def theirs(hf_smollm2_tokenizer):
+    return hf_smollm2_tokenizer
 
 
 @pytest.mark.parametrize("text", TEXTS)

@@ -213,7 +213,7 @@ TINY = ["model=tiny-llama", "cache.num_slots=512", "capture=eager"]
 # 6 query / 3 KV heads, vocab 322 (padded to 3 x 108), MLP 160 = blocks 2/2/1: every uneven case at tp_size 3.
 TINY_UNEVEN = [*TINY, "model.architecture.num_heads=6", "model.architecture.num_kv_heads=3", "model.architecture.vocab_size=322"]
 SMOL = ["model=smollm2-135m", "cache.num_slots=512", "cache.max_context=256"]
-GRAPH = ["capture=graph_first", "capture.decode.buckets=[1,2]", "capture.extend.buckets=[16]"]
+GRAPH = ["capture=graph_first", "capture.decode.buckets=[2]", "capture.extend.buckets=[16]"]
 # Two prompts of 10 + 6 tokens: exactly the 16-token extend bucket, so graph_first runs its pieces.
 PROMPTS = [[5, 17, 33, 100, 7, 8, 9, 250, 61, 2], [40, 41, 42, 43, 44, 45]]
 
@@ -264,16 +264,20 @@ def _rank(rank: int, size: int, store: str, overrides: list[str], out_file: str)
             dist.destroy_process_group()
 
 
-def _run_ranks(size: int, overrides: list[str], tmp_path) -> list[tuple]:
-    """Ranks as plain subprocesses (not multiprocessing: its resource tracker would outlive the
-    test, and tests/test_tp_engine.py checks that nothing does)."""
-    store = f"file://{tmp_path}/store-{size}"
-    outs = [tmp_path / f"rank{r}-of-{size}.pt" for r in range(size)]
-    procs = [
-        subprocess.Popen([sys.executable, "-c", f"from tests.test_tp_model import _rank; _rank{(r, size, store, overrides, str(outs[r]))!r}"],
-                         cwd=Path(__file__).parent.parent)
-        for r in range(size)
-    ]
+def _run_ranks(*groups: tuple[int, list[str]], tmp_path) -> list[list[tuple]]:
+    """Each (size, overrides) group's ranks as plain subprocesses, all groups at once (a reference
+    run overlaps the sharded one), results per group.  Subprocesses, not multiprocessing: its
+    resource tracker would outlive the test, and tests/test_tp_engine.py checks that nothing does."""
+    runs = []
+    for g, (size, overrides) in enumerate(groups):
+        store = f"file://{tmp_path}/store-{g}-{size}"
+        outs = [tmp_path / f"group{g}-rank{r}-of-{size}.pt" for r in range(size)]
+        runs.append((outs, [
+            subprocess.Popen([sys.executable, "-c", f"from tests.test_tp_model import _rank; _rank{(r, size, store, overrides, str(outs[r]))!r}"],
+                             cwd=Path(__file__).parent.parent)
+            for r in range(size)
+        ]))
+    procs = [p for _, group in runs for p in group]
     try:
         codes = [p.wait(timeout=900) for p in procs]
     finally:
@@ -281,8 +285,8 @@ def _run_ranks(size: int, overrides: list[str], tmp_path) -> list[tuple]:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    assert codes == [0] * size
-    return [torch.load(out, weights_only=False) for out in outs]
+    assert codes == [0] * len(procs)
+    return [[torch.load(out, weights_only=False) for out in outs] for outs, _ in runs]
 
 
 def _max_diff(a: dict, b: dict) -> dict[str, float]:
@@ -290,8 +294,7 @@ def _max_diff(a: dict, b: dict) -> dict[str, float]:
 
 
 def _check_sharded(size: int, overrides: list[str], reference_overrides: list[str], tmp_path) -> list[tuple]:
-    (reference,) = _run_ranks(1, reference_overrides, tmp_path)
-    ranks = _run_ranks(size, overrides, tmp_path)
+    [reference], ranks = _run_ranks((1, reference_overrides), (size, overrides), tmp_path=tmp_path)
     diffs = _max_diff(ranks[0][1], reference[1])
     print(f"tp={size} {overrides}: max |diff| vs tp=1: {diffs}")
     assert max(diffs.values()) < ATOL, diffs

@@ -42,7 +42,7 @@ class TPDriver:
     def start_serving(self) -> StepSender:
         """After capture: serving timeouts on, and the sender the runner announces steps with."""
         timeout_s = self.config.parallel.timeout_s
-        launch.serving(self.ctx, timeout_s)
+        launch.serving(self.ctx, timeout_s, self.config.device)
         # Keep-alives well inside the timeout, so an idle engine never looks hung to its workers.
         self.sender = StepSender(self.ctx.control, self.ctx.info.world_size, keep_alive_s=timeout_s / 4)
         return self.sender

@@ -32,7 +32,7 @@ def run_worker(config: EngineConfig, info: launch.RankInfo) -> None:
     try:
         with torch.inference_mode():
             _, runner = load_and_capture(config, ctx.tp)
-            launch.serving(ctx, config.parallel.timeout_s)
+            launch.serving(ctx, config.parallel.timeout_s, config.device)
             table = runner.kv_cache.req_to_token_pool
             while True:
                 message = receive(ctx.control)

@@ -127,10 +127,15 @@ def join(config: EngineConfig, info: RankInfo) -> RankContext:
     return RankContext(info, TPGroup(info.rank, info.world_size, world), control)
 
 
-def serving(ctx: RankContext, timeout_s: float) -> None:
-    """From now on a collective that waits longer than timeout_s fails (a hung rank)."""
+def serving(ctx: RankContext, timeout_s: float, device: torch.device | str) -> None:
+    """From now on a collective that waits longer than timeout_s fails (a hung rank).  Every rank
+    calls it after capture, so it is also where the ranks meet before the first step."""
     from torch.distributed.distributed_c10d import _set_pg_timeout
 
+    # A process's first functional collective imports Dynamo (torch._disable_dynamo wraps the op):
+    # seconds, unevenly across ranks, so inside the first step it could outlast timeout_s.  An
+    # eager engine imports nothing else of the compiler, so pay it here, under start-up timeouts.
+    ctx.tp.all_gather(ctx.tp.all_reduce(torch.zeros(1, device=device)))
     timeout = datetime.timedelta(seconds=timeout_s)
     for group in {id(g): g for g in (ctx.tp.group, ctx.control)}.values():
         _set_pg_timeout(timeout, group)
