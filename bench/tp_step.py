@@ -39,7 +39,7 @@ def _rank(rank: int, size: int, store: str, args, out) -> None:
         tp = TPGroup(rank, size, dist.group.WORLD)
     config = EngineConfig.from_overrides([f"model={args.model}", "capture=eager", "cache.num_slots=4096"])
     with torch.inference_mode():
-        _, runner = load_and_capture(config, tp)
+        runner = load_and_capture(config, tp).runner
         rows = [_measure(runner, config, tp, batch, args) for batch in args.batch]
     rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     out.put((rank, rows, runner.weight_nbytes() / 2**20, rss_mib))

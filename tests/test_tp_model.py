@@ -238,8 +238,9 @@ def _rank(rank: int, size: int, store: str, overrides: list[str], out_file: str)
     try:
         config = EngineConfig.from_overrides(overrides)
         with torch.inference_mode():
-            checkpoint, runner = load_and_capture(config, tp)
-            scheduler = Scheduler(runner, runner.kv_cache, config.scheduler)
+            rank_parts = load_and_capture(config, tp)
+            runner = rank_parts.runner
+            scheduler = Scheduler(runner, rank_parts.kv_cache, config.scheduler)
             params = SamplingParams(max_new_tokens=4, ignore_eos=True)
             reqs = [Req(f"r{i}", p, params, (), runner.max_context) for i, p in enumerate(PROMPTS)]
             fb = runner.init_forward_batch(scheduler.plan_extend(reqs))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -163,6 +164,19 @@ class ForwardBatch:
     def empty_for(cls, phase: Phase, device: torch.device | str) -> "ForwardBatch":
         """The empty batch a capture backend of this phase pads into its capture batches."""
         return cls.empty(ForwardMode.DECODE if phase is Phase.ROWS else ForwardMode.EXTEND, device)
+
+    def to(self, device: torch.device | str) -> "ForwardBatch":
+        """This batch with every tensor (the prompt-logprob plan's too) on `device` (a worker rank
+        receives batches decoded on the CPU)."""
+        moved = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, torch.Tensor):
+                moved[f.name] = value.to(device)
+        plan = self.prompt_logprobs
+        if plan is not None:
+            moved["prompt_logprobs"] = dataclasses.replace(plan, rows=plan.rows.to(device), targets=plan.targets.to(device))
+        return dataclasses.replace(self, **moved)
 
     def sample_row_indices(self) -> torch.Tensor:
         """Hidden rows that produce a next token: each request's last new token."""

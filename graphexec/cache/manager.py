@@ -20,8 +20,7 @@ import torch
 
 from graphexec.cache.kv_pool import TokenToKVPool
 from graphexec.cache.prefix_cache import RadixCache
-from graphexec.cache.req_to_token_pool import ReqToTokenPool
-from graphexec.parallel.group import SINGLE, TPGroup
+from graphexec.cache.req_to_token_pool import ReqToTokenPool, TableChange
 
 if TYPE_CHECKING:
     from graphexec.batch.request import Req
@@ -56,11 +55,10 @@ class KVCacheManager:
         self._held: dict[Req, _Holding] = {}
 
     @classmethod
-    def from_config(cls, config: EngineConfig, model: PoolShape, max_context: int, tp: TPGroup = SINGLE) -> KVCacheManager:
-        """A rank's cache.  Rank 0's table keeps a journal when other tensor-parallel ranks mirror
-        it (graphexec/parallel/step_sync.py)."""
+    def from_config(cls, config: EngineConfig, model: PoolShape, max_context: int, journal: bool = False) -> KVCacheManager:
+        """A rank's cache.  With `journal`, the request → token table records its changes for
+        `take_table_changes` (rank 0's, whose table other tensor-parallel ranks mirror)."""
         device = torch.device(config.device)
-        journal = tp.is_parallel and tp.is_driver
         rows = ReqToTokenPool(config.scheduler.max_running_requests, max_context, device, journal=journal)
         slots = TokenToKVPool(
             config.cache.num_slots, model.num_layers, model.num_kv_heads, model.head_dim,
@@ -96,6 +94,21 @@ class KVCacheManager:
     @property
     def num_free_rows(self) -> int:
         return self.req_to_token_pool.num_free
+
+    @property
+    def max_context(self) -> int:
+        """Positions per request row: the longest request the table can map."""
+        return self.req_to_token_pool.max_context
+
+    # ---- the table's changes, for other tensor-parallel ranks ----
+
+    def take_table_changes(self) -> list[TableChange]:
+        """The request → token table's changes since the last call; [] without a journal."""
+        return self.req_to_token_pool.take_journal()
+
+    def replay_table_changes(self, changes: list[TableChange]) -> None:
+        """Apply another rank's table changes to this rank's table (a worker's mirror)."""
+        self.req_to_token_pool.replay(changes)
 
     def can_allocate(self, n: int) -> bool:
         return n <= self.num_available

@@ -25,9 +25,10 @@ from graphexec.engine.request_output import RequestDelta, RequestOutput
 from graphexec.engine.request_stream import AsyncRequestStream, RequestStream
 from graphexec.engine.request_tracker import RequestTracker
 from graphexec.engine.threads import call_in_thread
-from graphexec.engine.tp_driver import TPDriver
 from graphexec.errors import InvalidRequestError, RequestFailedError
+from graphexec.parallel.driver import TPDriver
 from graphexec.parallel.group import SINGLE
+from graphexec.parallel.step_channel import NO_PEERS
 from graphexec.sampling_params import SamplingParams
 from graphexec.scheduler.scheduler import Scheduler
 from graphexec.structured.spec import StructuredSpec
@@ -47,6 +48,7 @@ class Engine:
     directly only on an engine that serves no requests.  Under background capture
     (`capture.background`, the default plan's) the loop owns them from the start: it captures
     while idle, so build such an engine with `capture.background=false` to drive them yourself.
+    Other threads read the loop's state only through `metrics()`, a snapshot the loop publishes.
     """
 
     def __init__(self, overrides: Sequence[str] = (), *, config: EngineConfig | None = None):
@@ -55,7 +57,7 @@ class Engine:
         # Tensor parallelism: the other ranks start (or, under torchrun, are joined) first; they
         # load and capture in lockstep with this process, rank 0.
         self._tp = TPDriver(self.config) if self.config.parallel.tp_size > 1 else None
-        tp = SINGLE if self._tp is None else self._tp.tp
+        tp, channel = (SINGLE, NO_PEERS) if self._tp is None else (self._tp.tp, self._tp.channel)
         if self._tp is not None:
             self.config = self._tp.config
         elif self.config.parallel.threads_per_rank is not None:
@@ -66,18 +68,17 @@ class Engine:
         # thread while idle.  Tensor-parallel ranks capture in lockstep, so they capture first.
         background = self.config.capture.background and self._tp is None
         try:
-            checkpoint, self.runner = call_in_thread(lambda: load_and_capture(self.config, tp, capture=not background))
+            rank = call_in_thread(lambda: load_and_capture(self.config, tp, channel, capture=not background))
         except BaseException:
             if self._tp is not None:
                 self._tp.close()
             raise
-        keep_alive_s = None
         if self._tp is not None:
-            self.runner.peers = self._tp.start_serving()
-            keep_alive_s = self.runner.peers.keep_alive_s
-        self.model_config = checkpoint.config
-        self.tokenizer = checkpoint.tokenizer
-        self.kv_cache = self.runner.kv_cache
+            self._tp.start_serving()
+        self.runner = rank.runner
+        self.kv_cache = rank.kv_cache
+        self.model_config = rank.checkpoint.config
+        self.tokenizer = rank.checkpoint.tokenizer
         self.scheduler = Scheduler(self.runner, self.kv_cache, self.config.scheduler)
         self.prompt_encoder = PromptEncoder(self.tokenizer, self.model_config.name, self.model_config.vocab_size, self.max_context)
         self._request_ids = itertools.count()
@@ -86,8 +87,7 @@ class Engine:
         idle_work = self.runner.capture_next if background and self.runner.capture_pending() else None
         self._loop = EngineLoop(
             self.scheduler,
-            self.runner.device,
-            keep_alive_s=keep_alive_s,
+            self.runner,
             idle_work=idle_work,
             idle_delay_s=self.config.capture.idle_delay_s,
         )
@@ -188,7 +188,7 @@ class Engine:
         return self._loop.num_unfinished()
 
     def metrics(self) -> EngineMetrics:
-        return EngineMetrics.collect(self.scheduler, self.runner, self._loop)
+        return EngineMetrics.collect(self._loop.snapshot(), self._loop.num_unfinished(), self._loop.stats)
 
     def encode_prompt(self, prompt: Prompt, chat: bool = False, index: int = 0) -> list[int]:
         return self.prompt_encoder.encode(prompt, chat=chat, label=f"prompt {index}")
@@ -234,7 +234,8 @@ class Engine:
             return self._grammar_backend
 
     def kv_slots_free(self) -> int:
-        return self.kv_cache.num_free
+        """Free KV slots as the loop last published them (graphexec/engine/engine_metrics.py)."""
+        return self._loop.snapshot().kv_slots_free
 
     def flush_cache(self) -> int:
         """Drop every cached prompt prefix, returning its KV slots to the pool; refused

@@ -37,9 +37,11 @@ from typing import Callable
 import torch
 
 from graphexec.batch.request import FinishReason
+from graphexec.engine.engine_metrics import LoopSnapshot
 from graphexec.engine.request_tracker import RequestTracker
 from graphexec.engine.serving_stats import ServingStats
 from graphexec.errors import EngineClosedError, WorkerFailedError
+from graphexec.runner.model_runner import ModelRunner
 from graphexec.scheduler.scheduler import Scheduler
 
 _log = logging.getLogger(__name__)
@@ -67,16 +69,17 @@ class EngineLoop:
     def __init__(
         self,
         scheduler: Scheduler,
-        device: torch.device,
+        runner: ModelRunner,
         name: str = "graphexec-engine-loop",
-        keep_alive_s: float | None = None,
         idle_work: Callable[[], bool] | None = None,
         idle_delay_s: float = 0.0,
     ):
         self._scheduler = scheduler
-        self._device = device
+        self._runner = runner
+        self._device = runner.device
         self._name = name
-        self._keep_alive_s = keep_alive_s
+        # Rank 0 of several: idle for this long, it tells the other ranks it is alive.
+        self._keep_alive_s = keep_alive_s = runner.keep_alive_s
         self.stats = ServingStats()
         self._wakeup = threading.Condition()
         # Guarded by _wakeup: the inbox, the ids of unfinished requests, the stop flag, the thread.
@@ -93,6 +96,8 @@ class EngineLoop:
         # after building the engine (graphexec-generate) never waits for a capture.
         self._idle_delay_s = idle_delay_s
         self._idle_after = time.monotonic() + idle_delay_s
+        # Replaced whole by the thread that owns scheduler and runner; read by any thread.
+        self._snapshot = LoopSnapshot.take(scheduler, runner)
         if keep_alive_s is not None or idle_work is not None:
             # Other ranks wait on this loop from now on, requests or not; idle work starts now.
             with self._wakeup:
@@ -131,7 +136,9 @@ class EngineLoop:
             if self._stopping:
                 raise self._closed_error()
             if self._thread is None:  # nothing has run on a loop thread: the scheduler is ours
-                return self._scheduler.flush_cache()
+                freed = self._scheduler.flush_cache()
+                self._take_snapshot()
+                return freed
             done: Future = Future()
             self._inbox.append(_FlushCache(done))
             self._wakeup.notify()
@@ -145,6 +152,14 @@ class EngineLoop:
     def num_unfinished(self) -> int:
         with self._wakeup:
             return len(self._unfinished)
+
+    def snapshot(self) -> LoopSnapshot:
+        """The scheduler's, cache's and runner's numbers as the loop last published them (taken
+        now if no loop thread has started: until then the caller's thread owns them)."""
+        with self._wakeup:
+            if self._thread is None:
+                self._take_snapshot()
+            return self._snapshot
 
     @property
     def thread_alive(self) -> bool:
@@ -191,6 +206,7 @@ class EngineLoop:
                 return
             if idle_due and not commands:
                 self._do_idle_work()
+                self._take_snapshot()  # a capture changed the backends' counters
                 continue
             self._idle_after = time.monotonic() + self._idle_delay_s
             try:
@@ -199,7 +215,7 @@ class EngineLoop:
                 if self._trackers:
                     self._step()
                 elif self._keep_alive_s is not None:
-                    self._scheduler.runner.keep_alive()
+                    self._runner.keep_alive()
                 self._publish()
             except WorkerFailedError as error:
                 self._stop_broken(error, commands)
@@ -235,7 +251,9 @@ class EngineLoop:
     def _apply(self, command: _Submit | _Abort | _FlushCache) -> None:
         if isinstance(command, _FlushCache):
             try:
-                command.done.set_result(self._scheduler.flush_cache())
+                freed = self._scheduler.flush_cache()
+                self._take_snapshot()  # before the caller hears: its next read sees the cache empty
+                command.done.set_result(freed)
             except RuntimeError as error:
                 command.done.set_exception(error)
         elif isinstance(command, _Submit):
@@ -266,6 +284,7 @@ class EngineLoop:
     def _publish(self) -> None:
         now = time.perf_counter()
         new_tokens = 0
+        deltas = []
         for tracker in list(self._trackers.values()):
             delta = tracker.collect(now)
             if delta is None:
@@ -278,11 +297,13 @@ class EngineLoop:
                 # Forgotten (unfinished set, finish counters) before the caller hears of it: a
                 # client that reads the metrics right after its answer must see it finished.
                 self._forget(tracker, delta.finish_reason)
-                tracker.sink(delta)
-            elif not tracker.sink(delta):  # the consumer's event loop is gone: stop generating for it
+            deltas.append((tracker, delta))
+        self.stats.record_tokens(now, new_tokens)
+        self._take_snapshot()
+        for tracker, delta in deltas:
+            if not tracker.sink(delta) and not delta.finished:  # the consumer's event loop is gone
                 self._scheduler.abort(tracker.rid)
                 self._forget(tracker, "abort")
-        self.stats.record_tokens(now, new_tokens)
         if self._trackers and not self._scheduler.has_unfinished():
             # Nothing left to step yet requests are unfinished: never spin on them.
             self._fail(list(self._trackers.values()), RuntimeError("the scheduler lost track of these requests"))
@@ -291,8 +312,13 @@ class EngineLoop:
         for tracker in trackers:
             if not tracker.req.finished:
                 self._scheduler.abort(tracker.rid)
-            tracker.sink(error)
             self._forget(tracker, "error")
+        self._take_snapshot()
+        for tracker in trackers:
+            tracker.sink(error)
+
+    def _take_snapshot(self) -> None:
+        self._snapshot = LoopSnapshot.take(self._scheduler, self._runner)
 
     def _forget(self, tracker: RequestTracker, reason: str) -> None:
         self._trackers.pop(tracker.rid, None)

@@ -1,19 +1,49 @@
-"""A snapshot of what the engine is doing, for monitoring (the server's /metrics).
+"""What the engine is doing, for monitoring (the server's /metrics, /health, `Engine.metrics()`).
 
-Read from any thread while the loop runs: each number is read once, without stopping the loop,
-so two numbers may be a step apart.  Good enough for a dashboard; nothing schedules on them.
+The scheduler, the KV cache and the runner belong to the engine loop's thread.  After every
+iteration, before any caller hears of its results, the loop publishes a `LoopSnapshot` of their
+numbers (frozen; replaced whole, never changed), and every other thread reads only that.  So a
+client that reads the metrics right after its answer sees its request finished and its KV
+released, and no reader ever walks a structure the loop is changing.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 if TYPE_CHECKING:
-    from graphexec.engine.engine_loop import EngineLoop
+    from graphexec.engine.serving_stats import ServingStats
     from graphexec.runner.model_runner import ModelRunner
     from graphexec.scheduler.scheduler import Scheduler
+
+
+@dataclass(frozen=True)
+class LoopSnapshot:
+    """The loop-owned numbers, as of the end of one loop iteration."""
+
+    running: int
+    kv_slots_total: int
+    kv_slots_free: int
+    kv_slots_reserved: int
+    kv_slots_cached: int
+    retractions_total: int
+    backends: Mapping[str, Mapping[str, Any]]
+
+    @classmethod
+    def take(cls, scheduler: Scheduler, runner: ModelRunner) -> LoopSnapshot:
+        """On the thread that owns scheduler and runner (the loop's, or the builder's before it starts)."""
+        kv = scheduler.kv_cache
+        return cls(
+            running=len(scheduler.running),
+            kv_slots_total=kv.num_slots,
+            kv_slots_free=kv.num_free,
+            kv_slots_reserved=scheduler.promised_slots,
+            kv_slots_cached=kv.num_cached,
+            retractions_total=scheduler.num_retractions,
+            backends=runner.backend_stats(),
+        )
 
 
 @dataclass(frozen=True)
@@ -34,34 +64,23 @@ class EngineMetrics:
     backends: Mapping[str, Mapping[str, Any]]  # per ForwardMode: backend name, replays, fallbacks, ...
 
     @classmethod
-    def collect(cls, scheduler: Scheduler, runner: ModelRunner, loop: EngineLoop) -> EngineMetrics:
-        running = len(scheduler.running)
-        kv = scheduler.kv_cache
-        free = kv.num_free
+    def collect(cls, snapshot: LoopSnapshot, unfinished: int, stats: ServingStats) -> EngineMetrics:
+        """From the loop's last snapshot, its count of unfinished requests and its serving stats
+        (both kept under their own locks, readable from any thread)."""
         return cls(
-            running=running,
-            waiting=max(0, loop.num_unfinished() - running),
-            kv_slots_total=kv.num_slots,
-            kv_slots_used=kv.num_slots - free,
-            kv_slots_free=free,
-            kv_slots_reserved=_read_while_changing(lambda: scheduler.promised_slots),
-            kv_slots_cached=kv.num_cached,
-            retractions_total=scheduler.num_retractions,
-            tokens_per_s=loop.stats.tokens_per_s(time.perf_counter()),
-            generated_tokens_total=loop.stats.tokens_total(),
-            finished=loop.stats.finished(),
-            backends=runner.backend_stats(),
+            running=snapshot.running,
+            waiting=max(0, unfinished - snapshot.running),
+            kv_slots_total=snapshot.kv_slots_total,
+            kv_slots_used=snapshot.kv_slots_total - snapshot.kv_slots_free,
+            kv_slots_free=snapshot.kv_slots_free,
+            kv_slots_reserved=snapshot.kv_slots_reserved,
+            kv_slots_cached=snapshot.kv_slots_cached,
+            retractions_total=snapshot.retractions_total,
+            tokens_per_s=stats.tokens_per_s(time.perf_counter()),
+            generated_tokens_total=stats.tokens_total(),
+            finished=stats.finished(),
+            backends=snapshot.backends,
         )
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def _read_while_changing(read: Callable[[], int]) -> int:
-    # Summing a dict the loop thread is resizing raises; the next try sees it settled.
-    for _ in range(100):
-        try:
-            return read()
-        except RuntimeError:
-            continue
-    return -1

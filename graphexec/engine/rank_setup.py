@@ -5,6 +5,8 @@ collective for collective."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from graphexec.cache.manager import KVCacheManager
@@ -13,12 +15,24 @@ from graphexec.loader import LoadedCheckpoint
 from graphexec.loader.resolve import load_checkpoint
 from graphexec.models.tp_layout import TPLayout
 from graphexec.parallel.group import SINGLE, TPGroup
+from graphexec.parallel.step_channel import NO_PEERS, StepChannel
 from graphexec.runner.model_runner import ModelRunner
 
 
-def load_and_capture(config: EngineConfig, tp: TPGroup = SINGLE, capture: bool = True) -> tuple[LoadedCheckpoint, ModelRunner]:
+@dataclass(frozen=True)
+class RankParts:
+    checkpoint: LoadedCheckpoint
+    kv_cache: KVCacheManager
+    runner: ModelRunner
+
+
+def load_and_capture(
+    config: EngineConfig, tp: TPGroup = SINGLE, channel: StepChannel = NO_PEERS, capture: bool = True
+) -> RankParts:
     """Load and build; capture every bucket now unless `capture` is false (the engine will
-    capture them in the background, `ModelRunner.capture_next`)."""
+    capture them in the background, `ModelRunner.capture_next`).  `channel` announces each step
+    to the other ranks (rank 0 of several); a rank with one keeps a journal of its table changes
+    to send down it."""
     device = torch.device(config.device)
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)  # the current CUDA device is per thread (as in EngineLoop)
@@ -27,8 +41,8 @@ def load_and_capture(config: EngineConfig, tp: TPGroup = SINGLE, capture: bool =
     model = checkpoint.config
     max_context = min(config.cache.max_context or model.max_context, model.max_context)
     local = TPLayout.build(model, tp.size, tp.rank).local_config()
-    kv_cache = KVCacheManager.from_config(config, local, max_context, tp)
-    runner = ModelRunner(config, checkpoint, kv_cache, tp)
+    kv_cache = KVCacheManager.from_config(config, local, max_context, journal=channel is not NO_PEERS)
+    runner = ModelRunner(config, checkpoint, kv_cache, tp, channel)
     if capture:
         runner.capture()
-    return checkpoint, runner
+    return RankParts(checkpoint, kv_cache, runner)

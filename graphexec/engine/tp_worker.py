@@ -1,13 +1,10 @@
-"""A tensor-parallel rank other than 0: build the same runner on its shard, then run every
-forward rank 0 announces, until told to stop or the group breaks.
+"""A tensor-parallel rank other than 0: build the same runner on its shard, then serve the steps
+rank 0 announces (graphexec/parallel/worker.py), until told to stop or the group breaks.
 
     python -m graphexec.engine.tp_worker RANK WORLD INIT_METHOD PARENT_PID  < JSON config
         (started by rank 0 on one machine: graphexec/parallel/launch.py LocalWorkers)
     run_worker(config, info)
         (under torchrun: graphexec-serve / graphexec-generate on ranks != 0)
-
-A worker samples nothing and schedules nothing: it replays rank 0's request → token table
-changes and computes its share of each forward, whose collectives rank 0 joins.
 """
 
 from __future__ import annotations
@@ -20,7 +17,7 @@ import torch
 from graphexec.config import EngineConfig
 from graphexec.engine.rank_setup import load_and_capture
 from graphexec.parallel import launch
-from graphexec.parallel.step_sync import StepKind, batch_to, receive
+from graphexec.parallel.worker import serve_steps
 
 _log = logging.getLogger(__name__)
 
@@ -31,16 +28,9 @@ def run_worker(config: EngineConfig, info: launch.RankInfo) -> None:
     ctx = launch.join(config, info)
     try:
         with torch.inference_mode():
-            _, runner = load_and_capture(config, ctx.tp)
+            rank = load_and_capture(config, ctx.tp)
             launch.serving(ctx, config.parallel.timeout_s, config.device)
-            table = runner.kv_cache.req_to_token_pool
-            while True:
-                message = receive(ctx.control)
-                table.replay(list(message.table_changes))
-                if message.kind is StepKind.STOP:
-                    return
-                if message.kind is StepKind.FORWARD:
-                    runner.forward_logits(batch_to(message.batch, runner.device))
+            serve_steps(ctx.control, rank.runner, rank.kv_cache)
     finally:
         launch.leave()
 

@@ -32,7 +32,7 @@ def _run(cfg: DictConfig) -> None:
         t0 = time.perf_counter()
         engine = Engine(config=config)
         seconds = time.perf_counter() - t0
-        stats = engine.runner.backend_stats()
+        stats = engine.metrics().backends
         plan_path = engine.runner.plan_path
         engine.shutdown()
     except GraphexecError as err:

@@ -37,7 +37,7 @@ from graphexec.parallel.step_schema import StepKind, StepMessage, StepMessageErr
 if TYPE_CHECKING:
     from graphexec.batch.forward_batch import ForwardBatch
 
-__all__ = ["StepKind", "StepMessage", "StepSender", "batch_to", "receive"]
+__all__ = ["StepKind", "StepMessage", "StepSender", "receive"]
 
 # One broadcast carries a message up to this size (a decode step's is ~0.5 KiB); the rest follows.
 _BUFFER_BYTES = 64 * 1024
@@ -45,18 +45,6 @@ _LENGTH_BYTES = 8
 # A length past this is no step message (a 32k-token chunk with its table changes is ~1.5 MiB): a
 # worker refuses it rather than allocate whatever a corrupt or hostile length asks for.
 _MAX_MESSAGE_BYTES = 1 << 30
-
-
-def batch_to(fb: ForwardBatch, device: torch.device | str) -> ForwardBatch:
-    """fb with every tensor (the prompt-logprob plan's too) on `device`."""
-    moved = {}
-    for f in dataclasses.fields(fb):
-        value = getattr(fb, f.name)
-        if isinstance(value, torch.Tensor):
-            moved[f.name] = value.to(device)
-        elif f.name == "prompt_logprobs" and value is not None:
-            moved[f.name] = dataclasses.replace(value, rows=value.rows.to(device), targets=value.targets.to(device))
-    return dataclasses.replace(fb, **moved)
 
 
 class StepSender:

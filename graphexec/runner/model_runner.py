@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterator
 
 import torch
 
@@ -34,14 +34,12 @@ from graphexec.models.llama import LlamaForCausalLM
 from graphexec.models.sharding import shard_state_dict
 from graphexec.models.tp_layout import TPLayout
 from graphexec.parallel.group import SINGLE, TPGroup
+from graphexec.parallel.step_channel import NO_PEERS, StepChannel
 from graphexec.quant import QuantEmbedding, QuantLinear, ensure_kernels
 from graphexec.runner.capture_key import capture_key
 from graphexec.runner.logits_processor import LogitsProcessor
 from graphexec.sampling.sampler import Sampler, SamplerOutput
 from graphexec.structured.token_bitmask import TokenBitmask
-
-if TYPE_CHECKING:
-    from graphexec.parallel.step_sync import StepSender
 
 _log = logging.getLogger(__name__)
 
@@ -56,16 +54,23 @@ class StepOutput:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, checkpoint: LoadedCheckpoint, kv_cache: KVCacheManager, tp: TPGroup = SINGLE):
+    def __init__(
+        self,
+        config: EngineConfig,
+        checkpoint: LoadedCheckpoint,
+        kv_cache: KVCacheManager,
+        tp: TPGroup = SINGLE,
+        channel: StepChannel = NO_PEERS,
+    ):
         self.config = config
         self.tp = tp
-        # Rank 0 of several: announces each forward to the other ranks (set by the Engine).
-        self.peers: StepSender | None = None
+        # Announces each forward to the other tensor-parallel ranks (rank 0 of several; else silent).
+        self.channel = channel
         self.model_config: ModelConfig = checkpoint.config
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype
         self.kv_cache = kv_cache
-        self.max_context = kv_cache.req_to_token_pool.max_context
+        self.max_context = kv_cache.max_context
 
         # Built on the meta device and given the checkpoint's tensors: no second copy of the weights.
         # RoPE tables stay fp32 like the reference; the model casts per use.
@@ -225,19 +230,20 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward_and_sample(self, fb: ForwardBatch) -> StepOutput:
-        if self.peers is None:
+        # The other ranks run the same forward and LM-head rows; sampling is rank 0's alone.
+        with self.channel.step(fb, self.kv_cache.take_table_changes()):
             logits, prompt_logprobs = self.forward_logits(fb)
-        else:
-            # The other ranks run the same forward and LM-head rows; sampling is rank 0's alone.
-            with self.peers.step(fb, self.kv_cache.req_to_token_pool.take_journal()):
-                logits, prompt_logprobs = self.forward_logits(fb)
         entries = [] if prompt_logprobs is None else fb.prompt_logprobs.entries(prompt_logprobs)
         return StepOutput(self.sampler(logits, fb.sampling_info), logits, entries)
 
+    @property
+    def keep_alive_s(self) -> float | None:
+        """How often an idle engine must call `keep_alive` (None: never, no other ranks wait)."""
+        return self.channel.keep_alive_s
+
     def keep_alive(self) -> None:
-        """Rank 0, idle: let the other ranks know it is alive (no-op with one rank)."""
-        if self.peers is not None:
-            self.peers.keep_alive(self.kv_cache.req_to_token_pool.take_journal())
+        """Idle: let the other ranks know this one is alive (no-op without a channel to them)."""
+        self.channel.keep_alive(self.kv_cache.take_table_changes())
 
     @torch.inference_mode()
     def forward_logits(self, fb: ForwardBatch) -> tuple[torch.Tensor, PromptLogprobs | None]:

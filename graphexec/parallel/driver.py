@@ -1,5 +1,5 @@
-"""Rank 0's side of tensor parallelism: the other ranks, the process group, and the sender that
-announces every forward to them (graphexec/parallel/step_sync.py).
+"""Rank 0's side of tensor parallelism: the other ranks, the process group, and the step channel
+that announces every forward to them (step_sync.py's StepSender, handed to rank 0's ModelRunner).
 
 Outside torchrun, rank 0 starts ranks 1..N-1 itself on this machine; under torchrun they already
 exist (on any machine) and rank 0 only joins.  `close` stops them: a STOP message, then a grace
@@ -33,24 +33,23 @@ class TPDriver:
         self.config = launch.rank_config(config, info)
         torch.set_num_threads(launch.threads_per_rank(config, info))
         self.ctx = self.workers.join_group(self.config) if self.workers else launch.join(self.config, info)
-        self.sender: StepSender | None = None
+        # Keep-alives well inside the timeout, so an idle engine never looks hung to its workers.
+        self.channel = StepSender(self.ctx.control, info.world_size, keep_alive_s=self.config.parallel.timeout_s / 4)
+        self._serving = False
 
     @property
     def tp(self):
         return self.ctx.tp
 
-    def start_serving(self) -> StepSender:
-        """After capture: serving timeouts on, and the sender the runner announces steps with."""
-        timeout_s = self.config.parallel.timeout_s
-        launch.serving(self.ctx, timeout_s, self.config.device)
-        # Keep-alives well inside the timeout, so an idle engine never looks hung to its workers.
-        self.sender = StepSender(self.ctx.control, self.ctx.info.world_size, keep_alive_s=timeout_s / 4)
-        return self.sender
+    def start_serving(self) -> None:
+        """After capture (which every rank runs in lockstep, announcing nothing): serving timeouts on."""
+        launch.serving(self.ctx, self.config.parallel.timeout_s, self.config.device)
+        self._serving = True
 
     def close(self) -> None:
-        failed = self.sender is not None and self.sender.failed is not None
-        if self.sender is not None:
-            self.sender.stop()
+        failed = self.channel.failed is not None
+        if self._serving:  # before that, workers listen for nothing: they are stopped below
+            self.channel.stop()
         if self.workers is not None:
             # After a failure a worker may be hung (and never exit): no grace period then.
             self.workers.stop(grace_s=0.5 if failed else launch.STOP_GRACE_S)
