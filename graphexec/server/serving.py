@@ -125,15 +125,23 @@ class OpenAIServing:
         header = ResponseHeader(f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.model_name)
         formatters = [LogprobsFormatter(self.engine.tokenizer) for _ in streams]
         if body.stream:
-            def chunks(index: int, delta: RequestDelta) -> list[dict]:
-                if not (delta.text or delta.logprobs or delta.finished):
-                    return []
-                logprobs = formatters[index].completion(delta.logprobs)
-                return [header.completion_chunk(index, delta.text, logprobs, delta.finish_reason)]
+            # Echo streams the prompt first: at once, or with logprobs as soon as they exist (the
+            # choice's first delta, after its prefill), so the chunks join into the unstreamed choice.
+            echo_waits = [body.echo and body.logprobs is not None] * len(streams)
 
-            # Echo streams the prompt first (without logprobs: the protocol refuses them here).
+            def chunks(index: int, delta: RequestDelta) -> list[dict]:
+                sent = []
+                if echo_waits[index]:
+                    echo_waits[index] = False
+                    text, logprobs = formatters[index].echo(prepared.prompt_ids[index], delta.prompt_logprobs)
+                    sent.append(header.completion_chunk(index, text, logprobs, None))
+                if delta.text or delta.logprobs or delta.finished:
+                    logprobs = formatters[index].completion(delta.logprobs)
+                    sent.append(header.completion_chunk(index, delta.text, logprobs, delta.finish_reason))
+                return sent
+
             opening = []
-            if body.echo:
+            if body.echo and body.logprobs is None:
                 echoed = [f.echo(ids, None)[0] for f, ids in zip(formatters, prepared.prompt_ids)]
                 opening = [header.completion_chunk(i, text, None, None) for i, text in enumerate(echoed)]
             return self._sse(streams, prepared, opening, chunks, header, "text_completion", request)
