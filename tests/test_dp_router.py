@@ -105,6 +105,15 @@ def test_prefix_key_shared_system_prompt():
     assert prefix_key("/v1/completions", {}) is None
 
 
+def test_prefix_key_of_a_responses_body_is_its_chat_conversations():
+    chat = prefix_key("/v1/chat/completions", {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]})
+    assert prefix_key("/v1/responses", {"instructions": "Be brief.", "input": "hi"}) == chat
+    assert prefix_key("/v1/responses", {"instructions": "Be brief.", "input": [{"role": "user", "content": "bye"}]}) == chat
+    turn = {"role": "user", "content": "q" * 300}
+    assert prefix_key("/v1/responses", {"input": "q" * 300}) == prefix_key("/v1/chat/completions", {"messages": [turn]})
+    assert prefix_key("/v1/responses", {"input": 5}) is None
+
+
 def test_affinity_slack_config():
     assert EngineConfig.from_overrides(["model=tiny-llama"]).parallel.dp_affinity_slack == 4
     with pytest.raises(ConfigError, match="parallel.dp_affinity_slack"):
@@ -192,6 +201,11 @@ class FakeReplica:
                 return StreamingResponse(self._stream(), media_type="text/event-stream")
             return JSONResponse({"replica": index, "prompt": body.get("prompt")})
 
+        @app.post("/v1/responses")
+        async def responses(request: Request) -> Response:
+            self.requests.append(await request.json())
+            return JSONResponse({"replica": index, "object": "response"})
+
         @app.get("/metrics")
         async def metrics() -> Response:
             return Response(_REPLICA_METRICS.format(tokens=10 * (index + 1), ratio=0.5, fast=1), media_type="text/plain")
@@ -267,6 +281,15 @@ def test_affinity_through_the_front(front):
     seen = {httpx.post(server.url + "/v1/completions", json={"prompt": prompt + str(i)}, timeout=10).headers[REPLICA_HEADER] for i in range(4)}
     assert len(seen) == 1
     assert state.router.counters.affinity_hits == 3
+
+
+def test_front_routes_responses_by_their_instructions(front):
+    server, replicas, state = front
+    bodies = [{"instructions": "Shared rules.", "input": f"question {i}"} for i in range(3)]
+    answers = [httpx.post(server.url + "/v1/responses", json=body, timeout=10) for body in bodies]
+    assert {a.json()["object"] for a in answers} == {"response"}
+    assert len({a.headers[REPLICA_HEADER] for a in answers}) == 1 and state.router.counters.affinity_hits == 2
+    assert sum((r.requests for r in replicas), []) == bodies
 
 
 def test_dead_replica_answers_503_and_is_routed_around(front):

@@ -327,7 +327,7 @@ def test_chat_schema_admits_what_the_server_serves(tiny_server, chat_template, f
 def test_every_body_route_reads_within_the_body_limit(tiny):
     """The typed bodies are still read by limits.read_body: 413 before parsing, on each route."""
     with ServerThread(create_app(tiny, server_config(max_body_bytes=64))) as server, _http() as http:
-        for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"):
+        for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize", "/detokenize"):
             answer = http.post(f"{server.url}{path}", content=b"{" + b" " * 100 + b"}")
             assert answer.status_code == 413, (path, answer.text)
             assert answer.json()["error"]["code"] == "request_too_large"

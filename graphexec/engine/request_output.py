@@ -49,6 +49,9 @@ class RequestDelta:
     logprobs: list[dict] | None = None  # one entry per token in token_ids, when asked for
     finish_reason: str | None = None
     output: RequestOutput | None = None
+    # With SamplingParams.prompt_logprobs, on the request's first delta only: one entry per prompt
+    # token (None for the first), complete since the prefill is done by then (unless aborted first).
+    prompt_logprobs: list[dict | None] | None = None
 
     @property
     def finished(self) -> bool:

@@ -32,6 +32,7 @@ class RequestTracker:
         self._stop_string_matched = False
         self._first_token_time: float | None = None
         self._last_token_time: float | None = None
+        self._prompt_logprobs_sent = False
 
     @property
     def rid(self) -> str:
@@ -63,10 +64,21 @@ class RequestTracker:
         text = self._text[self._sent_chars : max(end, self._sent_chars)]
         self._sent_chars += len(text)
         logprobs = req.output_logprobs[start : self._sent_tokens] if req.params.logprobs is not None else None
+        prompt_logprobs = self._unsent_prompt_logprobs()
         if not done:
-            return RequestDelta(req.rid, list(new_ids), text, logprobs)
+            return RequestDelta(req.rid, list(new_ids), text, logprobs, prompt_logprobs=prompt_logprobs)
         reason = FinishReason.STOP if self._stop_string_matched else req.finish_reason
-        return RequestDelta(req.rid, list(new_ids), text, logprobs, reason.value, self._output(reason, now))
+        output = self._output(reason, now)
+        return RequestDelta(req.rid, list(new_ids), text, logprobs, reason.value, output, prompt_logprobs)
+
+    def _unsent_prompt_logprobs(self) -> list[dict | None] | None:
+        """The prompt's logprobs, on the first delta only: a request's first delta comes after its
+        prefill (its first token, or its end with max_new_tokens=0), so every entry is filled, unless
+        it was aborted before."""
+        if self._prompt_logprobs_sent or self.req.prompt_logprobs is None:
+            return None
+        self._prompt_logprobs_sent = True
+        return list(self.req.prompt_logprobs)
 
     def _decode(self, new_ids: list[int], first_index: int, *, final: bool) -> None:
         """Add the text of output tokens first_index, first_index + 1, ...; look for stop strings."""

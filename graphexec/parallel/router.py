@@ -111,16 +111,28 @@ def prefix_key(route: str, body: Mapping[str, Any], chars: int = PREFIX_CHARS) -
     chat: the leading system (or developer) messages when there are any, so requests sharing a
     system prompt share a key however short it is; else the messages' roles and contents in
     order (a continued conversation keeps its key); either as one string, cut at `chars`;
+    responses: as chat, `instructions` being the system message and a string `input` the user's;
     completions: the prompt (text, or token ids as text), or the first prompt of a list, cut at
     `chars`.  Rendering is not the chat template's, only stable: equal prefixes, equal keys.
     """
     if route.endswith("chat/completions"):
         text = _messages_text(body.get("messages"))
+    elif route.endswith("/responses"):
+        text = _messages_text(_responses_messages(body))
     else:
         text = _prompt_text(body.get("prompt"))
     if not text:
         return None
     return hashlib.blake2b(text[:chars].encode("utf-8", "replace"), digest_size=16).hexdigest()
+
+
+def _responses_messages(body: Mapping[str, Any]) -> list:
+    """A Responses API body's turns as chat messages, enough for a key: `instructions` as the system
+    message, a string `input` as the user's, listed items as they are."""
+    instructions, given = body.get("instructions"), body.get("input")
+    system = [{"role": "system", "content": instructions}] if isinstance(instructions, str) and instructions else []
+    turns = [{"role": "user", "content": given}] if isinstance(given, str) else given if isinstance(given, list) else []
+    return system + turns
 
 
 def _messages_text(messages: Any) -> str:

@@ -1,6 +1,7 @@
 """The FastAPI app: OpenAI-compatible routes over one `Engine`.
 
     POST /v1/completions, /v1/chat/completions   (stream=true answers server-sent events)
+    POST /v1/responses   OpenAI's Responses API, stateless (responses_protocol.py)
     GET  /v1/models, /health
     GET  /metrics        Prometheus text (metrics.py: a registry per app)
     GET  /metrics/json   the engine's EngineMetrics as JSON (the snapshot /metrics served before)
@@ -37,6 +38,7 @@ from graphexec.server.front_metrics import PROMETHEUS_TEXT
 from graphexec.server.metrics import ServerMetrics
 from graphexec.server.openapi import ServedLimits, document_access, document_limits, publish
 from graphexec.server.protocol import ChatCompletionRequest, CompletionRequest
+from graphexec.server.responses_protocol import ResponsesRequest
 from graphexec.server.routing import BodyRoute
 from graphexec.server.serving import OpenAIServing
 from graphexec.server.tokenize import DetokenizeRequest, TokenizeRequest, TokenizerEndpoints
@@ -136,6 +138,13 @@ def _generation_routes(serving: OpenAIServing) -> APIRouter:
     @router.post("/v1/chat/completions", response_class=Response)
     async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
         return await serving.chat(request, body)
+
+    @router.post("/v1/responses", response_class=Response)
+    async def responses(request: Request, body: ResponsesRequest) -> Response:
+        """OpenAI's Responses API over the chat template, stateless: nothing is stored, so the
+        whole conversation comes in `input` each time.  stream=true answers named events
+        (`response.created` ... `response.completed`)."""
+        return await serving.responses(request, body)
 
     return router
 

@@ -3,7 +3,8 @@
 Each replica is a whole graphexec-serve (graphexec/parallel/replicas.py starts them); the front
 does no model work.  It proxies every OpenAI route to one replica over HTTP (httpx):
 
-    POST /v1/completions, /v1/chat/completions   the replica `Router.pick` chooses (least-loaded,
+    POST /v1/completions, /v1/chat/completions, /v1/responses
+                                                 the replica `Router.pick` chooses (least-loaded,
                                                  prefix affinity); answers stream through chunk
                                                  by chunk (server-sent events as they come)
     POST /tokenize, /detokenize, GET /tokenizer_info   the least-loaded replica
@@ -268,7 +269,7 @@ def _generation_routes(app: FastAPI, front: Front, config: ServerConfig) -> None
         key = prefix_key(request.url.path, parsed) if isinstance(parsed, dict) else None
         return await front.proxy(request, front.pick(key), body)
 
-    for path in ("/v1/completions", "/v1/chat/completions"):
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses"):
         app.add_api_route(path, routed, methods=["POST"], include_in_schema=False)
 
 

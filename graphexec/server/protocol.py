@@ -163,18 +163,12 @@ _CHAT_EXAMPLE = {
     "max_tokens": 16,
 }
 
-# What the validators refuse across fields, in JSON Schema (`requested_max_tokens` and `_echo`;
+# What the validators refuse across fields, in JSON Schema (`requested_max_tokens`;
 # `_needs_logprobs`, and chat's max_tokens, which counts only without max_completion_tokens).
 # best_of equal to n, and min_tokens within max_tokens, it cannot say.
 _COMPLETION_RULES = [
     *CONSTRAINT_RULES,
     {"not": {"required": ["max_tokens"], "properties": {"max_tokens": {"const": 0}, "echo": {"const": False}}}},
-    {
-        "not": {
-            "required": ["echo", "stream", "logprobs"],
-            "properties": {"echo": {"const": True}, "stream": {"const": True}, "logprobs": {"type": "integer"}},
-        }
-    },
 ]
 _CHAT_RULES = [
     *CONSTRAINT_RULES,
@@ -298,14 +292,6 @@ class CompletionRequest(_GenerationRequest):
     echo: bool = False
     # Accepted only equal to n: no server-side ranking of candidates.
     best_of: Annotated[int, Field(ge=1, json_schema_extra=limit(CHOICES)), WHOLE] | None = None
-
-    @field_validator("echo")
-    @classmethod
-    def _echo(cls, value: bool, info: ValidationInfo) -> bool:
-        # stream and logprobs are declared first, so they are already validated.
-        if value and info.data.get("stream") and info.data.get("logprobs") is not None:
-            raise ValueError("echo with logprobs is not supported when streaming; set stream=false")
-        return value
 
     @field_validator("best_of")
     @classmethod

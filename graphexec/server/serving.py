@@ -23,6 +23,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, Generic, TypeVar
 
 from fastapi import Request
@@ -50,8 +51,11 @@ from graphexec.server.limits import TokenBound, read_body
 from graphexec.server.metrics import ServerMetrics
 from graphexec.server.protocol import ChatCompletionRequest, CompletionRequest
 from graphexec.server.responses import LogprobsFormatter, ResponseHeader, sse, usage
+from graphexec.server.responses_input import chat_messages, refuse_tools
+from graphexec.server.responses_output import ResponseEvents, ResponseShell, new_id, sse_event, text_logprobs
+from graphexec.server.responses_protocol import ResponsesRequest
 
-Body = TypeVar("Body", CompletionRequest, ChatCompletionRequest)
+Body = TypeVar("Body", CompletionRequest, ChatCompletionRequest, ResponsesRequest)
 Model = TypeVar("Model", bound=BaseModel)
 Result = TypeVar("Result")
 
@@ -62,6 +66,8 @@ _log = logging.getLogger(__name__)
 _TRIM_AFTER_BYTES = 1 << 20
 
 _SEED_MODULUS = 2**64  # torch.Generator seeds are unsigned 64-bit
+
+_SSE_HEADERS = MappingProxyType({"Cache-Control": "no-cache"})
 
 
 @dataclass(frozen=True)
@@ -125,15 +131,23 @@ class OpenAIServing:
         header = ResponseHeader(f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.model_name)
         formatters = [LogprobsFormatter(self.engine.tokenizer) for _ in streams]
         if body.stream:
-            def chunks(index: int, delta: RequestDelta) -> list[dict]:
-                if not (delta.text or delta.logprobs or delta.finished):
-                    return []
-                logprobs = formatters[index].completion(delta.logprobs)
-                return [header.completion_chunk(index, delta.text, logprobs, delta.finish_reason)]
+            # Echo streams the prompt first: at once, or with logprobs as soon as they exist (the
+            # choice's first delta, after its prefill), so the chunks join into the unstreamed choice.
+            echo_waits = [body.echo and body.logprobs is not None] * len(streams)
 
-            # Echo streams the prompt first (without logprobs: the protocol refuses them here).
+            def chunks(index: int, delta: RequestDelta) -> list[dict]:
+                sent = []
+                if echo_waits[index]:
+                    echo_waits[index] = False
+                    text, logprobs = formatters[index].echo(prepared.prompt_ids[index], delta.prompt_logprobs)
+                    sent.append(header.completion_chunk(index, text, logprobs, None))
+                if delta.text or delta.logprobs or delta.finished:
+                    logprobs = formatters[index].completion(delta.logprobs)
+                    sent.append(header.completion_chunk(index, delta.text, logprobs, delta.finish_reason))
+                return sent
+
             opening = []
-            if body.echo:
+            if body.echo and body.logprobs is None:
                 echoed = [f.echo(ids, None)[0] for f, ids in zip(formatters, prepared.prompt_ids)]
                 opening = [header.completion_chunk(i, text, None, None) for i, text in enumerate(echoed)]
             return self._sse(streams, prepared, opening, chunks, header, "text_completion", request)
@@ -172,6 +186,20 @@ class OpenAIServing:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         choices = [header.chat_choice(i, out, formatter.chat(out.logprobs)) for i, out in enumerate(outputs)]
         return JSONResponse(header.chat(choices, usage(outputs, prepared.n)))
+
+    async def responses(self, request: Request, body: ResponsesRequest) -> Response:
+        """The Responses API over the chat path (responses_input/_output.py hold its shapes)."""
+        prepared = await self.on_worker(self._prepare_now, body, self._responses_prompts, request.state.body_bytes)
+        streams = self._start(prepared)
+        shell = ResponseShell.of(body, prepared.params[0], self.model_name)
+        formatter = LogprobsFormatter(self.engine.tokenizer)
+        if body.stream:
+            return self._event_stream(streams, ResponseEvents(shell, formatter), request)
+        outputs = await self._results(streams, request)
+        if outputs is None:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        (output,) = outputs
+        return JSONResponse(shell.final(output, new_id("msg"), text_logprobs(formatter, output.logprobs)))
 
     def _prepare_now(
         self, body: Body, encode: Callable[[Body], tuple[list[list[int]], str]], body_bytes: int
@@ -221,6 +249,13 @@ class OpenAIServing:
 
     def _chat_prompts(self, body: ChatCompletionRequest) -> tuple[list[list[int]], str]:
         return [self.engine.encode_chat(body.chat_messages())], "messages"
+
+    def _responses_prompts(self, body: ResponsesRequest) -> tuple[list[list[int]], str]:
+        refuse_tools(body)  # until tool calling is wired here: then the template renders tools too
+        try:
+            return [self.engine.prompt_encoder.encode_chat(chat_messages(body), label="input")], "input"
+        except InvalidRequestError as error:
+            raise InvalidRequestError(str(error), param="input") from None  # the encoder names "prompt"
 
     def _start(self, prepared: Prepared) -> list[AsyncRequestStream]:
         """On the loop: the queue limit, then the engine (astream must run on the consuming loop)."""
@@ -286,11 +321,10 @@ class OpenAIServing:
 
         async def events() -> AsyncIterator[str]:
             outputs: list[RequestOutput | None] = [None] * len(streams)
-            failed = False
             try:
                 for chunk in opening:
                     yield sse(chunk)
-                async with contextlib.aclosing(fanout.merged(streams)) as deltas:
+                async with contextlib.aclosing(self._relay(streams, request)) as deltas:
                     async for index, delta in deltas:
                         if completion_tokens is not None and delta.finished:
                             completion_tokens[index] = delta.output.completion_tokens
@@ -300,21 +334,55 @@ class OpenAIServing:
                             yield sse(with_usage(index, chunk))
                         if delta.finished:
                             outputs[index] = delta.output
-                            self.metrics.observe(delta.output)
                 if body.include_usage:
                     yield sse(header.usage_chunk(usage(outputs, n), object_name))
             except RequestFailedError as error:
-                failed = True  # its siblings were aborted with it (fanout.merged)
                 yield sse({"error": {"message": str(error), "type": "server_error", "param": None, "code": None}})
-            finally:
-                gone = [s for s in streams if not s.finished]
-                if gone and not failed:  # the client went away mid-stream (or the server is stopping)
-                    client = client_address(request)
-                    _log.info("client %s went away mid-stream; aborted request %s", client, _ids(gone))
-                    fanout.cancel_unfinished(gone)
             yield sse("[DONE]")
 
-        return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return StreamingResponse(events(), media_type="text/event-stream", headers=_SSE_HEADERS)
+
+    def _event_stream(
+        self, streams: list[AsyncRequestStream], events: ResponseEvents, request: Request
+    ) -> StreamingResponse:
+        """A Responses API stream: named events, its last one the whole response."""
+
+        async def sent() -> AsyncIterator[str]:
+            for event in events.opening():
+                yield sse_event(event)
+            try:
+                async with contextlib.aclosing(self._relay(streams, request)) as deltas:
+                    async for _, delta in deltas:
+                        for event in events.delta(delta):
+                            yield sse_event(event)
+            except RequestFailedError as error:
+                for event in events.failed(str(error)):
+                    yield sse_event(event)
+
+        return StreamingResponse(sent(), media_type="text/event-stream", headers=_SSE_HEADERS)
+
+    async def _relay(
+        self, streams: list[AsyncRequestStream], request: Request
+    ) -> AsyncIterator[tuple[int, RequestDelta]]:
+        """(choice index, delta) of every stream as they come, each finished choice counted in the
+        metrics.  Closed before the end (the client went away mid-stream, or the server is
+        stopping), it aborts what is unfinished, with one INFO line; a failed request raises its
+        RequestFailedError, its siblings aborted with it (fanout.merged)."""
+        failed = False
+        try:
+            async with contextlib.aclosing(fanout.merged(streams)) as deltas:
+                async for index, delta in deltas:
+                    yield index, delta
+                    if delta.finished:  # counted once its last chunk is sent
+                        self.metrics.observe(delta.output)
+        except RequestFailedError:
+            failed = True
+            raise
+        finally:
+            gone = [s for s in streams if not s.finished]
+            if gone and not failed:
+                _log.info("client %s went away mid-stream; aborted request %s", client_address(request), _ids(gone))
+                fanout.cancel_unfinished(gone)
 
 
 def _trim_after(body_bytes: int) -> None:
