@@ -129,3 +129,48 @@ def test_the_batch_vocabulary_is_at_the_bottom():
                "graphexec.sampling_params", "graphexec.errors", "graphexec.lazy_exports"}
     leans_on = {_room(t) for name, targets in _graph().items() if _room(name) == "graphexec.batch" for t in targets}
     assert leans_on <= allowed, leans_on - allowed
+
+
+# The room order docs/ARCHITECTURE.md draws, bottom floor first: a room imports only rooms on lower
+# floors (TYPE_CHECKING imports included), and every room has a floor.
+FLOORS = (
+    ("capture", "graphexec.errors", "graphexec.lazy_exports"),
+    ("graphexec", "graphexec.kernels", "graphexec.text"),
+    ("graphexec.quant", "graphexec.structured"),
+    ("graphexec.sampling_params",),
+    ("graphexec.sampling",),
+    ("graphexec.batch",),
+    ("graphexec.config",),
+    ("graphexec.cache", "graphexec.parallel"),
+    ("graphexec.attention",),
+    ("graphexec.models",),
+    ("graphexec.loader",),
+    ("graphexec.runner",),
+    ("graphexec.scheduler",),
+    ("graphexec.engine",),
+    ("graphexec.server", "graphexec.entrypoints"),
+)
+
+
+def _shown(room: str) -> str:
+    """A room as the floors block of docs/ARCHITECTURE.md names it."""
+    if room == "capture":
+        return "capture/"
+    if room == "graphexec":
+        return "__init__.py"
+    name = room.partition(".")[2]
+    return f"{name}/" if (ROOT / "graphexec" / name).is_dir() else f"{name}.py"
+
+
+def test_rooms_import_only_rooms_on_lower_floors():
+    floor = {room: level for level, rooms in enumerate(FLOORS) for room in rooms}
+    upward = set()
+    for name, targets in _graph().items():
+        assert _room(name) in floor, f"{_room(name)} has no floor in FLOORS (and docs/ARCHITECTURE.md)"
+        upward |= {(_room(name), _room(t)) for t in targets if _room(t) != _room(name) and floor[_room(t)] >= floor[_room(name)]}
+    assert upward == set(), "imports sideways or up the floors of docs/ARCHITECTURE.md"
+    # The document draws the same floors.
+    documented = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
+    for level, rooms in enumerate(FLOORS):
+        line = f"floor {level:>2}  " + "  ".join(_shown(r) for r in rooms)
+        assert line in documented, f"docs/ARCHITECTURE.md lacks the line {line!r}"
