@@ -51,9 +51,8 @@ def replay_us(engine: Engine, params: list[SamplingParams], outputs: list[list[i
     machine the least disturbed pass is the closest to the work's own cost."""
     backend = engine.grammar_backend()
     vocab = engine.model_config.vocab_size
-    eos = engine.model_config.eos_token_ids[0]
-    sequences = [ids + [eos] for ids in outputs]  # the last step samples EOS
-    bitmask = TokenBitmask(vocab, len(params))
+    sequences = outputs
+    bitmask = TokenBitmask(vocab, len(params), unpack="auto" if mode == "default" else "torch")
     logits = torch.randn(len(params), vocab)
     passes = []
     for _ in range(5):
@@ -63,13 +62,7 @@ def replay_us(engine: Engine, params: list[SamplingParams], outputs: list[list[i
             live = [g if step < len(s) else None for g, s in zip(grammars, sequences)]
             work = logits.clone()
             t0 = time.perf_counter()
-            if mode == "default":
-                bitmask.apply(work, live)  # what the sampler runs
-            else:
-                rows = [row for row, g in enumerate(live) if g is not None]
-                for row in rows:
-                    live[row].fill_row(bitmask._buffer, row)
-                bitmask._apply_unpacked(work, rows)
+            bitmask.apply(work, live)  # what the sampler runs (mode "default") or the device way
             for grammar, sequence in zip(live, sequences):
                 if grammar is not None:
                     assert grammar.accept(sequence[step])
@@ -83,8 +76,10 @@ def engine_tpot_ms(engine: Engine, prompts: list[str], params: list[SamplingPara
     each side the median over rounds of a round's median, and the best round (on a shared
     machine the best round is the least disturbed one)."""
     constrained = engine.generate(prompts, params, chat=True)  # warm: grammars compiled, caches hot
-    outputs = [o.token_ids for o in constrained]
-    free = [SamplingParams(max_new_tokens=len(ids) + 1, ignore_eos=True) for ids in outputs]
+    # An output that ended by its grammar sampled EOS last; one cut at max_new_tokens did not.
+    eos = engine.model_config.eos_token_ids[0]
+    outputs = [o.token_ids + ([eos] if o.finish_reason == "stop" else []) for o in constrained]
+    free = [SamplingParams(max_new_tokens=len(ids), ignore_eos=True) for ids in outputs]
     with_grammar, without = [], []
     for _ in range(rounds):
         with_grammar.append(median(o.tpot for o in engine.generate(prompts, params, chat=True) if o.tpot))

@@ -252,7 +252,7 @@ def test_both_mask_paths_agree_with_llguidance_and_leave_free_rows_alone():
     bitmask = TokenBitmask(320, 2)
     chosen = bitmask.apply(logits.clone(), grammars)  # grows past its 2 planned rows
     unpacked = logits.clone()
-    bitmask._apply_unpacked(unpacked, [0, 2])
+    TokenBitmask(bitmask.vocab_size, bitmask.max_rows, unpack="torch").apply(unpacked, grammars)
     expected = logits.numpy().copy()
     constrained = expected[[0, 2]]
     llguidance.numpy.apply_token_bitmask_inplace(constrained, bitmask._buffer.numpy()[[0, 2]])

@@ -32,8 +32,13 @@ class RowGrammar(Protocol):
 
 
 class TokenBitmask:
-    def __init__(self, vocab_size: int, max_rows: int):
+    def __init__(self, vocab_size: int, max_rows: int, unpack: str = "auto"):
+        """`unpack`: "auto" (numpy on the CPU where the logits' dtype allows, else torch) or
+        "torch" (shifts and masked_fill everywhere: the device way, measurable on the CPU)."""
+        if unpack not in ("auto", "torch"):
+            raise ValueError(f"unpack must be 'auto' or 'torch', got {unpack!r}")
         self.vocab_size = vocab_size
+        self._numpy_ok = unpack == "auto"
         self._words = math.ceil(vocab_size / 32)
         self._buffer = torch.zeros((max(max_rows, 1), self._words), dtype=torch.int32)
         self._shifts = torch.arange(32, dtype=torch.int32)
@@ -53,7 +58,7 @@ class TokenBitmask:
             self._buffer = torch.zeros((len(grammars), self._words), dtype=torch.int32)
         for row in rows:
             grammars[row].fill_row(self._buffer, row)
-        if logits.device.type == "cpu" and logits.dtype in _NUMPY_DTYPES:
+        if self._numpy_ok and logits.device.type == "cpu" and logits.dtype in _NUMPY_DTYPES:
             self._apply_numpy(logits, rows)
         else:
             self._apply_unpacked(logits, rows)
