@@ -1,12 +1,20 @@
 """graphexec's C++ CPU kernels (`csrc/*.cpp`), built once with torch's own tooling and cached.
 
 The sources register implementations for ops whose schemas graphexec defines in Python (so the op
-exists, with its fake implementation, even where nothing was built).  `load()` compiles them with
-`-march=native` on first use (about a minute on 2 cores; ninja rebuilds only changed sources) into
-`GRAPHEXEC_KERNEL_DIR`, default `~/.cache/graphexec/kernels/<torch version>/<checkout>`, and loads
-the library into this process.  The checkout part (a hash of where the sources live) keeps two
-installs on one machine from rebuilding over each other: ninja's build file names its sources by
-path, so a shared directory would rebuild on every switch.  `scripts/setup.sh` builds them at install time, so a first start does not.
+exists, with its fake implementation, even where nothing was built).  `load()` compiles them on
+first use (about a minute on 2 cores; ninja rebuilds only changed sources) and loads the library
+into this process.
+
+What a build may use is chosen by the CPU the process runs on, never by the machine that built
+it: `isa()` reads torch's own detection (`torch.backends.cpu.get_cpu_capability()`, which
+`ATEN_CPU_CAPABILITY` can lower) and picks one of the fixed instruction-set variants of `ISA_FLAGS`;
+`GRAPHEXEC_KERNEL_ISA` picks a lower one by hand.  Each variant builds into its own folder,
+`GRAPHEXEC_KERNEL_DIR` (default `~/.cache/graphexec/kernels/<torch version>/<checkout>`) /
+`<variant>`, so a cache shared by two different CPUs (a cluster home directory, an image built
+elsewhere) holds one build per variant and each process loads the one its CPU runs.  The
+checkout part (a hash of where the sources live) keeps two installs on one machine from
+rebuilding over each other: ninja's build file names its sources by path.  `scripts/setup.sh`
+builds the variant of the installing machine at install time, so a first start there does not.
 """
 
 from __future__ import annotations
@@ -27,6 +35,32 @@ from graphexec.errors import CheckpointError
 _SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
 
 
+# Compiler flags per variant, best first.  "avx512" is what torch's own AVX512 kernels require
+# (F, BW, VL, DQ, with AVX2/FMA); the sources' AVX-512 paths need F only.  "portable" is the
+# compiler's baseline for the target (SSE2 on x86-64): the scalar loops, auto-vectorized.
+ISA_FLAGS = {
+    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],
+    "avx2": ["-mavx2", "-mfma", "-mf16c"],
+    "portable": [],
+}
+_FROM_TORCH = {"AVX512": "avx512", "AVX2": "avx2"}  # every other capability (DEFAULT, ARM's) → portable
+
+
+def isa() -> str:
+    """The variant this process builds and loads: the best its CPU runs, or GRAPHEXEC_KERNEL_ISA."""
+    variants = list(ISA_FLAGS)
+    best = _FROM_TORCH.get(torch.backends.cpu.get_cpu_capability(), "portable")
+    chosen = os.environ.get("GRAPHEXEC_KERNEL_ISA") or best
+    if chosen not in ISA_FLAGS:
+        raise CheckpointError(f"GRAPHEXEC_KERNEL_ISA={chosen!r} is not a kernel variant; choose one of {variants}")
+    if variants.index(chosen) < variants.index(best):
+        raise CheckpointError(
+            f"GRAPHEXEC_KERNEL_ISA={chosen!r} needs instructions this CPU lacks (it runs {best!r}); "
+            f"choose one of {variants[variants.index(best):]}"
+        )
+    return chosen
+
+
 def build_dir() -> Path:
     checkout = hashlib.sha1(str(_SOURCES[0].parent.resolve()).encode()).hexdigest()[:12]
     default = Path.home() / ".cache" / "graphexec" / "kernels" / torch.__version__.replace("+", "_") / checkout
@@ -39,17 +73,18 @@ def load() -> Path:
     """Build (if stale) and load the kernel library; raises CheckpointError naming the way out."""
     from torch.utils.cpp_extension import load as load_extension
 
-    directory = build_dir()
+    variant = isa()
+    directory = build_dir() / variant
     directory.mkdir(parents=True, exist_ok=True)
     if not (directory / "graphexec_kernels.so").exists():
         # Minutes of silence otherwise: a first build looks like a hang (logging is off in the CLIs).
-        print(f"graphexec: building the C++ CPU kernels in {directory} (about a minute on 2 cores, once)", file=sys.stderr, flush=True)
+        print(f"graphexec: building the C++ CPU kernels ({variant}) in {directory} (about a minute on 2 cores, once)", file=sys.stderr, flush=True)
     try:
         with _own_ninja():
             load_extension(
                 name="graphexec_kernels",
                 sources=[str(s) for s in _SOURCES],
-                extra_cflags=["-O3", "-march=native", "-fopenmp", "-DNDEBUG"],
+                extra_cflags=["-O3", *ISA_FLAGS[variant], "-fopenmp", "-DNDEBUG"],
                 extra_ldflags=["-fopenmp"],
                 build_directory=str(directory),
                 is_python_module=False,

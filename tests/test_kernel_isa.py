@@ -1,0 +1,89 @@
+"""The C++ kernels' instruction-set variant is chosen by the CPU the process runs on (torch's own
+detection), never by the build machine, and each variant builds into its own folder.  Every
+variant this CPU runs gives the same results as the portable one: the opt-in test below builds
+each (about two minutes apiece on 2 cores), run it when the kernels or their flags change:
+GRAPHEXEC_TEST_ALL_ISA=1 pytest tests/test_kernel_isa.py."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from graphexec import kernels
+from graphexec.errors import CheckpointError
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize(
+    ("capability", "expected"), [("AVX512", "avx512"), ("AVX2", "avx2"), ("DEFAULT", "portable"), ("SVE256", "portable")]
+)
+def test_the_variant_follows_the_running_cpu(monkeypatch, capability, expected):
+    monkeypatch.delenv("GRAPHEXEC_KERNEL_ISA", raising=False)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    assert kernels.isa() == expected
+
+
+def test_a_lower_variant_may_be_chosen_a_higher_or_unknown_one_is_refused(monkeypatch):
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    monkeypatch.setenv("GRAPHEXEC_KERNEL_ISA", "portable")
+    assert kernels.isa() == "portable"
+    monkeypatch.setenv("GRAPHEXEC_KERNEL_ISA", "avx512")
+    with pytest.raises(CheckpointError, match="GRAPHEXEC_KERNEL_ISA='avx512' needs instructions this CPU lacks"):
+        kernels.isa()
+    monkeypatch.setenv("GRAPHEXEC_KERNEL_ISA", "native")
+    with pytest.raises(CheckpointError, match="not a kernel variant"):
+        kernels.isa()
+
+
+def test_no_variant_asks_for_the_build_machines_cpu():
+    source = (REPO / "graphexec" / "kernels" / "__init__.py").read_text()
+    assert "march=native" not in source and "mtune=native" not in source
+    assert not any("native" in flag for flags in kernels.ISA_FLAGS.values() for flag in flags)
+
+
+_PROBE = """
+import sys
+import torch
+from graphexec import Engine, SamplingParams, kernels
+from graphexec.quant import ensure_kernels
+from tests.test_quant import TYPES, _packed
+
+ensure_kernels()
+out = {}
+for qtype in TYPES:
+    for rows in (1, 5, 48):  # 48 and up: the dequantized-tile GEMM path
+        weight, _ = _packed(qtype, 130, 160, seed=rows)
+        x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(rows))
+        out[qtype, rows] = torch.ops.graphexec.qlinear(x, weight.codes, weight.scales, weight.mins)
+# The C++ attention (decode and extend) inside a real engine's greedy run.
+engine = Engine(["model=tiny-llama", "capture=eager", "attention_backend=cpu", "cache.num_slots=1024"])
+outputs = engine.generate(["hello world, " * 9, "abc"], SamplingParams(max_new_tokens=12, temperature=0.0, logprobs=1))
+out["tokens"] = [o.token_ids for o in outputs]
+engine.shutdown()
+torch.save((kernels.isa(), out), sys.argv[1])
+"""
+
+
+@pytest.mark.skipif(not os.environ.get("GRAPHEXEC_TEST_ALL_ISA"), reason="builds every variant (minutes): set GRAPHEXEC_TEST_ALL_ISA=1")
+def test_every_variant_this_cpu_runs_equals_the_portable_one(tmp_path):
+    best = kernels.isa()
+    variants = list(kernels.ISA_FLAGS)[list(kernels.ISA_FLAGS).index(best):]
+    results = {}
+    for variant in variants:
+        out = tmp_path / f"{variant}.pt"
+        env = os.environ | {"GRAPHEXEC_KERNEL_ISA": variant, "PYTHONPATH": str(REPO)}
+        subprocess.run([sys.executable, "-c", _PROBE, str(out)], cwd=REPO, env=env, check=True, timeout=900)
+        results[variant] = torch.load(out)
+    for variant, (built, out) in results.items():
+        assert built == variant
+        reference = results["portable"][1]
+        assert out["tokens"] == reference["tokens"], variant
+        for key, value in out.items():
+            if key != "tokens":  # the same values; only the vector width changes the summation order
+                torch.testing.assert_close(value, reference[key], rtol=1e-5, atol=1e-5, msg=f"{variant} {key}")
