@@ -18,9 +18,10 @@ from typing import TYPE_CHECKING, Any, Iterable, Protocol, Sequence
 
 import torch
 
+from graphexec.batch.table_change import TableChange
 from graphexec.cache.kv_pool import TokenToKVPool
 from graphexec.cache.prefix_cache import RadixCache
-from graphexec.cache.req_to_token_pool import ReqToTokenPool, TableChange
+from graphexec.cache.req_to_token_pool import ReqToTokenPool
 
 if TYPE_CHECKING:
     from graphexec.batch.request import Req

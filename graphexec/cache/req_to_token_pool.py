@@ -12,10 +12,7 @@ from __future__ import annotations
 import torch
 
 from graphexec.batch.padding import DUMMY_REQ_ROW
-
-
-# A journal record: ("span", row, start, slots) | ("points", rows, cols, slots) | ("clear", row).
-TableChange = tuple
+from graphexec.batch.table_change import TableChange
 
 
 class ReqToTokenPool:

@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import contextlib
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from graphexec.batch.forward_batch import ForwardBatch
+from graphexec.batch.forward_batch import ForwardBatch
 
 
 class StepChannel(Protocol):

@@ -24,23 +24,18 @@ field can never be dropped on the way to the other ranks: add it to step_schema.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from graphexec.batch.forward_batch import ForwardBatch
+from graphexec.batch.prompt_logprobs import PromptLogprobPlan, PromptLogprobSpan
 from graphexec.parallel.step_schema import (
     ALL_FLAGS, ALWAYS, BATCH_FIELDS, BATCH_SCALARS, CHANGE_KINDS, DTYPES, EXTEND_TENSORS, HAS_BATCH, HAS_EXTEND,
     HAS_LOGPROBS, HAS_NON_PADDED, HEADER_BYTES, KINDS, MAGIC, MODES, NUMPY_DTYPES, PLAN_FIELDS, SCALARS,
     SLOTS, SPAN_FIELDS, TENSOR_FIELDS, VERSION, Slot, StepKind, StepMessage, StepMessageError, TableChange,
 )  # fmt: skip
-
-if TYPE_CHECKING:
-    from graphexec.batch.forward_batch import ForwardBatch
-    from graphexec.batch.prompt_logprobs import PromptLogprobPlan
-
-# The runner's types are bound late, in the functions that build them: parallel/ sits below
-# runner/ (which imports parallel/group.py), docs/ARCHITECTURE.md.
+from graphexec.sampling_params import MAX_LOGPROBS
 
 
 # -- encoding ---------------------------------------------------------------------------------
@@ -100,8 +95,6 @@ def _put_batch(fb: ForwardBatch, scalars: dict, slots: dict) -> None:
 
 
 def _put_plan(plan: PromptLogprobPlan, scalars: dict, slots: dict) -> None:
-    from graphexec.batch.prompt_logprobs import PromptLogprobSpan
-
     names = {f.name for f in dataclasses.fields(plan)}
     span_names = {f.name for f in dataclasses.fields(PromptLogprobSpan)}
     if names != PLAN_FIELDS or span_names != set(SPAN_FIELDS):
@@ -311,8 +304,6 @@ def _check_counts(scalars: dict, tensors: dict[str, torch.Tensor]) -> None:
 
 
 def _decode_batch(s: dict, t: dict[str, torch.Tensor]) -> ForwardBatch:
-    from graphexec.batch.forward_batch import ForwardBatch
-
     mode = MODES[s["forward_mode"]]
     seq_lens_cpu = tuple(t["seq_lens_cpu"].tolist())
     _check_equal(t["seq_lens"].tolist(), seq_lens_cpu, "seq_lens", "seq_lens_cpu")
@@ -372,9 +363,6 @@ def _check_equal(values: list[int], expected, name: str, other: str) -> None:
 
 
 def _decode_plan(s: dict, t: dict[str, torch.Tensor]) -> PromptLogprobPlan:
-    from graphexec.batch.prompt_logprobs import PromptLogprobPlan, PromptLogprobSpan
-    from graphexec.sampling_params import MAX_LOGPROBS
-
     spans = [PromptLogprobSpan(**dict(zip(SPAN_FIELDS, row))) for row in t["logprob_spans"].tolist()]
     if not spans:
         raise StepMessageError("prompt_logprobs has no spans (a batch where nobody asked carries no plan)")

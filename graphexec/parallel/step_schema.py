@@ -19,19 +19,14 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
+from graphexec.batch.forward_batch import ForwardBatch
 from graphexec.batch.forward_mode import ForwardMode
-
-if TYPE_CHECKING:
-    from graphexec.batch.forward_batch import ForwardBatch
-
-# A journal record of graphexec/cache/req_to_token_pool.py (not imported: parallel/ sits below
-# cache/): ("span", row, start, slots) | ("points", rows, cols, slots) | ("clear", row).
-TableChange = tuple
+from graphexec.batch.table_change import TableChange
 
 MAGIC = 0x3150_4554_5358_4547  # b"GEXSTEP1" read as a little-endian int64
 VERSION = 1

@@ -25,17 +25,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
 
+from graphexec.batch.forward_batch import ForwardBatch
 from graphexec.errors import WorkerFailedError
 from graphexec.parallel.step_codec import decode, encode
 from graphexec.parallel.step_schema import StepKind, StepMessage, StepMessageError
-
-if TYPE_CHECKING:
-    from graphexec.batch.forward_batch import ForwardBatch
 
 __all__ = ["StepKind", "StepMessage", "StepSender", "receive"]
 

@@ -8,15 +8,13 @@ rank 0 joins.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
+from graphexec.batch.forward_batch import ForwardBatch
 from graphexec.parallel.step_sync import StepKind, receive
-
-if TYPE_CHECKING:
-    from graphexec.batch.forward_batch import ForwardBatch
 
 
 class StepRunner(Protocol):
