@@ -8,7 +8,14 @@
    unconstrained for the same number of tokens (ignore_eos), paired rounds, median time per
    output token after the first (TPOT).
 
+`--workload` picks the constraint: `json` (a JSON schema per request), `tools` (a named tool call
+in the Hermes format, the function's parameters being those schemas, prompts listing the tools
+as the server's injected prompt does: graphexec/server/tool_grammar.py's forced grammar) or
+`tools_auto` (tool_choice auto with strict functions: free text under the lazy grammar, which
+holds a call only once the model opens one).
+
     graphexec-bench structured_cost --batch 1 8 --rounds 7
+    graphexec-bench structured_cost --workload tools --batch 1 8 --rounds 7
     OMP_NUM_THREADS=1 graphexec-bench structured_cost --batch 1 8 --rounds 7 -- capture=eager
 """
 
@@ -34,6 +41,25 @@ _SCHEMAS = [
     {"type": "object", "properties": {"user": {"type": "object", "properties": {"id": {"type": "integer"}, "email": _STR}, "required": ["id", "email"]}, "active": {"type": "boolean"}}, "required": ["user", "active"]},
 ]
 _TOPICS = ["a person", "a book", "a yes/no question", "a user account", "a city", "a film", "a recipe", "a car"]
+
+
+def _tool_workload(engine: Engine, batch: int, max_new_tokens: int, auto: bool) -> tuple[list[list[int]], list[SamplingParams]]:
+    """Each request offers the four schemas as strict functions, listed in the system prompt as
+    the server lists them for a template that ignores tools, and, unless `auto`, names one."""
+    from graphexec.server.tool_parsers import HERMES
+    from graphexec.server.tool_prompt import tools_system_prompt
+    from graphexec.server.tools import ToolChoice, ToolSpec, tool_constraint
+
+    tools = [ToolSpec(f"record_{i}", f"Record {_TOPICS[i]}", schema, strict=True) for i, schema in enumerate(_SCHEMAS)]
+    system = {"role": "system", "content": tools_system_prompt([t.definition() for t in tools], HERMES)}
+    prompts, params = [], []
+    for i in range(batch):
+        tool = tools[i % len(tools)]
+        ask = {"role": "user", "content": f"Record {_TOPICS[i % len(_TOPICS)]} with {tool.name}."}
+        prompts.append(engine.encode_chat([system, ask]))
+        choice = ToolChoice("auto") if auto else ToolChoice("function", tool.name)
+        params.append(SamplingParams(max_new_tokens=max_new_tokens, structured=tool_constraint(tools, choice, False, HERMES)))
+    return prompts, params
 
 
 def _workload(batch: int, max_new_tokens: int) -> tuple[list[str], list[SamplingParams]]:
@@ -71,7 +97,7 @@ def replay_us(engine: Engine, params: list[SamplingParams], outputs: list[list[i
     return min(passes) * 1e6
 
 
-def engine_tpot_ms(engine: Engine, prompts: list[str], params: list[SamplingParams], rounds: int) -> tuple[tuple[float, float], tuple[float, float], list[list[int]]]:
+def engine_tpot_ms(engine: Engine, prompts: list[str] | list[list[int]], params: list[SamplingParams], rounds: int) -> tuple[tuple[float, float], tuple[float, float], list[list[int]]]:
     """TPOT (ms) constrained and unconstrained for the same token counts, in paired rounds: for
     each side the median over rounds of a round's median, and the best round (on a shared
     machine the best round is the least disturbed one)."""
@@ -96,6 +122,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--workload", choices=["json", "tools", "tools_auto"], default="json")
     parser.add_argument("overrides", nargs="*", help="engine overrides (after --)")
     args = parser.parse_args(argv)
     with Engine(overrides=[*args.overrides, "++capture.background=false"]) as engine:  # graphs before timing
@@ -104,7 +131,10 @@ def main(argv: list[str]) -> None:
                       "TPOT constrained ms: median / best round", "TPOT unconstrained ms: median / best round",
                       "overhead (medians)"]))
         for batch in args.batch:
-            prompts, params = _workload(batch, args.max_new_tokens)
+            if args.workload == "json":
+                prompts, params = _workload(batch, args.max_new_tokens)
+            else:
+                prompts, params = _tool_workload(engine, batch, args.max_new_tokens, auto=args.workload == "tools_auto")
             constrained_ms, free_ms, outputs = engine_tpot_ms(engine, prompts, params, args.rounds)
             replays = [replay_us(engine, params, outputs, mode) for mode in ("default", "unpack")]
             overhead = (constrained_ms[0] / free_ms[0] - 1) * 100

@@ -64,7 +64,7 @@ BAD_REQUESTS = [
     ("completions", {"model": "gpt-4", "prompt": "x"}, 404, "model", "model 'gpt-4' does not exist"),
     ("chat/completions", {"model": TINY, "messages": []}, 400, "messages", "at least 1 item"),
     ("chat/completions", {"model": TINY, "messages": [{"role": "user"}]}, 400, "messages[0].content", "field required"),
-    ("chat/completions", {"model": TINY, "messages": [{"role": "robot", "content": "hi"}]}, 400, "messages[0].role", "'system', 'user' or 'assistant'"),
+    ("chat/completions", {"model": TINY, "messages": [{"role": "robot", "content": "hi"}]}, 400, "messages[0].role", "'system', 'user', 'assistant' or 'tool'"),
     ("chat/completions", {"model": TINY, "messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content", "must be a string or a list"),
     ("chat/completions", {"model": TINY, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3}, 400, "top_logprobs", "requires logprobs=true"),
     ("chat/completions", {"model": TINY, "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs", "less than or equal to 20"),

@@ -19,6 +19,8 @@ from graphexec.server.responses import LogprobsFormatter
 from graphexec.server.responses_input import chat_messages
 from graphexec.server.responses_output import ResponseEvents, ResponseShell
 from graphexec.server.responses_protocol import ResponsesRequest
+from graphexec.server.tool_parsers import HERMES
+from graphexec.server.tool_stream import ToolCallStream
 from graphexec.sampling_params import SamplingParams
 from tests.helpers import before_each_step, slowed, wait_until
 from tests.invariants import assert_no_leak
@@ -252,9 +254,10 @@ def test_a_failed_step_ends_the_stream_with_response_failed(server, tiny):
         ({"truncation": "auto"}, 400, "truncation", "disabled"),
         ({"text": {"format": {"type": "json_schema", "schema": SCHEMA}}}, 400, "text.format.name", "required"),
         ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nonsense"}}}}, 400, "text.format.schema", ""),
-        ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, 400, "tools", "need tool calling"),
+        ({"tools": [{"type": "function", "name": "f"}, {"type": "function", "name": "f"}]}, 400, "tools[1].name", "unique"),
+        ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "nonsense"}}]}, 400, "tools[0].parameters", ""),
+        ({"tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "function", "name": "g"}}, 400, "tool_choice", "not among tools"),
         ({"tools": [{"type": "web_search"}]}, 400, "tools[0]", "function"),
-        ({"input": [{"type": "function_call_output", "call_id": "c", "output": "1"}]}, 400, "input[0]", "need tool calling"),
         ({"tool_choice": "required"}, 400, "tool_choice", "needs tools"),
         ({"max_output_tokens": 100_000}, 400, "max_output_tokens", "maximum context length"),
         ({"input": "x" * 600}, 400, "input", "context limit"),
@@ -322,20 +325,91 @@ def test_function_calls_and_outputs_convert_to_chat_completions_shape():
 
 
 def test_parsed_function_calls_become_output_items_and_events(tiny):
-    """The hook tool calling plugs into: calls parsed from the output close the stream as
-    function_call items after the message (none when the output is only calls)."""
+    """A streamed reply read for calls: the text around a call streams as output_text deltas, the
+    call closes the stream as a function_call item after the message."""
+    from graphexec.engine.request_output import RequestDelta
+
     body = ResponsesRequest.model_validate({"model": TINY, "input": "x"})
-    output = RequestOutput("r", [1, 2], "", [5, 6], "stop")
-    calls = [{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]
-    events = ResponseEvents(ResponseShell.of(body, SamplingParams(), TINY), LogprobsFormatter(tiny.tokenizer))
-    sent = events.opening() + events.closing(output, calls)
-    assert [e["type"].removeprefix("response.") for e in sent] == [
-        "created", "in_progress", "output_item.added", "function_call_arguments.delta",
-        "function_call_arguments.done", "output_item.done", "completed",
-    ]
-    (item,) = sent[-1]["response"]["output"]
-    assert item | {"id": None} == {
-        "type": "function_call", "id": None, "status": "completed", "call_id": "call_1", "name": "f", "arguments": '{"a": 1}',
+    text = 'Sure. <tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'
+    output = RequestOutput("r", [1, 2], text, [5, 6], "stop")
+    events = ResponseEvents(ResponseShell.of(body, SamplingParams(), TINY), LogprobsFormatter(tiny.tokenizer), ToolCallStream(HERMES, {"f"}))
+    sent = events.opening()
+    for i in range(0, len(text), 7):  # in pieces, as deltas come
+        last = i + 7 >= len(text)
+        piece = RequestDelta("r", [5], text[i:i + 7], None, "stop" if last else None, output if last else None)
+        sent += events.delta(piece)
+    kinds = [e["type"].removeprefix("response.") for e in sent]
+    assert kinds[:4] == ["created", "in_progress", "output_item.added", "content_part.added"]
+    assert kinds[-8:] == ["output_text.done", "content_part.done", "output_item.done", "output_item.added",
+                          "function_call_arguments.delta", "function_call_arguments.done", "output_item.done", "completed"]
+    content = HERMES.parse(text, {"f"}).content  # what the unstreamed answer's message holds
+    assert content.strip() == "Sure."
+    assert "".join(e["delta"] for e in sent if e["type"] == "response.output_text.delta") == content
+    message, call = sent[-1]["response"]["output"]
+    assert message["content"][0]["text"] == content
+    assert call | {"id": None, "call_id": None} == {
+        "type": "function_call", "id": None, "status": "completed", "call_id": None, "name": "f", "arguments": '{"a": 1}',
     }
-    assert sent[3]["delta"] == sent[4]["arguments"] == '{"a": 1}' and sent[2]["item"]["arguments"] == ""
     assert [e["sequence_number"] for e in sent] == list(range(len(sent)))
+
+
+WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"]}
+TOOLS = [{"type": "function", "name": "weather", "description": "Weather in a city", "parameters": WEATHER}]
+SMOL = "smollm2-135m"
+
+
+@pytest.fixture(scope="module")
+def smol_server(smollm2_engine):
+    """SmolLM2 (its own chat template; the tools' system section does not fit the tiny model's context)."""
+    from graphexec.server.app import create_app
+    from tests.helpers import ServerThread, server_config
+
+    with ServerThread(create_app(smollm2_engine, server_config())) as running:
+        yield running
+
+
+def _smol(server, body: dict) -> httpx.Response:
+    with _http() as http:
+        return http.post(f"{server.url}/v1/responses", json={"model": SMOL} | body)
+
+
+def test_a_required_call_is_a_function_call_item_streamed_or_not(smol_server, smollm2_engine):
+    """tool_choice required (greedy): the output is a function_call whose arguments hold to the
+    schema; streamed, the events close on the same items; the official client parses them."""
+    body = {"input": "Weather in Paris?", "tools": TOOLS, "tool_choice": "required", "temperature": 0, "max_output_tokens": 64}
+    answer = _smol(smol_server, body)
+    assert answer.status_code == 200, answer.text
+    items = answer.json()["output"]
+    calls = [i for i in items if i["type"] == "function_call"]
+    assert len(calls) >= 1 and all(c["name"] == "weather" for c in calls)
+    for call in calls:
+        jsonschema.validate(json.loads(call["arguments"]), WEATHER)
+    with _http() as http:
+        with http.stream("POST", f"{smol_server.url}/v1/responses", json={"model": SMOL, "stream": True} | body) as sent:
+            lines = [line for line in sent.iter_lines() if line.startswith("data: ")]
+    events = [json.loads(line.removeprefix("data: ")) for line in lines]
+    assert events[-1]["type"] == "response.completed"
+    streamed = events[-1]["response"]["output"]
+    assert [(i["type"], i.get("name"), i.get("arguments")) for i in streamed] == [
+        (i["type"], i.get("name"), i.get("arguments")) for i in items
+    ]
+    client = openai.OpenAI(base_url=f"{smol_server.url}/v1", api_key="unused", http_client=_http())
+    parsed = client.responses.create(model=SMOL, **body)
+    assert [c.name for c in parsed.output if c.type == "function_call"] == [c["name"] for c in calls]
+    _idle(smollm2_engine)
+
+
+def test_a_tool_result_goes_back_into_the_prompt(smol_server, smollm2_engine):
+    """A function_call and its output in input render into the prompt the model continues."""
+    turns = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"type": "function_call", "call_id": "c1", "name": "weather", "arguments": '{"city": "Paris"}'},
+        {"type": "function_call_output", "call_id": "c1", "output": "sunny and warm"},
+    ]
+    body = {"tools": TOOLS, "max_output_tokens": 4, "temperature": 0}
+    with_result = _smol(smol_server, body | {"input": turns})
+    assert with_result.status_code == 200, with_result.text
+    without = _smol(smol_server, body | {"input": turns[:1]})
+    # The call and its result (tags, arguments, "sunny and warm") are in the prompt.
+    assert with_result.json()["usage"]["input_tokens"] >= without.json()["usage"]["input_tokens"] + 10
+    _idle(smollm2_engine)

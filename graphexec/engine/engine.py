@@ -193,9 +193,10 @@ class Engine:
     def encode_prompt(self, prompt: Prompt, chat: bool = False, index: int = 0) -> list[int]:
         return self.prompt_encoder.encode(prompt, chat=chat, label=f"prompt {index}")
 
-    def encode_chat(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
-        """Token ids of a conversation through the model's chat template, ready for the reply."""
-        return self.prompt_encoder.encode_chat(messages)
+    def encode_chat(self, messages: Sequence[Mapping[str, str]], tools: Sequence[Mapping] | None = None) -> list[int]:
+        """Token ids of a conversation through the model's chat template, ready for the reply;
+        `tools` (OpenAI tool objects) go to the template's `tools` variable."""
+        return self.prompt_encoder.encode_chat(messages, tools=tools)
 
     def prepare_grammar(self, spec: StructuredSpec) -> None:
         """Compile a structured-output constraint into the engine's grammar cache now.

@@ -75,7 +75,7 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
     publish(app, partial(document_access, access=access), partial(document_limits, limits=limits))
     started = int(time.time())
     app.include_router(_generation_routes(serving))
-    app.include_router(_tokenizer_routes(serving, TokenizerEndpoints(engine, serving.model_name)))
+    app.include_router(_tokenizer_routes(serving, TokenizerEndpoints(engine, serving.model_name, serving.tool_prompt)))
 
     @app.get("/v1/models")
     async def models() -> dict:

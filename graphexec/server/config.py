@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Mapping, Sequence
 
 from graphexec.errors import ConfigError
+from graphexec.server.tool_parsers import PARSER_OPTIONS
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 CERT_REQS = ("none", "optional", "required")  # server.ssl_cert_reqs: client certificates
@@ -32,6 +33,7 @@ class ServerConfig:
     limit_concurrency: int | None  # uvicorn's: connections + tasks beyond it answer 503; None: no limit
     max_prompts_per_request: int  # /v1/completions `prompt` as a list: more prompts answer 400
     max_n: int  # choices per prompt (`n`): more answer 400
+    tool_parser: str  # how tool calls are written and read: one of PARSER_OPTIONS (tool_parsers.py)
     # Who may call it (auth.py, api_keys.py).  Keys stay out of repr: a logged config shows none.
     api_key: str | tuple[str, ...] | None = field(repr=False)  # `Authorization: Bearer` keys
     api_key_file: str | None  # more keys, one per line
@@ -137,6 +139,11 @@ def _routes(value: object, name: str) -> None:
         raise ConfigError(f"{name} must be a list of paths starting with /, got {value!r}")
 
 
+def _tool_parser(value: object, name: str) -> None:
+    if value not in PARSER_OPTIONS:
+        raise ConfigError(f"{name} must be one of {list(PARSER_OPTIONS)}, got {value!r}")
+
+
 def _cert_reqs(value: object, name: str) -> None:
     if value not in CERT_REQS:
         raise ConfigError(f"{name} must be one of {list(CERT_REQS)}, got {value!r}")
@@ -184,6 +191,7 @@ _CHECKS = {
     "limit_concurrency": _optional_limit,
     "max_prompts_per_request": _int_at_least(1),
     "max_n": _int_at_least(1),
+    "tool_parser": _tool_parser,
     "api_key": _keys,
     "api_key_file": _readable_file,
     "admin_api_key": _keys,

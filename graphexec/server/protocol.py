@@ -26,6 +26,7 @@ from graphexec.server.openapi import (
     CHOICES, MAX_TOKENS, MIN_TOKENS, MODEL, PROMPT_TEXT, PROMPT_TOKENS, PROMPTS, TOKEN_ID, TOKEN_ID_KEY, limit,
 )
 from graphexec.server.response_format import CONSTRAINT_RULES, StructuredOutputFields
+from graphexec.server.tool_protocol import TOOL_RULES, MessageToolCall, ToolFields
 
 # OpenAI's legacy completions API caps logprobs at 5; chat's top_logprobs at 20.
 MAX_COMPLETION_LOGPROBS = 5
@@ -89,6 +90,15 @@ def _content(value: object) -> str:
     ):
         return "".join(p["text"] for p in value)
     raise ValueError('must be a string or a list of {"type": "text", "text": "..."} parts')
+
+
+def _message_content(value: object, info: ValidationInfo) -> str | None:
+    """`_content`; null (or omitted) only in an assistant message that carries tool_calls."""
+    if value is None:
+        if info.data.get("role") == "assistant" and info.data.get("tool_calls"):
+            return None
+        raise ValueError("field required (it may be null only in an assistant message with tool_calls)")
+    return _content(value)
 
 
 def _logit_bias(value: object) -> dict[int, float] | None:
@@ -204,10 +214,64 @@ class StreamOptions(_Strict):
     continuous_usage_stats: bool = False
 
 
+# What ChatMessage's validators check across its fields, in JSON Schema.
+_MESSAGE_RULES = [
+    {
+        "anyOf": [
+            {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}},
+            {"required": ["tool_calls"], "properties": {"role": {"const": "assistant"}, "tool_calls": {"type": "array", "minItems": 1}}},
+        ]
+    },
+    {
+        "anyOf": [
+            {"required": ["tool_call_id"], "properties": {"role": {"const": "tool"}, "tool_call_id": {"type": "string"}}},
+            {"properties": {"role": {"not": {"const": "tool"}}, "tool_call_id": {"type": "null"}}},
+        ]
+    },
+    {"anyOf": [{"properties": {"role": {"const": "assistant"}}}, {"properties": {"tool_calls": {"type": "null"}}}]},
+]
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "user", "assistant"]
-    content: Annotated[str, PlainValidator(_content, json_schema_input_type=str | list[TextPart])]
+    """One message of a conversation.  An assistant message may carry the calls an earlier reply
+    made (`tool_calls`, content then optional); a "tool" message answers one of them
+    (`tool_call_id`).  Templates that know nothing of tools get both as text (tool_prompt.py)."""
+
+    model_config = ConfigDict(json_schema_extra={"allOf": _MESSAGE_RULES})
+
+    role: Literal["system", "user", "assistant", "tool"]
+    # Before content, whose validator reads them.
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = Field(None, validate_default=True)
+    content: Annotated[
+        str | None, PlainValidator(_message_content, json_schema_input_type=str | list[TextPart] | None)
+    ] = Field(None, validate_default=True)
     name: str | None = None
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _calls_are_the_assistants(cls, value: list | None, info: ValidationInfo) -> list | None:
+        if value is not None and info.data.get("role") != "assistant":
+            raise ValueError("only an assistant message carries tool_calls")
+        return value
+
+    @field_validator("tool_call_id")
+    @classmethod
+    def _tool_call_id(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if info.data.get("role") == "tool" and value is None:
+            raise ValueError('field required in a "tool" message (the id of the call it answers)')
+        if info.data.get("role") not in ("tool", None) and value is not None:
+            raise ValueError('only a "tool" message has a tool_call_id')
+        return value
+
+    def template_dict(self) -> dict:
+        """The message as chat templates take it (content may be None next to tool_calls)."""
+        message = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
 
 class _GenerationRequest(_Strict, StructuredOutputFields):
@@ -321,8 +385,8 @@ class CompletionRequest(_GenerationRequest):
         return params
 
 
-class ChatCompletionRequest(_GenerationRequest):
-    model_config = ConfigDict(json_schema_extra={"examples": [_CHAT_EXAMPLE], "allOf": _CHAT_RULES})
+class ChatCompletionRequest(_GenerationRequest, ToolFields):
+    model_config = ConfigDict(json_schema_extra={"examples": [_CHAT_EXAMPLE], "allOf": [*_CHAT_RULES, *TOOL_RULES]})
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Annotated[int, Field(ge=1, json_schema_extra=limit(MAX_TOKENS)), WHOLE] | None = None
@@ -347,5 +411,5 @@ class ChatCompletionRequest(_GenerationRequest):
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self.sampling_params(defaults, max_new_tokens, logprobs)
 
-    def chat_messages(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.content} for m in self.messages]
+    def chat_messages(self) -> list[dict]:
+        return [m.template_dict() for m in self.messages]

@@ -68,6 +68,11 @@ def _given(name: str) -> dict:
     return {"required": [name], "properties": {name: value}}
 
 
+def constraint_given() -> dict:
+    """JSON Schema: the request sets some output constraint (tool_protocol's rules use it)."""
+    return {"anyOf": [_given(name) for name in _CONSTRAINTS]}
+
+
 # For the request models' schemas, as JSON Schema's `not`: what `structured_spec` refuses (two
 # constraints at once) and SamplingParams (a constraint with ignore_eos: the grammar decides the end).
 CONSTRAINT_RULES = [

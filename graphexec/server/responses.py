@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from graphexec.engine.request_output import RequestOutput
+from graphexec.server.tool_parsers import ParsedReply
 from graphexec.text.detokenizer import IncrementalDetokenizer
 
 
@@ -18,6 +19,12 @@ def sse(payload: dict | str) -> str:
     """One server-sent event; the stream ends with the literal `[DONE]`."""
     data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
     return f"data: {data}\n\n"
+
+
+def tool_finish_reason(called: bool, finish_reason: str | None) -> str | None:
+    """OpenAI's "tool_calls" for a reply that ended by itself with calls; "length" stays, since
+    text cut short is worth knowing about even when calls came before it."""
+    return "tool_calls" if called and finish_reason == "stop" else finish_reason
 
 
 def usage(outputs: Sequence[RequestOutput], n: int) -> dict:
@@ -59,9 +66,17 @@ class ResponseHeader:
         return self._body("chat.completion", choices) | {"usage": usage}
 
     @staticmethod
-    def chat_choice(index: int, output: RequestOutput, logprobs: dict | None) -> dict:
-        message = {"role": "assistant", "content": output.text}
-        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": output.finish_reason}
+    def chat_choice(index: int, output: RequestOutput, logprobs: dict | None, reply: ParsedReply | None = None) -> dict:
+        """`reply`: the output read for tool calls, when the request offered tools."""
+        if reply is None:
+            message = {"role": "assistant", "content": output.text}
+            finish_reason = output.finish_reason
+        else:
+            message = {"role": "assistant", "content": reply.content}
+            if reply.calls:
+                message["tool_calls"] = [call.as_openai() for call in reply.calls]
+            finish_reason = tool_finish_reason(bool(reply.calls), output.finish_reason)
+        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
 
     def chat_chunk(self, index: int, delta: dict, logprobs: dict | None, finish_reason: str | None) -> dict:
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from graphexec.errors import InvalidRequestError
 from graphexec.server.responses_protocol import FunctionCallItem, FunctionCallOutputItem, MessageItem, ResponsesRequest
+from graphexec.server.tool_parsers import ToolCallFormat
+from graphexec.server.tools import ToolChoice, ToolPlan, ToolSpec
 
 _CHAT_ROLE = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 
@@ -31,25 +33,24 @@ def chat_messages(body: ResponsesRequest) -> list[dict]:
     return messages
 
 
-def uses_tools(body: ResponsesRequest) -> str | None:
-    """The field of `body` that needs tool calling (None if none does): tools, or a function call
-    or its output in input, which a conversation without tools cannot render."""
-    if body.tools:
-        return "tools"
-    if isinstance(body.input, list):
-        for i, item in enumerate(body.input):
-            if isinstance(item, (FunctionCallItem, FunctionCallOutputItem)):
-                return f"input[{i}]"
-    return None
-
-
-def refuse_tools(body: ResponsesRequest) -> None:
-    """A 400 (InvalidRequestError) naming the field, while tool calling is not wired to this route."""
-    field = uses_tools(body)
-    if field is not None:
-        raise InvalidRequestError(
-            f"{field}: function tools on /v1/responses need tool calling (not yet merged)", param=field
-        )
+def tool_plan(body: ResponsesRequest, fmt: ToolCallFormat) -> ToolPlan | None:
+    """The request's function tools as chat completions' tool calling takes them (None without
+    tools).  `strict` defaults to true, as OpenAI's Responses API has it: a call's arguments are
+    held to the function's schema.  InvalidRequestError for two functions of one name."""
+    if not body.tools:
+        return None
+    seen: dict[str, int] = {}
+    for i, tool in enumerate(body.tools):
+        if tool.name in seen:
+            raise InvalidRequestError(
+                f"tools[{i}].name: {tool.name!r} is already defined by tools[{seen[tool.name]}]; names must be unique",
+                param=f"tools[{i}].name",
+            )
+        seen[tool.name] = i
+    specs = tuple(ToolSpec(t.name, t.description, t.parameters, t.strict is not False) for t in body.tools)
+    choice = body.tool_choice
+    mode = ToolChoice(choice) if isinstance(choice, str) else ToolChoice("function", choice.name)
+    return ToolPlan(specs, mode, body.parallel_tool_calls, fmt, parameters_field="tools[{}].parameters")
 
 
 def _calling_message(messages: list[dict]) -> dict:

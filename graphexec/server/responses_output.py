@@ -24,6 +24,7 @@ from graphexec.engine.request_output import RequestDelta, RequestOutput
 from graphexec.sampling_params import SamplingParams
 from graphexec.server.responses import LogprobsFormatter
 from graphexec.server.responses_protocol import ResponsesRequest, TextConfig
+from graphexec.server.tool_stream import ToolCallStream
 
 _MESSAGE, _TEXT = 0, 0  # the message is the first output item, its text the first content part
 
@@ -127,15 +128,22 @@ class ResponseShell:
         }
 
     def final(
-        self, output: RequestOutput, message_id: str, logprobs: list[dict] | None, tool_calls: Sequence[dict] = ()
+        self,
+        output: RequestOutput,
+        message_id: str,
+        logprobs: list[dict] | None,
+        tool_calls: Sequence[dict] = (),
+        text: str | None = None,
     ) -> dict:
         """The finished response: the message (unless the output is only function calls), then
-        each call; `tool_calls` are what a tool-call parser found (chat completions' shape)."""
+        each call; `tool_calls` are what a tool-call parser found (chat completions' shape) and
+        `text` the reply around them (default: the whole output text)."""
         status, details = _status(output.finish_reason)
         item_status = "completed" if status == "completed" else "incomplete"
+        text = output.text if text is None else text
         items = []
-        if output.text or not tool_calls:
-            items.append(message_item(message_id, item_status, [output_text(output.text, logprobs)]))
+        if text or not tool_calls:
+            items.append(message_item(message_id, item_status, [output_text(text, logprobs)]))
         items += [function_call_item(new_id("fc"), item_status, call) for call in tool_calls]
         return self.snapshot(
             status, items, usage=usage(output), incomplete_details=details,
@@ -147,9 +155,14 @@ class ResponseEvents:
     """The events of one streamed response, numbered as they are made.  `delta` takes each engine
     delta in order; the last one (finished) closes the response."""
 
-    def __init__(self, shell: ResponseShell, formatter: LogprobsFormatter):
+    def __init__(self, shell: ResponseShell, formatter: LogprobsFormatter, calls: ToolCallStream | None = None):
+        """`calls`: the reader of a reply offered tools; its text streams as the reader lets it
+        out (a possible call is held), and the calls it finds close the response."""
         self._shell = shell
         self._formatter = formatter
+        self._calls = calls
+        self._found: list[dict] = []
+        self._text: list[str] = []
         self._sequence = 0
         self._message_id = new_id("msg")
         self._message_started = False
@@ -159,6 +172,8 @@ class ResponseEvents:
         return [self._event(kind, response=response) for kind in ("response.created", "response.in_progress")]
 
     def delta(self, delta: RequestDelta) -> list[dict]:
+        if self._calls is not None:
+            return self._tool_delta(delta)
         events = []
         logprobs = text_logprobs(self._formatter, delta.logprobs) or []
         if delta.text or logprobs:
@@ -168,9 +183,14 @@ class ResponseEvents:
             events += self.closing(delta.output)
         return events
 
-    def closing(self, output: RequestOutput, tool_calls: Sequence[dict] = ()) -> list[dict]:
-        """Every item done, then the response: the hook where parsed function calls come in."""
-        final = self._shell.final(output, self._message_id, text_logprobs(self._formatter, output.logprobs), tool_calls)
+    def closing(self, output: RequestOutput) -> list[dict]:
+        """Every item done, then the response."""
+        return self._closing(output, (), None, text_logprobs(self._formatter, output.logprobs))
+
+    def _closing(
+        self, output: RequestOutput, tool_calls: Sequence[dict], text: str | None, logprobs: list[dict] | None
+    ) -> list[dict]:
+        final = self._shell.final(output, self._message_id, logprobs, tool_calls, text=text)
         events = []
         for index, item in enumerate(final["output"]):
             if item["type"] == "message":
@@ -179,6 +199,24 @@ class ResponseEvents:
                 events += self._function_call(index, item)
         kind = "response.completed" if final["status"] == "completed" else "response.incomplete"
         return [*events, self._event(kind, response=final)]
+
+    def _tool_delta(self, delta: RequestDelta) -> list[dict]:
+        """A delta of a reply offered tools: text as the reader lets it out, calls kept for the end
+        (no logprobs: the held text's tokens would not line up with what is sent)."""
+        found = self._calls.push(delta.text) if delta.text else []
+        if delta.finished:
+            found += self._calls.finish()
+        events = []
+        for piece in found:
+            if isinstance(piece, str):
+                self._text.append(piece)
+                events += self._start_message()
+                events.append(self._text_event("response.output_text.delta", delta=piece, logprobs=[]))
+            else:
+                self._found.append(piece.as_openai())
+        if delta.finished:
+            events += self._closing(delta.output, self._found, "".join(self._text), None)
+        return events
 
     def failed(self, message: str) -> list[dict]:
         error = {"code": "server_error", "message": message}

@@ -11,6 +11,10 @@ scheduler batches them; choice `p * n + i` is prompt p's i-th, as OpenAI numbers
 `seed`, choice i of each prompt is seeded with `(seed + i) mod 2**64`, so each is reproducible on
 its own and choices differ; without one (or greedy) choices are independent draws (identical,
 greedy).  A client that goes away aborts every request of its own, with one INFO line.
+
+A chat request with `tools` is planned by tools.py (checks, the constraint its tool_choice asks
+for), templated by tool_prompt.py, and its replies are read for calls by tool_parsers.py (as
+they stream: tool_stream.py).
 """
 
 from __future__ import annotations
@@ -51,9 +55,13 @@ from graphexec.server.limits import TokenBound, read_body
 from graphexec.server.metrics import ServerMetrics
 from graphexec.server.protocol import ChatCompletionRequest, CompletionRequest
 from graphexec.server.responses import LogprobsFormatter, ResponseHeader, sse, usage
-from graphexec.server.responses_input import chat_messages, refuse_tools
+from graphexec.server.responses_input import chat_messages, tool_plan
 from graphexec.server.responses_output import ResponseEvents, ResponseShell, new_id, sse_event, text_logprobs
 from graphexec.server.responses_protocol import ResponsesRequest
+from graphexec.server.tool_parsers import resolve_format
+from graphexec.server.tool_prompt import ToolPrompt
+from graphexec.server.tool_stream import ToolCallChunks
+from graphexec.server.tools import ToolPlan
 
 Body = TypeVar("Body", CompletionRequest, ChatCompletionRequest, ResponsesRequest)
 Model = TypeVar("Model", bound=BaseModel)
@@ -77,6 +85,7 @@ class Prepared(Generic[Body]):
     body: Body
     prompt_ids: list[list[int]]
     params: list[SamplingParams]
+    tools: ToolPlan | None = None  # a chat request's tool calling (tools.py)
 
     @property
     def n(self) -> int:
@@ -92,6 +101,8 @@ class OpenAIServing:
         # One thread: requests are prepared in arrival order, and a huge prompt costs one core, not
         # all of them.  ThreadPoolExecutor starts it on the first request.
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="graphexec-http-prepare")
+        template = engine.tokenizer.chat_template if engine.tokenizer is not None else None
+        self.tool_prompt = ToolPrompt(engine.tokenizer, resolve_format(config.tool_parser, template))
 
     def close(self) -> None:
         """Stop the worker thread (the app's shutdown); a preparation under way still finishes."""
@@ -172,19 +183,24 @@ class OpenAIServing:
         streams = self._start(prepared)
         header = ResponseHeader(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.model_name)
         formatter = LogprobsFormatter(self.engine.tokenizer)  # chat logprobs carry no offsets
+        tools = prepared.tools if prepared.tools is not None and prepared.tools.offered else None
         if body.stream:
-            def chunks(index: int, delta: RequestDelta) -> list[dict]:
+            def text_chunks(index: int, delta: RequestDelta) -> list[dict]:
                 if not (delta.text or delta.logprobs or delta.finished):
                     return []
                 content = {"content": delta.text} if delta.text or not delta.finished else {}
                 return [header.chat_chunk(index, content, formatter.chat(delta.logprobs), delta.finish_reason)]
 
+            chunks = text_chunks
+            if tools is not None:  # replies read for calls as they stream
+                chunks = ToolCallChunks(header, tools.stream, len(streams), formatter.chat)
             opening = [header.chat_chunk(i, {"role": "assistant", "content": ""}, None, None) for i in range(len(streams))]
             return self._sse(streams, prepared, opening, chunks, header, "chat.completion.chunk", request)
         outputs = await self._results(streams, request)
         if outputs is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        choices = [header.chat_choice(i, out, formatter.chat(out.logprobs)) for i, out in enumerate(outputs)]
+        replies = [tools.parse(out.text) if tools else None for out in outputs]
+        choices = [header.chat_choice(i, out, formatter.chat(out.logprobs), r) for i, (out, r) in enumerate(zip(outputs, replies))]
         return JSONResponse(header.chat(choices, usage(outputs, prepared.n)))
 
     async def responses(self, request: Request, body: ResponsesRequest) -> Response:
@@ -193,21 +209,32 @@ class OpenAIServing:
         streams = self._start(prepared)
         shell = ResponseShell.of(body, prepared.params[0], self.model_name)
         formatter = LogprobsFormatter(self.engine.tokenizer)
+        tools = prepared.tools if prepared.tools is not None and prepared.tools.offered else None
         if body.stream:
-            return self._event_stream(streams, ResponseEvents(shell, formatter), request)
+            events = ResponseEvents(shell, formatter, tools.stream() if tools is not None else None)
+            return self._event_stream(streams, events, request)
         outputs = await self._results(streams, request)
         if outputs is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         (output,) = outputs
-        return JSONResponse(shell.final(output, new_id("msg"), text_logprobs(formatter, output.logprobs)))
+        if tools is None:
+            return JSONResponse(shell.final(output, new_id("msg"), text_logprobs(formatter, output.logprobs)))
+        # The message is the text around the calls; its tokens' logprobs would not line up with it.
+        reply = tools.parse(output.text)
+        calls = [call.as_openai() for call in reply.calls]
+        return JSONResponse(shell.final(output, new_id("msg"), None, calls, text=reply.content or ""))
 
     def _prepare_now(
-        self, body: Body, encode: Callable[[Body], tuple[list[list[int]], str]], body_bytes: int
+        self,
+        body: Body,
+        encode: Callable[[Body, ToolPlan | None], tuple[list[list[int]], str]],
+        body_bytes: int,
     ) -> Prepared[Body]:
         """On the worker thread: check, tokenize, bound max_tokens, one SamplingParams per choice."""
         try:
             self._check(body)
-            prompts, prompt_field = encode(body)
+            tools = self._tool_plan(body)
+            prompts, prompt_field = encode(body, tools)
             field, requested = body.requested_max_tokens()
             # OpenAI's completions default (16); chat completions default to the room left.
             default = self.config.completions_max_tokens if isinstance(body, CompletionRequest) else None
@@ -218,12 +245,14 @@ class OpenAIServing:
                     len(prompt_ids), requested, field=field, prompt_field=prompt_field, default=default
                 )
                 base = body.to_sampling_params(self.engine.config.sampling, max_new_tokens)
+                if tools is not None:
+                    base = base.replace(structured=tools.with_constraint(base.structured))
                 if base.structured is not None:
                     self.engine.prepare_grammar(base.structured)  # compiled here, not on the event loop
                 for i in range(body.n):
                     ids.append(prompt_ids)
                     params.append(_choice_params(base, i))
-            return Prepared(body, ids, params)
+            return Prepared(body, ids, params, tools)
         except InvalidRequestError as error:
             raise from_invalid_request(error) from None
         finally:
@@ -235,7 +264,21 @@ class OpenAIServing:
         if body.n > self.config.max_n:
             raise bad_request(f"n: at most {self.config.max_n} choices per prompt (server.max_n), got {body.n}", param="n")
 
-    def _completion_prompts(self, body: CompletionRequest) -> tuple[list[list[int]], str]:
+    def _tool_plan(self, body: Body) -> ToolPlan | None:
+        """A chat or Responses request's tools, checked: each function's parameters compiled (a bad
+        schema is a 400 naming tools[i].function.parameters, or tools[i].parameters), the grammars
+        cached for the engine."""
+        if isinstance(body, ChatCompletionRequest):
+            plan = ToolPlan.of(body, self.tool_prompt.format)
+        elif isinstance(body, ResponsesRequest):
+            plan = tool_plan(body, self.tool_prompt.format)
+        else:
+            return None
+        for spec in plan.parameter_specs() if plan is not None else ():
+            self.engine.prepare_grammar(spec)
+        return plan
+
+    def _completion_prompts(self, body: CompletionRequest, tools: None = None) -> tuple[list[list[int]], str]:
         prompts = body.prompts()
         limit = self.config.max_prompts_per_request
         if len(prompts) > limit:
@@ -247,13 +290,14 @@ class OpenAIServing:
         encode = self.engine.prompt_encoder.encode
         return [encode(p, chat=False, label=label) for p, label in zip(prompts, labels)], "prompt"
 
-    def _chat_prompts(self, body: ChatCompletionRequest) -> tuple[list[list[int]], str]:
-        return [self.engine.encode_chat(body.chat_messages())], "messages"
+    def _chat_prompts(self, body: ChatCompletionRequest, tools: ToolPlan | None) -> tuple[list[list[int]], str]:
+        messages, definitions = self.tool_prompt.render(body.chat_messages(), tools)
+        return [self.engine.encode_chat(messages, tools=definitions)], "messages"
 
-    def _responses_prompts(self, body: ResponsesRequest) -> tuple[list[list[int]], str]:
-        refuse_tools(body)  # until tool calling is wired here: then the template renders tools too
+    def _responses_prompts(self, body: ResponsesRequest, tools: ToolPlan | None) -> tuple[list[list[int]], str]:
+        messages, definitions = self.tool_prompt.render(chat_messages(body), tools)
         try:
-            return [self.engine.prompt_encoder.encode_chat(chat_messages(body), label="input")], "input"
+            return [self.engine.prompt_encoder.encode_chat(messages, label="input", tools=definitions)], "input"
         except InvalidRequestError as error:
             raise InvalidRequestError(str(error), param="input") from None  # the encoder names "prompt"
 

@@ -20,6 +20,7 @@ from graphexec.errors import InvalidRequestError
 from graphexec.server.errors import bad_request, from_invalid_request, model_not_found
 from graphexec.server.openapi import EXAMPLE_TEXT, MODEL, limit
 from graphexec.server.protocol import ChatMessage, TokenId, _Strict
+from graphexec.server.tool_prompt import ToolPrompt
 
 # The name of the model served, or none; another is a 404.
 ServedModel = Annotated[str, Field(json_schema_extra=limit(MODEL))] | None
@@ -59,9 +60,11 @@ class DetokenizeRequest(_Strict):
 class TokenizerEndpoints:
     """The three routes' work, given the engine (its tokenizer, vocabulary and context)."""
 
-    def __init__(self, engine: Engine, model_name: str):
+    def __init__(self, engine: Engine, model_name: str, tool_prompt: ToolPrompt | None = None):
         self._engine = engine
         self._model_name = model_name
+        # Tool-calling histories rendered as the chat route renders them (no tools offered here).
+        self._tool_prompt = tool_prompt
 
     def info(self) -> dict[str, Any]:
         tokenizer = self._engine.tokenizer
@@ -85,7 +88,9 @@ class TokenizerEndpoints:
             ids = tokenizer.encode(body.prompt)
             special = True if body.add_special_tokens is None else body.add_special_tokens
         else:
-            messages = [{"role": m.role, "content": m.content} for m in body.messages]
+            messages = [m.template_dict() for m in body.messages]
+            if self._tool_prompt is not None:
+                messages, _ = self._tool_prompt.render(messages, None)
             try:
                 text = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt)
             except Exception as error:  # no template (ValueError), or the template refused (jinja2)

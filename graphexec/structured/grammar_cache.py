@@ -85,6 +85,8 @@ def _grammar(spec: StructuredSpec) -> str:
         return json_schema_grammar(spec.value, strict=True)
     if spec.kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(spec.value)
+    if spec.kind == "lark":
+        return llguidance.LLMatcher.grammar_from_lark(spec.value)
     return _choice_lark(json.loads(spec.value))
 
 

@@ -15,13 +15,15 @@ ignored by default ("lenient"), as OpenAI-compatible servers commonly do: the ou
 schema's structure, and a client's pydantic-made schema is not refused for one decorative keyword.
 The schema's own top-level "x-guidance" options still apply ("lenient": false turns those keywords
 into a 400 naming them), except the formatting ones.
+
+`lark_json` gives the same JSON as a %json{...} item of a Lark grammar, for grammars that embed
+JSON in other text (tool calls: graphexec/server/tool_grammar.py).  llguidance is imported only to
+compile, so building such a grammar's text needs none.
 """
 
 from __future__ import annotations
 
 import json
-
-import llguidance
 
 # Compact, one-line JSON; llguidance's default is any whitespace between tokens.  Applied over any
 # x-guidance options the schema carries, so every reply is formatted the same way (JSON text: an
@@ -36,14 +38,29 @@ _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "depe
 
 def json_schema_grammar(schema: str, *, strict: bool) -> str:
     """The llguidance grammar for a JSON value valid under `schema` (JSON text of an object)."""
-    value = json.loads(schema)
+    import llguidance  # here: lark_json, for grammars built outside the engine, needs only json
+
+    value = _prepared(json.loads(schema), strict=strict)
+    return llguidance.LLMatcher.grammar_from_json_schema(value, overrides=_FORMAT)
+
+
+def lark_json(schema: dict, *, strict: bool) -> str:
+    """`%json{...}`: `schema` embedded in a Lark grammar (StructuredSpec.lark), formatted and closed
+    as json_schema_grammar does; inside Lark the format travels in the schema's x-guidance."""
+    value = _prepared(json.loads(json.dumps(schema)), strict=strict)  # a deep copy: closed in place
+    value["x-guidance"] |= json.loads(_FORMAT)
+    return "%json " + json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+def _prepared(value: dict, *, strict: bool) -> dict:
+    """`value` (modified in place) lenient unless it says otherwise, and closed when `strict`."""
     if isinstance(value.get("x-guidance"), dict):
         value["x-guidance"] = {"lenient": True, **value["x-guidance"]}
     else:
         value["x-guidance"] = {"lenient": True}
     if strict:
         _close(value)
-    return llguidance.LLMatcher.grammar_from_json_schema(value, overrides=_FORMAT)
+    return value
 
 
 def _close(schema: object, *, merged: bool = False) -> None:

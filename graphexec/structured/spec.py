@@ -14,7 +14,9 @@ from dataclasses import dataclass, field
 
 from graphexec.errors import InvalidRequestError
 
-KINDS = ("json_object", "json_schema", "regex", "choice")
+# "lark": a grammar in llguidance's Lark dialect, built by graphexec itself (tool calls:
+# graphexec/server/tool_grammar.py), never taken from a request as text.
+KINDS = ("json_object", "json_schema", "regex", "choice", "lark")
 
 # A schema or regex is compiled on a worker thread and its grammar cached; these bound what one
 # request can make the engine hold or spend there.
@@ -26,8 +28,9 @@ MAX_CHOICES = 256
 class StructuredSpec:
     """One constraint.  `value` is the canonical text the grammar is compiled from (the schema as
     compact JSON in the caller's key order, since llguidance emits properties in that order; the
-    regex; the choices as a JSON list) and, with `kind`, the grammar cache's key.  `param` names the
-    request field it came from, for error messages; it takes no part in equality."""
+    regex; the choices as a JSON list; the Lark grammar) and, with `kind`, the grammar cache's
+    key.  `param` names the request field it came from, for error messages; it takes no part in
+    equality."""
 
     kind: str
     value: str = ""
@@ -87,3 +90,12 @@ class StructuredSpec:
             if not isinstance(choice, str) or not choice:
                 raise InvalidRequestError(f"{param}[{i}]: must be a non-empty string, got {choice!r}", param=param)
         return cls("choice", json.dumps(list(choices), ensure_ascii=False), param)
+
+    @classmethod
+    def lark(cls, grammar: str, *, param: str = "structured") -> StructuredSpec:
+        """Text matching a Lark grammar (llguidance's dialect: %json{...} embeds a JSON schema, lazy
+        rules let free text run until a trigger).  For grammars graphexec writes; `param` names
+        the request field the grammar was made from."""
+        if not isinstance(grammar, str):
+            raise InvalidRequestError(f"{param}: the grammar must be a string, got {type(grammar).__name__}", param=param)
+        return cls("lark", grammar, param)

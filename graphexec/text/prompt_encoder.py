@@ -35,8 +35,11 @@ class PromptEncoder:
         self.check_ids(ids, label)
         return ids
 
-    def encode_chat(self, messages: Sequence[Mapping[str, str]], *, label: str = "messages") -> list[int]:
-        """Token ids of a conversation through the model's chat template, ready for the reply."""
+    def encode_chat(
+        self, messages: Sequence[Mapping[str, str]], *, label: str = "messages", tools: Sequence[Mapping] | None = None
+    ) -> list[int]:
+        """Token ids of a conversation through the model's chat template, ready for the reply;
+        `tools` (OpenAI tool objects) go to the template's `tools` variable."""
         param = "messages" if label == "messages" else "prompt"
         if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
             raise InvalidRequestError(f"{label} must be a non-empty list of {{role, content}} messages", param=param)
@@ -48,7 +51,9 @@ class PromptEncoder:
                     raise InvalidRequestError(f"{label}[{i}].{key} must be a string", param=param)
         tokenizer = self._require_tokenizer(label)
         try:
-            text = tokenizer.apply_chat_template([dict(m) for m in messages])
+            # Only given when set: templates (and stand-ins) that know no tools keep their call.
+            extra = {} if tools is None else {"tools": [dict(t) for t in tools]}
+            text = tokenizer.apply_chat_template([dict(m) for m in messages], **extra)
         except ValueError as error:  # no chat template
             raise InvalidRequestError(f"{label}: {error}", param=param) from error
         except Exception as error:  # jinja2's TemplateError: the template rejected the conversation

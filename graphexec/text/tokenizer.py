@@ -264,16 +264,23 @@ class Tokenizer:
             raise ValueError("this model has no chat template; pass a plain prompt instead of chat messages")
         return _compile_chat_template(self._chat_template)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+    ) -> str:
+        """The conversation as the template writes it; `tools` (OpenAI tool objects) is the
+        template's `tools` variable, as transformers passes it (left undefined when None)."""
+
         def token(token_id: int | None) -> str:
             return "" if token_id is None else self._backend.id_to_token(token_id)
 
         eos = self._eos_token_ids[0] if self._eos_token_ids else None
+        extra = {} if tools is None else {"tools": [dict(tool) for tool in tools]}
         return self._compiled_template.render(
             messages=[dict(message) for message in messages],
             add_generation_prompt=add_generation_prompt,
             bos_token=token(self._bos_token_id),
             eos_token=token(eos),
+            **extra,
         )
 
 
@@ -312,5 +319,7 @@ class ByteTokenizer:
         data = bytes(i for i in ids if 0 <= i < 256)
         return data.decode("utf-8", errors="replace")
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+    ) -> str:
         raise ValueError("ByteTokenizer has no chat template; pass a plain prompt instead of chat messages")
