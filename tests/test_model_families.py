@@ -1,0 +1,179 @@
+"""Dense model families (Llama 3.x RoPE scaling, Mistral, Qwen3, Phi-3 / Phi-4-mini) against
+Hugging Face transformers on the same tiny random weights, from HF directories and GGUF files.
+
+Tolerance: both sides run fp32 on the CPU with the same weights; they differ only in summation
+order (fused q/k/v and gate/up matmuls, the paged attention kernel), which leaves logits of
+magnitude ~10 within ~1e-5.  ATOL = 1e-4 allows that with a margin while any formula error
+(a wrong frequency, a missing attention factor or q/k norm) moves logits by 1e-2 or more.
+The weights are rescaled so logits are peaked: greedy tokens are then decided by clear margins.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from graphexec import Engine, SamplingParams
+from graphexec.errors import CheckpointError
+from graphexec.loader import load_hf_dir
+from tests.reference import hf_greedy, hf_last_logits
+
+transformers = pytest.importorskip("transformers")
+
+ATOL = 1e-4
+NEW_TOKENS = 12
+PROMPTS = [[5, 17, 33, 100, 7, 8, 9, 250, 61, 2], [40, 41, 42], [300, 12, 77, 5, 9, 1, 200, 150, 30, 31, 90, 11, 3, 44, 18, 19, 20]]
+
+TINY = dict(
+    vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    bos_token_id=1, eos_token_id=2, pad_token_id=0,
+)
+# Each family's distinguishing features, in its own transformers config class.
+FAMILIES = {
+    "llama3": ("LlamaForCausalLM", "LlamaConfig", dict(
+        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=64), rope_theta=10000.0)),
+    "mistral": ("MistralForCausalLM", "MistralConfig", dict(sliding_window=None, head_dim=16)),
+    "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", dict(
+        head_dim=32, tie_word_embeddings=True,  # head_dim != hidden / heads, as in Qwen3
+        rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64), rope_theta=1e6)),
+    "phi3": ("Phi3ForCausalLM", "Phi3Config", dict(
+        partial_rotary_factor=0.5, original_max_position_embeddings=64,  # Phi-4-mini: a quarter; here half
+        rope_scaling=dict(rope_type="longrope", short_factor=[1.0, 1.3, 2.1, 3.5], long_factor=[2.0, 4.0, 8.0, 16.0]))),
+}
+
+
+def _peaked_(model) -> None:
+    """transformers' N(0, 0.02) init gives near-flat logits; give them clear margins instead."""
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+            elif "embed" in name or "lm_head" in name:
+                p.copy_(torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) / p.shape[1] ** 0.5)
+
+
+def save_family(family: str, directory, **overrides):
+    model_name, config_name, extra = FAMILIES[family]
+    config = getattr(transformers, config_name)(**{**TINY, **extra, **overrides})
+    torch.manual_seed(0)
+    model = getattr(transformers, model_name)(config).eval()
+    _peaked_(model)
+    model.save_pretrained(directory, safe_serialization=True)
+    return model
+
+
+def _engine(path) -> Engine:
+    return Engine(overrides=["model=hf", f"model.path={path}", "capture=eager", "cache.num_slots=512"])
+
+
+def _check_engine(engine: Engine, reference) -> None:
+    from tests.test_fidelity import _runner_logits
+
+    prefill, decode = _runner_logits(engine, PROMPTS, [7, 8, 9])
+    for i, (prompt, token) in enumerate(zip(PROMPTS, [7, 8, 9])):
+        torch.testing.assert_close(prefill[i], hf_last_logits(reference, prompt), atol=ATOL, rtol=0)
+        torch.testing.assert_close(decode[i], hf_last_logits(reference, prompt + [token]), atol=ATOL, rtol=0)
+    outputs = engine.generate(PROMPTS, SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))
+    for prompt, out in zip(PROMPTS, outputs):
+        assert out.token_ids == hf_greedy(reference, prompt, NEW_TOKENS)[0]
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def hf_family(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    return request.param, path, save_family(request.param, path)
+
+
+def test_hf_dir_matches_transformers(hf_family):
+    family, path, reference = hf_family
+    _check_engine(_engine(path), reference)
+
+
+# ---- RoPE frequencies against transformers' ROPE_INIT_FUNCTIONS ------------------------------
+
+ROPE_CASES = {
+    "llama3": ("LlamaConfig", FAMILIES["llama3"][2]),
+    "linear": ("LlamaConfig", dict(rope_scaling=dict(rope_type="linear", factor=4.0))),
+    "dynamic": ("LlamaConfig", dict(rope_scaling=dict(rope_type="dynamic", factor=2.0))),
+    "yarn": ("Qwen3Config", FAMILIES["qwen3"][2]),
+    "yarn-mscale": ("LlamaConfig", dict(rope_scaling=dict(
+        rope_type="yarn", factor=8.0, original_max_position_embeddings=32, mscale=0.9, mscale_all_dim=0.7,
+        beta_fast=16, beta_slow=2))),
+    "longrope": ("Phi3Config", FAMILIES["phi3"][2]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ROPE_CASES))
+def test_rope_frequencies_equal_transformers(case, tmp_path):
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from graphexec.loader.hf_config import model_config
+    from graphexec.models.rope import inverse_frequencies
+
+    config_name, extra = ROPE_CASES[case]
+    hf_config = getattr(transformers, config_name)(**{**TINY, **extra})
+    raw = hf_config.to_dict()  # what config.json holds
+    ours = model_config(raw, "t", True, [], tmp_path)
+    inv_freq, attention = inverse_frequencies(ours)
+    kind = raw["rope_parameters"]["rope_type"]
+    expected, expected_attention = ROPE_INIT_FUNCTIONS[kind](hf_config, "cpu")
+    torch.testing.assert_close(inv_freq, expected, atol=0, rtol=1e-6)
+    assert attention == pytest.approx(expected_attention, rel=1e-6)
+    plain = 1.0 / (ours.rope_theta ** (torch.arange(0, ours.rotary_dim, 2).float() / ours.rotary_dim))
+    # Every case but dynamic (plain RoPE within its original context) really rescales.
+    assert torch.equal(inv_freq, plain) == (case == "dynamic")
+
+
+def test_static_only_scalings_cap_the_context(tmp_path):
+    from graphexec.loader.hf_config import model_config
+
+    phi3 = model_config(transformers.Phi3Config(**{**TINY, **FAMILIES["phi3"][2]}).to_dict(), "t", True, [], tmp_path)
+    assert phi3.max_context == 64  # LongRoPE: short factors only, within the original context
+    dynamic = {**TINY, "rope_scaling": dict(rope_type="dynamic", factor=2.0, original_max_position_embeddings=128)}
+    assert model_config(transformers.LlamaConfig(**dynamic).to_dict(), "t", True, [], tmp_path).max_context == 128
+    llama3 = model_config(transformers.LlamaConfig(**{**TINY, **FAMILIES["llama3"][2]}).to_dict(), "t", True, [], tmp_path)
+    assert llama3.max_context == 256  # llama3 scaling is static: the whole declared context
+
+
+# ---- refusals -------------------------------------------------------------------------------
+
+
+def _save_config(path, config) -> None:
+    config.save_pretrained(path)
+    from safetensors.torch import save_file
+
+    save_file({"x": torch.zeros(1)}, path / "model.safetensors")
+
+
+@pytest.mark.parametrize(
+    "config_name, fields, match",
+    [
+        ("MistralConfig", dict(sliding_window=64), r"sliding-window attention \(sliding_window=64 < context 256\)"),
+        ("Qwen3Config", dict(use_sliding_window=True, sliding_window=32, max_window_layers=0), "sliding-window attention"),
+        ("GemmaConfig", dict(head_dim=16), r"unsupported model \['GemmaForCausalLM'\]"),
+        ("Qwen3MoeConfig", dict(num_experts=4), "mixture-of-experts"),
+        ("MixtralConfig", dict(), "mixture-of-experts"),
+        ("LlamaConfig", dict(rope_scaling=dict(rope_type="proportional", factor=2.0)), "RoPE scaling 'proportional'"),
+        ("Qwen3Config", dict(attention_bias=True), "attention_bias"),
+    ],
+)
+def test_unsupported_checkpoints_are_refused_by_name(config_name, fields, match, tmp_path):
+    config = getattr(transformers, config_name)(**{**TINY, **fields})
+    arch = config_name.removesuffix("Config") + "ForCausalLM"
+    config.architectures = [arch]
+    _save_config(tmp_path, config)
+    with pytest.raises(CheckpointError, match=match):
+        load_hf_dir(tmp_path, "t")
+
+
+def test_a_window_as_long_as_the_context_is_full_attention(tmp_path):
+    config = transformers.MistralConfig(**{**TINY, "sliding_window": 256})
+    config.architectures = ["MistralForCausalLM"]
+    _save_config(tmp_path, config)
+    with pytest.raises(CheckpointError, match="tensors do not match"):  # got past the window check
+        load_hf_dir(tmp_path, "t")
