@@ -177,3 +177,129 @@ def test_a_window_as_long_as_the_context_is_full_attention(tmp_path):
     _save_config(tmp_path, config)
     with pytest.raises(CheckpointError, match="tensors do not match"):  # got past the window check
         load_hf_dir(tmp_path, "t")
+
+
+# ---- GGUF: what llama.cpp's converter writes for each family --------------------------------
+
+GGUF_ARCH = {"llama3": "llama", "mistral": "llama", "qwen3": "qwen3", "phi3": "phi3"}  # Mistral 7B converts as llama
+GGUF_BLOCK_NAMES = {
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "self_attn.qkv_proj.weight": "attn_qkv.weight",
+    "mlp.gate_up_proj.weight": "ffn_up.weight",  # Phi-3: gate and up stacked, no ffn_gate
+}
+
+
+def _gguf_name(key: str) -> str:
+    from tests.test_loader import GGUF_NAMES
+
+    if key in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
+        return {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                "lm_head.weight": "output.weight"}[key]
+    _, _, layer, rest = key.split(".", 3)
+    return f"blk.{layer}.{GGUF_BLOCK_NAMES.get(rest) or GGUF_NAMES[rest]}"
+
+
+def _rope_metadata(writer, family: str, hf_config) -> None:
+    """The RoPE keys and tensors llama.cpp's converter writes for each family's scaling."""
+    import math
+
+    import gguf
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if family == "llama3":
+        # llama.cpp stores Llama 3's scaling as per-pair divisors of the plain frequencies.
+        scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](hf_config, "cpu")
+        plain = 1.0 / (hf_config.rope_parameters["rope_theta"] ** (torch.arange(0, 16, 2).float() / 16))
+        writer.add_tensor("rope_freqs.weight", (plain / scaled).numpy().astype("float32"))
+    elif family == "qwen3":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(4.0)
+        writer.add_rope_scaling_orig_ctx_len(64)
+    elif family == "phi3":
+        params = hf_config.rope_parameters
+        writer.add_rope_dimension_count(8)
+        writer.add_rope_scaling_orig_ctx_len(64)
+        writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(256 / 64) / math.log(64)))
+        writer.add_tensor("rope_factors_long.weight", torch.tensor(params["long_factor"]).numpy())
+        writer.add_tensor("rope_factors_short.weight", torch.tensor(params["short_factor"]).numpy())
+
+
+def write_family_gguf(path, family: str, model, sliding_window: int | None = None) -> None:
+    import gguf
+
+    from tests.test_loader import llama_cpp_permute
+
+    arch, c = GGUF_ARCH[family], model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    writer.add_vocab_size(c.vocab_size)
+    if sliding_window is not None:
+        writer.add_sliding_window(sliding_window)
+    _rope_metadata(writer, family, c)
+    state = model.state_dict()
+    if c.tie_word_embeddings:
+        state.pop("lm_head.weight")
+    for key, tensor in state.items():
+        if key.endswith("rotary_emb.inv_freq"):
+            continue
+        if arch == "llama" and (".q_proj." in key or ".k_proj." in key):
+            heads = c.num_attention_heads if ".q_proj." in key else c.num_key_value_heads
+            tensor = llama_cpp_permute(tensor, heads)  # the converter's q/k row interleave
+        writer.add_tensor(_gguf_name(key), tensor.detach().numpy().astype("float32"))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_gguf_matches_transformers(hf_family, tmp_path):
+    family, _, reference = hf_family
+    write_family_gguf(tmp_path / "m.gguf", family, reference)
+    engine = Engine(overrides=["model=hf", "model.source=gguf", f"model.path={tmp_path / 'm.gguf'}",
+                               "capture=eager", "cache.num_slots=512"])
+    assert engine.model_config.architecture == GGUF_ARCH[family]
+    _check_engine(engine, reference)
+
+
+def test_gguf_sliding_window_shorter_than_the_context_is_refused(tmp_path):
+    from graphexec.loader import load_gguf
+
+    model = save_family("mistral", tmp_path / "hf")
+    write_family_gguf(tmp_path / "m.gguf", "mistral", model, sliding_window=64)
+    with pytest.raises(CheckpointError, match=r"sliding-window attention \(llama.attention.sliding_window=64"):
+        load_gguf(tmp_path / "m.gguf", "m")
+    write_family_gguf(tmp_path / "full.gguf", "mistral", model, sliding_window=256)
+    assert load_gguf(tmp_path / "full.gguf", "m").config.max_context == 256
+
+
+# ---- graphs ---------------------------------------------------------------------------------
+
+
+def test_decode_graph_equals_transformers(hf_family):
+    """Each family's decode recorded as one graph (the op tape: no breaks, so q/k norm, partial
+    rotary and the scaled tables all live inside it) and replayed: greedy tokens still HF's."""
+    from graphexec.batch.forward_mode import ForwardMode
+
+    _, path, reference = hf_family
+    engine = Engine(overrides=[
+        "model=hf", f"model.path={path}", "cache.num_slots=512", "capture=graph_first", "capture.decode.buckets=[4]",
+        "capture.decode.graph=tape", "capture.decode.progress=false", "capture.extend.backend=eager",
+    ])
+    backend = engine.runner.backends[ForwardMode.DECODE]
+    recorded = backend.segments_of(4)
+    assert recorded.num_segments == 1 and recorded.breaks == ()
+    outputs = engine.generate(PROMPTS, SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))
+    for prompt, out in zip(PROMPTS, outputs):
+        assert out.token_ids == hf_greedy(reference, prompt, NEW_TOKENS)[0]
+    assert backend.stats.executions == NEW_TOKENS - 1 and backend.stats.fallbacks == 0
