@@ -303,3 +303,26 @@ def test_decode_graph_equals_transformers(hf_family):
     for prompt, out in zip(PROMPTS, outputs):
         assert out.token_ids == hf_greedy(reference, prompt, NEW_TOKENS)[0]
     assert backend.stats.executions == NEW_TOKENS - 1 and backend.stats.fallbacks == 0
+
+
+# ---- tensor parallelism ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("families", [("qwen3", "llama3"), ("phi3",)])
+def test_tp2_equals_tp1(families, tmp_path):
+    """Qwen3 (replicated per-head q/k norms), RoPE-scaled Llama 3 and Phi-3 (fused tensors split,
+    then cut, while loading) at parallel.tp_size=2 against 1, all ranks as real processes at once;
+    ATOL as tests/test_tp_model.py's (the all-reduce changes the summation order)."""
+    from tests.test_tp_model import ATOL, _max_diff, _run_ranks
+
+    groups = []
+    for family in families:
+        save_family(family, tmp_path / family)
+        overrides = ["model=hf", f"model.path={tmp_path / family}", "cache.num_slots=512", "capture=eager"]
+        groups += [(1, overrides), (2, overrides)]
+    results = _run_ranks(*groups, tmp_path=tmp_path)
+    for (reference,), ranks in zip(results[0::2], results[1::2]):
+        diffs = _max_diff(ranks[0][1], reference[1])
+        assert max(diffs.values()) < ATOL, diffs
+        assert max(_max_diff(ranks[1][1], ranks[0][1]).values()) == 0.0
+        assert all(r[2] < reference[2] * 0.75 for r in ranks)  # each rank holds a part of the weights
