@@ -78,8 +78,10 @@ def _check_engine(engine: Engine, reference) -> None:
     for i, (prompt, token) in enumerate(zip(PROMPTS, [7, 8, 9])):
         torch.testing.assert_close(prefill[i], hf_last_logits(reference, prompt), atol=ATOL, rtol=0)
         torch.testing.assert_close(decode[i], hf_last_logits(reference, prompt + [token]), atol=ATOL, rtol=0)
+    # The prompts were cached when the runner released them: these reuse all but their last token.
     outputs = engine.generate(PROMPTS, SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))
     for prompt, out in zip(PROMPTS, outputs):
+        assert out.cached_tokens == len(prompt) - 1
         assert out.token_ids == hf_greedy(reference, prompt, NEW_TOKENS)[0]
 
 
