@@ -35,6 +35,7 @@ FAMILIES = {
         rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                           original_max_position_embeddings=64), rope_theta=10000.0)),
     "mistral": ("MistralForCausalLM", "MistralConfig", dict(sliding_window=None, head_dim=16)),
+    "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", dict()),  # q/k/v bias
     "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", dict(
         head_dim=32, tie_word_embeddings=True,  # head_dim != hidden / heads, as in Qwen3
         rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64), rope_theta=1e6)),
@@ -183,7 +184,7 @@ def test_a_window_as_long_as_the_context_is_full_attention(tmp_path):
 
 # ---- GGUF: what llama.cpp's converter writes for each family --------------------------------
 
-GGUF_ARCH = {"llama3": "llama", "mistral": "llama", "qwen3": "qwen3", "phi3": "phi3"}  # Mistral 7B converts as llama
+GGUF_ARCH = {"llama3": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}  # Mistral 7B converts as llama
 GGUF_BLOCK_NAMES = {
     "self_attn.q_norm.weight": "attn_q_norm.weight",
     "self_attn.k_norm.weight": "attn_k_norm.weight",
@@ -310,11 +311,11 @@ def test_decode_graph_equals_transformers(hf_family):
 # ---- tensor parallelism ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("families", [("qwen3", "llama3"), ("phi3",)])
+@pytest.mark.parametrize("families", [("qwen3", "llama3"), ("phi3", "qwen2")])
 def test_tp2_equals_tp1(families, tmp_path):
-    """Qwen3 (replicated per-head q/k norms), RoPE-scaled Llama 3 and Phi-3 (fused tensors split,
-    then cut, while loading) at parallel.tp_size=2 against 1, all ranks as real processes at once;
-    ATOL as tests/test_tp_model.py's (the all-reduce changes the summation order)."""
+    """Qwen3 (replicated per-head q/k norms), RoPE-scaled Llama 3, Phi-3 (fused tensors split,
+    then cut, while loading) and Qwen2 (cut biases) at parallel.tp_size=2 against 1, all ranks as
+    real processes at once; ATOL as tests/test_tp_model.py's (the all-reduce changes the summation order)."""
     from tests.test_tp_model import ATOL, _max_diff, _run_ranks
 
     groups = []
