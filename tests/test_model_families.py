@@ -228,7 +228,8 @@ def _rope_metadata(writer, family: str, hf_config) -> None:
         writer.add_tensor("rope_factors_short.weight", torch.tensor(params["short_factor"]).numpy())
 
 
-def write_family_gguf(path, family: str, model, sliding_window: int | None = None) -> None:
+def write_family_gguf(path, family: str, model, sliding_window: int | None = None, types=None) -> None:
+    """`types`: GGUF tensor kinds (the name after `blk.N.`, no `.weight`) to store quantized."""
     import gguf
 
     from tests.test_loader import llama_cpp_permute
@@ -259,7 +260,12 @@ def write_family_gguf(path, family: str, model, sliding_window: int | None = Non
         if arch == "llama" and (".q_proj." in key or ".k_proj." in key):
             heads = c.num_attention_heads if ".q_proj." in key else c.num_key_value_heads
             tensor = llama_cpp_permute(tensor, heads)  # the converter's q/k row interleave
-        writer.add_tensor(_gguf_name(key), tensor.detach().numpy().astype("float32"))
+        name, array = _gguf_name(key), tensor.detach().numpy().astype("float32")
+        qtype = (types or {}).get(name.split(".")[-2])
+        if qtype is None:
+            writer.add_tensor(name, array)
+        else:
+            writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -329,3 +335,48 @@ def test_tp2_equals_tp1(families, tmp_path):
         assert max(diffs.values()) < ATOL, diffs
         assert max(_max_diff(ranks[1][1], ranks[0][1]).values()) == 0.0
         assert all(r[2] < reference[2] * 0.75 for r in ranks)  # each rank holds a part of the weights
+
+
+def test_gguf_yarn_attn_factor_multiplies_the_yarn_correction(tmp_path):
+    """llama.cpp scales cos/sin by rope.scaling.attn_factor times YaRN's 0.1 ln(factor) + 1."""
+    import math
+
+    from graphexec.loader.gguf_config import config_from_metadata
+    from graphexec.models.rope import inverse_frequencies
+
+    metadata = {
+        "general.architecture": "qwen3", "qwen3.context_length": 256, "qwen3.embedding_length": 64,
+        "qwen3.attention.head_count": 4, "qwen3.attention.key_length": 16, "qwen3.feed_forward_length": 128,
+        "qwen3.block_count": 2, "qwen3.vocab_size": 384, "qwen3.attention.layer_norm_rms_epsilon": 1e-6,
+        "qwen3.rope.scaling.type": "yarn", "qwen3.rope.scaling.factor": 4.0,
+        "qwen3.rope.scaling.original_context_length": 64,
+    }
+    plain = config_from_metadata(metadata, set(), {}, "t", tmp_path)
+    assert inverse_frequencies(plain)[1] == pytest.approx(0.1 * math.log(4.0) + 1)
+    scaled = config_from_metadata({**metadata, "qwen3.rope.scaling.attn_factor": 0.5}, set(), {}, "t", tmp_path)
+    assert inverse_frequencies(scaled)[1] == pytest.approx(0.5 * (0.1 * math.log(4.0) + 1))
+
+
+def test_gguf_fused_quantized_tensors_split_packed_and_cut(tmp_path):
+    """Phi-3's attn_qkv and stacked ffn_up kept Q8_0 (model.weights=native) split by rows into
+    packed q/k/v and gate/up, whole and as tensor-parallel ranks of 2, equal to the dense split."""
+    from gguf import GGMLQuantizationType as Q
+
+    from graphexec.loader import load_gguf
+    from graphexec.models.sharding import shard_state_dict
+    from graphexec.models.tp_layout import TPLayout
+    from graphexec.quant import QuantizedWeight
+
+    path = tmp_path / "q8.gguf"
+    write_family_gguf(path, "phi3", save_family("phi3", tmp_path / "hf"), types={"attn_qkv": Q.Q8_0, "ffn_up": Q.Q8_0})
+    native = load_gguf(path, "q", weights="native").state_dict
+    dense = load_gguf(path, "q", weights="dequantize").state_dict
+    fused_parts = [k for k in native if k.split(".")[-2] in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")]
+    assert len(fused_parts) == 10 and all(isinstance(native[k], QuantizedWeight) for k in fused_parts)
+    for key in fused_parts:
+        assert torch.equal(native[key].dequantize(), dense[key]), key
+    for rank in range(2):
+        part = load_gguf(path, "q", weights="native", tp_size=2, tp_rank=rank).state_dict
+        expected = shard_state_dict(dense, TPLayout.build(load_gguf(path, "q").config, 2, rank))
+        for key in fused_parts:
+            assert torch.equal(part[key].dequantize(), expected[key]), (rank, key)

@@ -9,6 +9,7 @@ context, is refused by name.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any, Callable
 
@@ -49,8 +50,11 @@ def _rope(arch: str, field: Callable, metadata: dict, rope_tensors: dict, contex
     if kind == "yarn":
         beta_fast = metadata.get(f"{arch}.rope.scaling.yarn_beta_fast", 32.0)
         beta_slow = metadata.get(f"{arch}.rope.scaling.yarn_beta_slow", 1.0)
+        # llama.cpp's attn_factor multiplies YaRN's own magnitude correction (ggml's rope_yarn),
+        # which transformers computes as 0.1 ln(factor) + 1; the product is the cos/sin factor.
+        yarn_mscale = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
         scaling = RopeScaling("yarn", factor, original, context, beta_fast=float32(beta_fast),
-                              beta_slow=float32(beta_slow), attention_factor=attn)
+                              beta_slow=float32(beta_slow), attention_factor=None if attn is None else attn * yarn_mscale)
         return scaling, context
     raise CheckpointError(f"{path}: RoPE scaling {kind!r} ({arch}.rope.scaling.type) is not supported")
 
