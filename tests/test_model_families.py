@@ -39,9 +39,11 @@ FAMILIES = {
     "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", dict(
         head_dim=32, tie_word_embeddings=True,  # head_dim != hidden / heads, as in Qwen3
         rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64), rope_theta=1e6)),
+    # Shaped like Phi-4-mini: 3/4 of each head rotates, tied embeddings, a window past the context.
     "phi3": ("Phi3ForCausalLM", "Phi3Config", dict(
-        partial_rotary_factor=0.5, original_max_position_embeddings=64,  # Phi-4-mini: a quarter; here half
-        rope_scaling=dict(rope_type="longrope", short_factor=[1.0, 1.3, 2.1, 3.5], long_factor=[2.0, 4.0, 8.0, 16.0]))),
+        partial_rotary_factor=0.75, original_max_position_embeddings=64, tie_word_embeddings=True, sliding_window=512,
+        rope_scaling=dict(rope_type="longrope", short_factor=[1.0, 1.1, 1.3, 2.1, 3.5, 5.0],
+                          long_factor=[2.0, 3.0, 4.0, 8.0, 16.0, 32.0]))),
 }
 
 
@@ -221,7 +223,7 @@ def _rope_metadata(writer, family: str, hf_config) -> None:
         writer.add_rope_scaling_orig_ctx_len(64)
     elif family == "phi3":
         params = hf_config.rope_parameters
-        writer.add_rope_dimension_count(8)
+        writer.add_rope_dimension_count(12)
         writer.add_rope_scaling_orig_ctx_len(64)
         writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(256 / 64) / math.log(64)))
         writer.add_tensor("rope_factors_long.weight", torch.tensor(params["long_factor"]).numpy())
