@@ -85,8 +85,9 @@ def config_from_metadata(metadata: dict[str, Any], tensor_names: set[str], rope_
     head_dim = int(field("attention.key_length", hidden // heads))
     tokens = metadata.get("tokenizer.ggml.tokens")
     has_bias = "blk.0.attn_q.bias" in tensor_names
-    if has_bias and arch != "qwen2":
-        raise CheckpointError(f"{path}: {arch} checkpoints with attention projection biases are not supported")
+    if "blk.0.attn_qkv.bias" in tensor_names:
+        # Only separate q/k/v biases are read (Qwen2's; llama-arch files with them load as before).
+        raise CheckpointError(f"{path}: a fused attn_qkv with a bias (blk.N.attn_qkv.bias) is not supported")
     eos_ids = [
         int(metadata[key])
         for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
