@@ -17,6 +17,9 @@ def hf_config_from(config: ModelConfig):
     """The transformers config of the same architecture and sizes."""
     import transformers
 
+    if config.architecture not in ("llama", "qwen2") or config.rope_scaling or config.qk_norm:
+        # Other families' reference models are their own checkpoints (tests/test_model_families.py).
+        raise ValueError(f"no transformers config is derived for {config.architecture!r} with its features")
     common = dict(
         vocab_size=config.vocab_size,
         hidden_size=config.hidden_size,

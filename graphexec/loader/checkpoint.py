@@ -50,6 +50,9 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[f"{layer}.self_attn.q_proj.bias"] = (config.q_size,)
             shapes[f"{layer}.self_attn.k_proj.bias"] = (config.kv_size,)
             shapes[f"{layer}.self_attn.v_proj.bias"] = (config.kv_size,)
+        if config.qk_norm:
+            shapes[f"{layer}.self_attn.q_norm.weight"] = (config.head_dim,)
+            shapes[f"{layer}.self_attn.k_norm.weight"] = (config.head_dim,)
         shapes[f"{layer}.mlp.gate_proj.weight"] = (ffn, hidden)
         shapes[f"{layer}.mlp.up_proj.weight"] = (ffn, hidden)
         shapes[f"{layer}.mlp.down_proj.weight"] = (hidden, ffn)

@@ -1,4 +1,5 @@
-"""Load a llama.cpp GGUF file (Llama or Qwen2) into Hugging Face-named tensors.
+"""Load a llama.cpp GGUF file (Llama, Mistral, Qwen2, Qwen3, Phi-3: graphexec/loader/gguf_config.py)
+into Hugging Face-named tensors.
 
 `weights="native"` keeps Q4_0 / Q4_1 / Q8_0 tensors block-quantized (graphexec.quant); every other
 tensor type is dequantized to float only under `weights="dequantize"` (the fp32 reference path).
@@ -8,22 +9,22 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 
 from graphexec.errors import CheckpointError
 from graphexec.loader.checkpoint import LoadedCheckpoint, check_state_dict
+from graphexec.loader.fused import is_fused, split_fused
+from graphexec.loader.gguf_config import ROPE_TENSORS, config_from_metadata
 from graphexec.loader.gguf_file import GGUFFile, GGUFTensor, read_gguf
 from graphexec.models.config import ModelConfig
-from graphexec.models.sharding import Cut, check_block_cut, cut_for
+from graphexec.models.sharding import Cut, check_block_cut, cut_for, cut_weight
 from graphexec.models.tp_layout import TPLayout
 from graphexec.quant import SUPPORTED_GGUF_TYPES, QuantizedWeight, from_gguf_blocks
 from graphexec.quant.ops import QBLOCK
 from graphexec.text.tokenizer import Tokenizer
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 WEIGHT_MODES = ("native", "dequantize")
 _DENSE_TYPES = ("F32", "F16", "BF16", "F64")
 
@@ -37,6 +38,9 @@ _BLOCK_TENSORS = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
+    "attn_qkv": "self_attn.qkv_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "attn_output": "self_attn.o_proj",
     "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj",
@@ -46,14 +50,16 @@ _BLOCK_TENSORS = {
 _BLOCK_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
+def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
     """The Hugging Face name of a GGUF tensor, or None for tensors a plain causal LM cannot use."""
     if gguf_name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[gguf_name]
     match = _BLOCK_NAME.fullmatch(gguf_name)
     if match is None or match[2] not in _BLOCK_TENSORS:
         return None
-    return f"model.layers.{match[1]}.{_BLOCK_TENSORS[match[2]]}.{match[3]}"
+    # Phi-3 has no ffn_gate: its ffn_up holds gate and up stacked, as HF's gate_up_proj.
+    module = "mlp.gate_up_proj" if (arch, match[2]) == ("phi3", "ffn_up") else _BLOCK_TENSORS[match[2]]
+    return f"model.layers.{match[1]}.{module}.{match[3]}"
 
 
 def unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -68,66 +74,19 @@ def unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     return pairs.transpose(1, 2).reshape(weight.shape).contiguous()
 
 
-def _float32(value: Any) -> float:
-    """GGUF stores floats as float32; keep the shortest spelling (1e-05, not 9.999999747378752e-06)."""
-    return float(str(np.float32(value)))
-
-
-def _config_from_metadata(metadata: dict[str, Any], tensor_names: set[str], name: str, path: Path) -> ModelConfig:
-    arch = metadata.get("general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise CheckpointError(f"{path}: GGUF architecture {arch!r} is not supported (only {SUPPORTED_ARCHITECTURES})")
-
-    def field(key: str, default: Any = None) -> Any:
-        value = metadata.get(f"{arch}.{key}", default)
-        if value is None:
-            raise CheckpointError(f"{path}: GGUF metadata lacks {arch}.{key}")
-        return value
-
-    scaling = metadata.get(f"{arch}.rope.scaling.type", "none")
-    if scaling not in ("none", None) or "rope_freqs.weight" in tensor_names:
-        raise CheckpointError(f"{path}: RoPE scaling ({scaling}) is not supported")
-    hidden, heads = int(field("embedding_length")), int(field("attention.head_count"))
-    head_dim = int(field("attention.key_length", hidden // heads))
-    if int(field("rope.dimension_count", head_dim)) != head_dim:
-        raise CheckpointError(f"{path}: partial rotary embeddings are not supported")
-    tokens = metadata.get("tokenizer.ggml.tokens")
-    has_bias = "blk.0.attn_q.bias" in tensor_names
-    eos_ids = [
-        int(metadata[key])
-        for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
-        if metadata.get(key) is not None
-    ]
-    bos = metadata.get("tokenizer.ggml.bos_token_id")
-    return ModelConfig(
-        name=name,
-        architecture="qwen2" if has_bias else "llama",
-        vocab_size=int(field("vocab_size", len(tokens) if tokens is not None else None)),
-        hidden_size=hidden,
-        intermediate_size=int(field("feed_forward_length")),
-        num_layers=int(field("block_count")),
-        num_heads=heads,
-        num_kv_heads=int(field("attention.head_count_kv", heads)),
-        head_dim=head_dim,
-        rms_norm_eps=_float32(field("attention.layer_norm_rms_epsilon")),
-        rope_theta=_float32(field("rope.freq_base", 10000.0)),
-        max_context=int(field("context_length")),
-        tie_word_embeddings="output.weight" not in tensor_names,
-        attention_bias=has_bias,
-        bos_token_id=None if bos is None else int(bos),
-        eos_token_ids=tuple(dict.fromkeys(eos_ids)),
-    )
-
-
 def _state_dict(file: GGUFFile, config: ModelConfig, gguf_arch: str, dtype: torch.dtype, weights: str, path: Path,
                 layout: TPLayout):
     state_dict: dict[str, torch.Tensor | QuantizedWeight] = {}
     for tensor in file.tensors:
-        hf_name = hf_tensor_name(tensor.name)
+        if tensor.name in ROPE_TENSORS:
+            continue  # read into the config (gguf_config.py)
+        hf_name = hf_tensor_name(tensor.name, gguf_arch)
         if hf_name is None:
             raise CheckpointError(f"{path}: tensor {tensor.name!r} has no place in a {gguf_arch} causal LM")
         shape, qtype = tensor.shape, tensor.qtype.name
-        cut = cut_for(hf_name, layout)
+        # A fused tensor is read whole, split per projection, then each part cut.
+        fused = is_fused(hf_name)
+        cut = None if fused else cut_for(hf_name, layout)
         if weights == "native" and qtype in SUPPORTED_GGUF_TYPES:
             raw, part_shape = _cut_blocks(hf_name, tensor.data, qtype, shape, cut)
             weight: torch.Tensor | QuantizedWeight = from_gguf_blocks(raw, qtype, part_shape)
@@ -142,7 +101,11 @@ def _state_dict(file: GGUFFile, config: ModelConfig, gguf_arch: str, dtype: torc
         # permutation is within a head, so a rank's whole heads unpermute on their own.
         if gguf_arch == "llama" and hf_name.split(".")[-2] in ("q_proj", "k_proj"):
             weight = _unpermute(weight, weight.shape[0] // config.head_dim)
-        state_dict[hf_name] = weight
+        if fused:
+            for part, whole in split_fused(hf_name, weight, config).items():
+                state_dict[part] = cut_weight(part, whole, cut_for(part, layout))
+        else:
+            state_dict[hf_name] = weight
     return state_dict
 
 
@@ -202,7 +165,8 @@ def load_gguf(
     file = read_gguf(path)
     metadata = file.metadata
     tensor_names = {tensor.name for tensor in file.tensors}
-    config = _config_from_metadata(metadata, tensor_names, name, path)
+    rope_tensors = {t.name: _dequantized(t, t.shape, path).flatten().tolist() for t in file.tensors if t.name in ROPE_TENSORS}
+    config = config_from_metadata(metadata, tensor_names, rope_tensors, name, path)
     layout = TPLayout.build(config, tp_size, tp_rank)
     state_dict = _state_dict(file, config, metadata["general.architecture"], dtype, weights, path, layout)
     check_state_dict(config, state_dict, path, layout)

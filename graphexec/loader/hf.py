@@ -1,4 +1,5 @@
-"""Load a Hugging Face checkpoint directory (config.json + *.safetensors) of a Llama or Qwen2 model."""
+"""Load a Hugging Face checkpoint directory (config.json + *.safetensors) of a dense family
+graphexec runs (graphexec/loader/hf_config.py says which, and refuses the rest)."""
 
 from __future__ import annotations
 
@@ -11,13 +12,12 @@ from safetensors import safe_open
 
 from graphexec.errors import CheckpointError
 from graphexec.loader.checkpoint import LoadedCheckpoint, check_state_dict
+from graphexec.loader.fused import is_fused, split_fused
+from graphexec.loader.hf_config import model_config
 from graphexec.models.config import ModelConfig
-from graphexec.models.sharding import Cut, cut_for
+from graphexec.models.sharding import Cut, cut_for, cut_weight
 from graphexec.models.tp_layout import TPLayout
 from graphexec.text.tokenizer import Tokenizer
-
-_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
-_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2"}
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -34,71 +34,26 @@ def _token_ids(value: Any) -> list[int]:
     return [int(v) for v in value] if isinstance(value, list) else [int(value)]
 
 
-def _architecture(config: dict[str, Any], path: Path) -> str:
-    for name in config.get("architectures") or ():
-        if name in _ARCHITECTURES:
-            return _ARCHITECTURES[name]
-    if config.get("model_type") in _MODEL_TYPES:
-        return _MODEL_TYPES[config["model_type"]]
-    raise CheckpointError(
-        f"{path}: unsupported model {config.get('architectures') or config.get('model_type')!r}; "
-        f"supported: {sorted(_ARCHITECTURES)}"
-    )
-
-
-def _rope_theta(config: dict[str, Any], path: Path) -> float:
-    # transformers 4 writes rope_theta (+ rope_scaling); transformers 5 nests both in rope_parameters.
-    parameters = config.get("rope_parameters") or {}
-    scaling = config.get("rope_scaling") or {}
-    for settings in (parameters, scaling):
-        rope_type = settings.get("rope_type", settings.get("type", "default"))
-        if rope_type != "default":
-            raise CheckpointError(f"{path}: RoPE scaling {rope_type!r} is not supported")
-    return float(config.get("rope_theta", parameters.get("rope_theta", 10000.0)))
-
-
 def _config(config: dict[str, Any], generation: dict[str, Any], name: str, has_lm_head: bool, path: Path):
-    architecture = _architecture(config, path)
-    # Features ModelConfig cannot express: refuse rather than run a silently different model.
-    if config.get("mlp_bias") or (architecture == "llama" and config.get("attention_bias")):
-        raise CheckpointError(f"{path}: Llama checkpoints with projection biases are not supported")
-    if config.get("use_sliding_window"):
-        raise CheckpointError(f"{path}: sliding-window attention is not supported")
-    if config.get("hidden_act", "silu") != "silu":
-        raise CheckpointError(f"{path}: activation {config['hidden_act']!r} is not supported (only silu)")
-    hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
     eos_ids = _token_ids(config.get("eos_token_id")) + _token_ids(generation.get("eos_token_id"))
-    bos = config.get("bos_token_id")
-    return ModelConfig(
-        name=name,
-        architecture=architecture,
-        vocab_size=int(config["vocab_size"]),
-        hidden_size=hidden,
-        intermediate_size=int(config["intermediate_size"]),
-        num_layers=int(config["num_hidden_layers"]),
-        num_heads=heads,
-        num_kv_heads=int(config.get("num_key_value_heads") or heads),
-        head_dim=int(config.get("head_dim") or hidden // heads),
-        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-        rope_theta=_rope_theta(config, path),
-        max_context=int(config["max_position_embeddings"]),
-        # Older configs omit the flag; then the files themselves say whether a head is stored.
-        tie_word_embeddings=bool(config.get("tie_word_embeddings", not has_lm_head)),
-        attention_bias=architecture == "qwen2",
-        bos_token_id=None if bos is None else int(bos),
-        eos_token_ids=tuple(dict.fromkeys(eos_ids)),
-    )
+    return model_config(config, name, has_lm_head, eos_ids, path)
 
 
 def _read_safetensors(files: list[Path], keep, layout: TPLayout, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The tensors `keep(key)` accepts, each cut for layout's rank through safetensors' lazy
-    slices: only the rank's part of each tensor is read from the file."""
+    slices: only the rank's part of each tensor is read from the file.  A fused tensor (Phi-3)
+    is read whole, split per projection, then cut."""
     tensors: dict[str, torch.Tensor] = {}
     for file in files:
         try:
             with safe_open(file, framework="pt") as f:
                 for key in f.keys():
-                    if keep(key):
+                    if not keep(key):
+                        continue
+                    if is_fused(key):
+                        for part, weight in split_fused(key, f.get_tensor(key), layout.config).items():
+                            tensors[part] = cut_weight(part, weight, cut_for(part, layout)).to(dtype)
+                    else:
                         tensors[key] = _read_part(f, key, cut_for(key, layout)).to(dtype)
         except Exception as error:  # safetensors raises its own SafetensorError besides OSError
             raise CheckpointError(f"cannot read {file}: {error}") from error

@@ -4,13 +4,46 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+FAMILIES = ("llama", "qwen2", "qwen3", "phi3", "mistral")
+ROPE_SCALINGS = ("llama3", "linear", "dynamic", "yarn", "longrope", "factors")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """A checkpoint's RoPE scaling (graphexec/models/rope.py computes the frequencies from it).
+
+    `short_factor` holds LongRoPE's short factors, or for kind "factors" llama.cpp's per-pair
+    frequency divisors.  `declared_max_positions` is the checkpoint's own max_position_embeddings,
+    which YaRN and LongRoPE derive their factor from when the config gives none.
+    """
+
+    kind: str
+    factor: float | None = None
+    original_max_positions: int = 0
+    declared_max_positions: int = 0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    short_factor: tuple[float, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in ROPE_SCALINGS:
+            raise ValueError(f"RoPE scaling must be one of {ROPE_SCALINGS}, got {self.kind!r}")
+
 
 @dataclass(frozen=True)
 class ModelConfig:
     """Shapes and constants of a Llama-family decoder.
 
-    `architecture` is "llama" (no projection bias) or "qwen2" (bias on q/k/v);
-    everything else is shared.  Weights use Hugging Face tensor names, so one
+    `architecture` names the family (FAMILIES) for messages and the reference model; the decoder
+    itself reads only the switches: attention_bias (Qwen2), qk_norm (Qwen3: per-head RMSNorm of
+    q and k before RoPE), rotary_dim (Phi-4-mini: partial rotary; None is the whole head) and
+    rope_scaling.  Weights use Hugging Face tensor names (q/k/v and gate/up unfused), so one
     model class serves GGUF, safetensors and random checkpoints alike.
     """
 
@@ -30,10 +63,17 @@ class ModelConfig:
     attention_bias: bool
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    qk_norm: bool = False
+    rotary_dim: int | None = None
+    rope_scaling: RopeScaling | None = None
 
     def __post_init__(self) -> None:
-        if self.architecture not in ("llama", "qwen2"):
-            raise ValueError(f"model architecture must be 'llama' or 'qwen2', got {self.architecture!r}")
+        if self.architecture not in FAMILIES:
+            raise ValueError(f"model architecture must be one of {FAMILIES}, got {self.architecture!r}")
+        if self.rotary_dim is None:
+            object.__setattr__(self, "rotary_dim", self.head_dim)
+        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
+            raise ValueError(f"rotary_dim must be even and within head_dim ({self.head_dim}), got {self.rotary_dim}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"

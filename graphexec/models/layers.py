@@ -36,25 +36,34 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotate-half RoPE with a cos/sin table precomputed for every position up to the context."""
+    """Rotate-half RoPE over the first `rotary_dim` dims of each head (all of them unless the
+    model has partial rotary), with a cos/sin table precomputed for every position up to the
+    context.  `attention_factor` scales cos and sin (YaRN, LongRoPE), as the reference does."""
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float):
+    def __init__(self, inv_freq: torch.Tensor, max_positions: int, attention_factor: float = 1.0):
         super().__init__()
         # Built on the CPU even when the model is constructed on the meta device (before its weights
         # arrive): the tables are derived, not loaded.
-        cpu = torch.device("cpu")
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=cpu).float() / head_dim))
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32, device=cpu), inv_freq)
+        self.rotary_dim = 2 * inv_freq.shape[0]
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32, device="cpu"), inv_freq.float().cpu())
         emb = torch.cat([freqs, freqs], dim=-1)
         # Not parameters: derived from the config, never loaded or saved.
-        self.register_buffer("cos_table", emb.cos(), persistent=False)
-        self.register_buffer("sin_table", emb.sin(), persistent=False)
+        self.register_buffer("cos_table", emb.cos() * attention_factor, persistent=False)
+        self.register_buffer("sin_table", emb.sin() * attention_factor, persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, heads, head_dim], k: [T, kv_heads, head_dim]."""
         cos = self.cos_table[positions].unsqueeze(1).to(q.dtype)
         sin = self.sin_table[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        if self.rotary_dim == q.shape[-1]:
+            return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        return _rotate_part(q, cos, sin, self.rotary_dim), _rotate_part(k, cos, sin, self.rotary_dim)
+
+
+def _rotate_part(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dim: int) -> torch.Tensor:
+    # Partial rotary: only the leading dims rotate, the rest pass through unchanged.
+    rot, rest = x[..., :dim], x[..., dim:]
+    return torch.cat([rot * cos + _rotate_half(rot) * sin, rest], dim=-1)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

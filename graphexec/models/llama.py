@@ -1,4 +1,5 @@
-"""Llama-family causal LM (Llama, SmolLM2, Qwen2-style q/k/v bias) over the paged KV pool.
+"""Llama-family causal LM over the paged KV pool: one decoder for every dense family (Llama with
+or without RoPE scaling, Mistral, Qwen2, Qwen3, Phi-3), told apart only by ModelConfig's switches.
 
 `forward(input_ids, positions)` is the whole callable a capture backend sees: flat token rows in,
 final-norm hidden rows out.  Attention reaches the KV pool through the opaque custom op; the LM
@@ -23,6 +24,7 @@ from graphexec.errors import CheckpointError
 from graphexec.models.config import ModelConfig
 from graphexec.models.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, SwiGLU
 from graphexec.models.parallel_layers import embed, gather_logits
+from graphexec.models.rope import inverse_frequencies
 from graphexec.models.tp_layout import TPLayout
 from graphexec.parallel.group import SINGLE, TPGroup
 from graphexec.quant import QuantEmbedding, QuantizedWeight, QuantLinear, concat_rows
@@ -38,10 +40,16 @@ class LlamaAttention(nn.Module):
         # q, k and v fused: one matmul reads all three weights.
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
+        # Qwen3: each head's q and k are RMS-normalised (one weight over head_dim) before RoPE.
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding, layer_id: int) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = rotary(positions, q.view(-1, self.num_heads, self.head_dim), k.view(-1, self.num_kv_heads, self.head_dim))
+        q, k = q.view(-1, self.num_heads, self.head_dim), k.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(positions, q, k)
         out = unified_attention(q.reshape(-1, self.q_size), k.reshape(-1, self.kv_size), v.contiguous(), layer_id)
         return self.o_proj(out)
 
@@ -70,7 +78,8 @@ class LlamaForCausalLM(nn.Module):
         self.layout = TPLayout.build(config, tp.size, tp.rank)
         local, vocab_rows = self.layout.local_config(), self.layout.vocab_rows
         self.embed_tokens = Embedding(vocab_rows, config.hidden_size)
-        self.rotary = RotaryEmbedding(config.head_dim, config.max_context, config.rope_theta)
+        inv_freq, attention_factor = inverse_frequencies(config)
+        self.rotary = RotaryEmbedding(inv_freq, config.max_context, attention_factor)
         self.layers = nn.ModuleList(LlamaDecoderLayer(local, tp) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, vocab_rows, bias=False)

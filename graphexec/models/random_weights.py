@@ -31,6 +31,9 @@ def random_state_dict(config: ModelConfig, seed: int) -> dict[str, torch.Tensor]
         if config.attention_bias:
             for name, size in (("q", config.q_size), ("k", config.kv_size), ("v", config.kv_size)):
                 sd[f"{p}.self_attn.{name}_proj.bias"] = 0.1 * torch.randn(size, generator=gen)
+        if config.qk_norm:
+            sd[f"{p}.self_attn.q_norm.weight"] = norm(config.head_dim)
+            sd[f"{p}.self_attn.k_norm.weight"] = norm(config.head_dim)
         sd[f"{p}.self_attn.o_proj.weight"] = linear(h, config.q_size)
         sd[f"{p}.post_attention_layernorm.weight"] = norm(h)
         sd[f"{p}.mlp.gate_proj.weight"] = linear(i, h)

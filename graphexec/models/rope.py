@@ -1,0 +1,103 @@
+"""Rotary-embedding frequencies: plain RoPE and the scaled variants checkpoints declare.
+
+`inverse_frequencies(config)` returns the per-pair inverse frequencies and the factor cos/sin are
+multiplied by (YaRN's and LongRoPE's attention scaling; 1.0 otherwise).  The formulas follow the
+published methods as transformers' ROPE_INIT_FUNCTIONS compute them, and the tests hold the two
+equal.  Everything here is static: tables are built once for positions [0, max_context).
+
+- llama3: Llama 3.1+ frequency smoothing between low- and high-frequency wavelengths.
+- linear: positions interpolated by `factor` (every frequency divided by it).
+- dynamic: NTK-aware base rescale.  Only its static form: within original_max_positions it *is*
+  plain RoPE, and the loaders cap the context there (a batch-wide rescale past it would change
+  the rotation of tokens already in the KV cache as the batch grows).
+- yarn: ramp between interpolated and extrapolated frequencies, plus the attention factor.
+- longrope (Phi-3 "su"): per-pair short factors; the context is capped at original_max_positions,
+  where transformers also uses the short factors.  Long factors are not implemented.
+- factors: llama.cpp's per-pair frequency divisors (a GGUF's rope_freqs tensor, how its converter
+  stores Llama 3's scaling).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from graphexec.models.config import ModelConfig, RopeScaling
+
+
+def inverse_frequencies(config: ModelConfig) -> tuple[torch.Tensor, float]:
+    """(inv_freq [rotary_dim / 2] fp32 on the CPU, attention factor)."""
+    dim, base, scaling = config.rotary_dim, config.rope_theta, config.rope_scaling
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
+    plain = 1.0 / (base**exponents)
+    if scaling is None or scaling.kind == "dynamic":
+        return plain, 1.0
+    if scaling.kind == "linear":
+        return plain / scaling.factor, 1.0
+    if scaling.kind == "llama3":
+        return _llama3(plain, scaling), 1.0
+    if scaling.kind == "yarn":
+        return _yarn(base**exponents, dim, base, scaling)
+    if scaling.kind == "longrope":
+        return 1.0 / (_factors(scaling.short_factor, dim) * base**exponents), _longrope_attention(config, scaling)
+    if scaling.kind == "factors":
+        return plain / _factors(scaling.short_factor, dim), scaling.attention_factor or 1.0
+    raise ValueError(f"unknown RoPE scaling {scaling.kind!r}")
+
+
+def _factors(values: tuple[float, ...] | None, dim: int) -> torch.Tensor:
+    if values is None or len(values) != dim // 2:
+        raise ValueError(f"RoPE scaling needs {dim // 2} per-pair factors, got {None if values is None else len(values)}")
+    return torch.tensor(values, dtype=torch.float32, device="cpu")
+
+
+def _llama3(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
+    low_wavelen = s.original_max_positions / s.low_freq_factor
+    high_wavelen = s.original_max_positions / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    # Long wavelengths (beyond the original context) are interpolated by `factor`, short ones kept,
+    # and those in between blended linearly in 1/wavelength.
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (s.original_max_positions / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    blended = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, blended, scaled)
+
+
+def _yarn(pos_freqs: torch.Tensor, dim: int, base: float, s: RopeScaling) -> tuple[torch.Tensor, float]:
+    factor = s.factor if s.factor is not None else s.declared_max_positions / s.original_max_positions
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if s.attention_factor is not None:
+        attention = s.attention_factor
+    elif s.mscale and s.mscale_all_dim:
+        attention = mscale(factor, s.mscale) / mscale(factor, s.mscale_all_dim)
+    else:
+        attention = mscale(factor)
+
+    def correction_dim(rotations: float) -> float:
+        # The pair index whose wavelength fits `rotations` times into the original context.
+        return dim * math.log(s.original_max_positions / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(s.beta_fast), correction_dim(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # a zero-width ramp would divide by zero
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low), 0, 1)
+    extrapolated = 1 - ramp  # weight of the unscaled frequency: 1 for the fast-rotating pairs
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolated) + (1.0 / pos_freqs) * extrapolated
+    return inv_freq, float(attention)
+
+
+def _longrope_attention(config: ModelConfig, s: RopeScaling) -> float:
+    if s.attention_factor is not None:
+        return s.attention_factor
+    # The factor the checkpoint was extended by: its declared context over the pretraining one.
+    factor = s.factor if s.factor is not None else s.declared_max_positions / s.original_max_positions
+    if factor <= 1.0:
+        return 1.0
+    return math.sqrt(1 + math.log(factor) / math.log(s.original_max_positions))

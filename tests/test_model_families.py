@@ -1,0 +1,384 @@
+"""Dense model families (Llama 3.x RoPE scaling, Mistral, Qwen3, Phi-3 / Phi-4-mini) against
+Hugging Face transformers on the same tiny random weights, from HF directories and GGUF files.
+
+Tolerance: both sides run fp32 on the CPU with the same weights; they differ only in summation
+order (fused q/k/v and gate/up matmuls, the paged attention kernel), which leaves logits of
+magnitude ~10 within ~1e-5.  ATOL = 1e-4 allows that with a margin while any formula error
+(a wrong frequency, a missing attention factor or q/k norm) moves logits by 1e-2 or more.
+The weights are rescaled so logits are peaked: greedy tokens are then decided by clear margins.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from graphexec import Engine, SamplingParams
+from graphexec.errors import CheckpointError
+from graphexec.loader import load_hf_dir
+from tests.reference import hf_greedy, hf_last_logits
+
+transformers = pytest.importorskip("transformers")
+
+ATOL = 1e-4
+NEW_TOKENS = 12
+PROMPTS = [[5, 17, 33, 100, 7, 8, 9, 250, 61, 2], [40, 41, 42], [300, 12, 77, 5, 9, 1, 200, 150, 30, 31, 90, 11, 3, 44, 18, 19, 20]]
+
+TINY = dict(
+    vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    bos_token_id=1, eos_token_id=2, pad_token_id=0,
+)
+# Each family's distinguishing features, in its own transformers config class.
+FAMILIES = {
+    "llama3": ("LlamaForCausalLM", "LlamaConfig", dict(
+        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=64), rope_theta=10000.0)),
+    "mistral": ("MistralForCausalLM", "MistralConfig", dict(sliding_window=None, head_dim=16)),
+    "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", dict()),  # q/k/v bias
+    "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", dict(
+        head_dim=32, tie_word_embeddings=True,  # head_dim != hidden / heads, as in Qwen3
+        rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64), rope_theta=1e6)),
+    # Shaped like Phi-4-mini: 3/4 of each head rotates, tied embeddings, a window past the context.
+    "phi3": ("Phi3ForCausalLM", "Phi3Config", dict(
+        partial_rotary_factor=0.75, original_max_position_embeddings=64, tie_word_embeddings=True, sliding_window=512,
+        rope_scaling=dict(rope_type="longrope", short_factor=[1.0, 1.1, 1.3, 2.1, 3.5, 5.0],
+                          long_factor=[2.0, 3.0, 4.0, 8.0, 16.0, 32.0]))),
+}
+
+
+def _peaked_(model) -> None:
+    """transformers' N(0, 0.02) init gives near-flat logits; give them clear margins instead."""
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+            elif "embed" in name or "lm_head" in name:
+                p.copy_(torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) / p.shape[1] ** 0.5)
+
+
+def save_family(family: str, directory, **overrides):
+    model_name, config_name, extra = FAMILIES[family]
+    config = getattr(transformers, config_name)(**{**TINY, **extra, **overrides})
+    torch.manual_seed(0)
+    model = getattr(transformers, model_name)(config).eval()
+    _peaked_(model)
+    model.save_pretrained(directory, safe_serialization=True)
+    return model
+
+
+def _engine(path) -> Engine:
+    return Engine(overrides=["model=hf", f"model.path={path}", "capture=eager", "cache.num_slots=512"])
+
+
+def _check_engine(engine: Engine, reference) -> None:
+    from tests.test_fidelity import _runner_logits
+
+    prefill, decode = _runner_logits(engine, PROMPTS, [7, 8, 9])
+    for i, (prompt, token) in enumerate(zip(PROMPTS, [7, 8, 9])):
+        torch.testing.assert_close(prefill[i], hf_last_logits(reference, prompt), atol=ATOL, rtol=0)
+        torch.testing.assert_close(decode[i], hf_last_logits(reference, prompt + [token]), atol=ATOL, rtol=0)
+    # The prompts were cached when the runner released them: these reuse all but their last token.
+    outputs = engine.generate(PROMPTS, SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))
+    for prompt, out in zip(PROMPTS, outputs):
+        assert out.cached_tokens == len(prompt) - 1
+        assert out.token_ids == hf_greedy(reference, prompt, NEW_TOKENS)[0]
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def hf_family(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    return request.param, path, save_family(request.param, path)
+
+
+def test_hf_dir_matches_transformers(hf_family):
+    family, path, reference = hf_family
+    _check_engine(_engine(path), reference)
+
+
+# ---- RoPE frequencies against transformers' ROPE_INIT_FUNCTIONS ------------------------------
+
+ROPE_CASES = {
+    "llama3": ("LlamaConfig", FAMILIES["llama3"][2]),
+    "linear": ("LlamaConfig", dict(rope_scaling=dict(rope_type="linear", factor=4.0))),
+    "dynamic": ("LlamaConfig", dict(rope_scaling=dict(rope_type="dynamic", factor=2.0))),
+    "yarn": ("Qwen3Config", FAMILIES["qwen3"][2]),
+    "yarn-mscale": ("LlamaConfig", dict(rope_scaling=dict(
+        rope_type="yarn", factor=8.0, original_max_position_embeddings=32, mscale=0.9, mscale_all_dim=0.7,
+        beta_fast=16, beta_slow=2))),
+    "longrope": ("Phi3Config", FAMILIES["phi3"][2]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ROPE_CASES))
+def test_rope_frequencies_equal_transformers(case, tmp_path):
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from graphexec.loader.hf_config import model_config
+    from graphexec.models.rope import inverse_frequencies
+
+    config_name, extra = ROPE_CASES[case]
+    hf_config = getattr(transformers, config_name)(**{**TINY, **extra})
+    raw = hf_config.to_dict()  # what config.json holds
+    ours = model_config(raw, "t", True, [], tmp_path)
+    inv_freq, attention = inverse_frequencies(ours)
+    kind = raw["rope_parameters"]["rope_type"]
+    expected, expected_attention = ROPE_INIT_FUNCTIONS[kind](hf_config, "cpu")
+    torch.testing.assert_close(inv_freq, expected, atol=0, rtol=1e-6)
+    assert attention == pytest.approx(expected_attention, rel=1e-6)
+    plain = 1.0 / (ours.rope_theta ** (torch.arange(0, ours.rotary_dim, 2).float() / ours.rotary_dim))
+    # Every case but dynamic (plain RoPE within its original context) really rescales.
+    assert torch.equal(inv_freq, plain) == (case == "dynamic")
+
+
+def test_static_only_scalings_cap_the_context(tmp_path):
+    from graphexec.loader.hf_config import model_config
+
+    phi3 = model_config(transformers.Phi3Config(**{**TINY, **FAMILIES["phi3"][2]}).to_dict(), "t", True, [], tmp_path)
+    assert phi3.max_context == 64  # LongRoPE: short factors only, within the original context
+    dynamic = {**TINY, "rope_scaling": dict(rope_type="dynamic", factor=2.0, original_max_position_embeddings=128)}
+    assert model_config(transformers.LlamaConfig(**dynamic).to_dict(), "t", True, [], tmp_path).max_context == 128
+    llama3 = model_config(transformers.LlamaConfig(**{**TINY, **FAMILIES["llama3"][2]}).to_dict(), "t", True, [], tmp_path)
+    assert llama3.max_context == 256  # llama3 scaling is static: the whole declared context
+
+
+# ---- refusals -------------------------------------------------------------------------------
+
+
+def _save_config(path, config) -> None:
+    config.save_pretrained(path)
+    from safetensors.torch import save_file
+
+    save_file({"x": torch.zeros(1)}, path / "model.safetensors")
+
+
+@pytest.mark.parametrize(
+    "config_name, fields, match",
+    [
+        ("MistralConfig", dict(sliding_window=64), r"sliding-window attention \(sliding_window=64 < context 256\)"),
+        ("Qwen3Config", dict(use_sliding_window=True, sliding_window=32, max_window_layers=0), "sliding-window attention"),
+        ("GemmaConfig", dict(head_dim=16), r"unsupported model \['GemmaForCausalLM'\]"),
+        ("Qwen3MoeConfig", dict(num_experts=4), "mixture-of-experts"),
+        ("MixtralConfig", dict(), "mixture-of-experts"),
+        ("LlamaConfig", dict(rope_scaling=dict(rope_type="proportional", factor=2.0)), "RoPE scaling 'proportional'"),
+        ("Qwen3Config", dict(attention_bias=True), "attention_bias"),
+    ],
+)
+def test_unsupported_checkpoints_are_refused_by_name(config_name, fields, match, tmp_path):
+    config = getattr(transformers, config_name)(**{**TINY, **fields})
+    arch = config_name.removesuffix("Config") + "ForCausalLM"
+    config.architectures = [arch]
+    _save_config(tmp_path, config)
+    with pytest.raises(CheckpointError, match=match):
+        load_hf_dir(tmp_path, "t")
+
+
+def test_a_window_as_long_as_the_context_is_full_attention(tmp_path):
+    config = transformers.MistralConfig(**{**TINY, "sliding_window": 256})
+    config.architectures = ["MistralForCausalLM"]
+    _save_config(tmp_path, config)
+    with pytest.raises(CheckpointError, match="tensors do not match"):  # got past the window check
+        load_hf_dir(tmp_path, "t")
+
+
+# ---- GGUF: what llama.cpp's converter writes for each family --------------------------------
+
+GGUF_ARCH = {"llama3": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}  # Mistral 7B converts as llama
+GGUF_BLOCK_NAMES = {
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "self_attn.qkv_proj.weight": "attn_qkv.weight",
+    "mlp.gate_up_proj.weight": "ffn_up.weight",  # Phi-3: gate and up stacked, no ffn_gate
+}
+
+
+def _gguf_name(key: str) -> str:
+    from tests.test_loader import GGUF_NAMES
+
+    if key in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
+        return {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                "lm_head.weight": "output.weight"}[key]
+    _, _, layer, rest = key.split(".", 3)
+    return f"blk.{layer}.{GGUF_BLOCK_NAMES.get(rest) or GGUF_NAMES[rest]}"
+
+
+def _rope_metadata(writer, family: str, hf_config) -> None:
+    """The RoPE keys and tensors llama.cpp's converter writes for each family's scaling."""
+    import math
+
+    import gguf
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if family == "llama3":
+        # llama.cpp stores Llama 3's scaling as per-pair divisors of the plain frequencies.
+        scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](hf_config, "cpu")
+        plain = 1.0 / (hf_config.rope_parameters["rope_theta"] ** (torch.arange(0, 16, 2).float() / 16))
+        writer.add_tensor("rope_freqs.weight", (plain / scaled).numpy().astype("float32"))
+    elif family == "qwen3":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(4.0)
+        writer.add_rope_scaling_orig_ctx_len(64)
+    elif family == "phi3":
+        params = hf_config.rope_parameters
+        writer.add_rope_dimension_count(12)
+        writer.add_rope_scaling_orig_ctx_len(64)
+        writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(256 / 64) / math.log(64)))
+        writer.add_tensor("rope_factors_long.weight", torch.tensor(params["long_factor"]).numpy())
+        writer.add_tensor("rope_factors_short.weight", torch.tensor(params["short_factor"]).numpy())
+
+
+def write_family_gguf(path, family: str, model, sliding_window: int | None = None, types=None) -> None:
+    """`types`: GGUF tensor kinds (the name after `blk.N.`, no `.weight`) to store quantized."""
+    import gguf
+
+    from tests.test_loader import llama_cpp_permute
+
+    arch, c = GGUF_ARCH[family], model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    writer.add_vocab_size(c.vocab_size)
+    if sliding_window is not None:
+        writer.add_sliding_window(sliding_window)
+    _rope_metadata(writer, family, c)
+    state = model.state_dict()
+    if c.tie_word_embeddings:
+        state.pop("lm_head.weight")
+    for key, tensor in state.items():
+        if key.endswith("rotary_emb.inv_freq"):
+            continue
+        if arch == "llama" and (".q_proj." in key or ".k_proj." in key):
+            heads = c.num_attention_heads if ".q_proj." in key else c.num_key_value_heads
+            tensor = llama_cpp_permute(tensor, heads)  # the converter's q/k row interleave
+        name, array = _gguf_name(key), tensor.detach().numpy().astype("float32")
+        qtype = (types or {}).get(name.split(".")[-2])
+        if qtype is None:
+            writer.add_tensor(name, array)
+        else:
+            writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_gguf_matches_transformers(hf_family, tmp_path):
+    family, _, reference = hf_family
+    write_family_gguf(tmp_path / "m.gguf", family, reference)
+    engine = Engine(overrides=["model=hf", "model.source=gguf", f"model.path={tmp_path / 'm.gguf'}",
+                               "capture=eager", "cache.num_slots=512"])
+    assert engine.model_config.architecture == GGUF_ARCH[family]
+    _check_engine(engine, reference)
+
+
+def test_gguf_sliding_window_shorter_than_the_context_is_refused(tmp_path):
+    from graphexec.loader import load_gguf
+
+    model = save_family("mistral", tmp_path / "hf")
+    write_family_gguf(tmp_path / "m.gguf", "mistral", model, sliding_window=64)
+    with pytest.raises(CheckpointError, match=r"sliding-window attention \(llama.attention.sliding_window=64"):
+        load_gguf(tmp_path / "m.gguf", "m")
+    write_family_gguf(tmp_path / "full.gguf", "mistral", model, sliding_window=256)
+    assert load_gguf(tmp_path / "full.gguf", "m").config.max_context == 256
+
+
+# ---- graphs ---------------------------------------------------------------------------------
+
+
+def test_decode_graph_equals_transformers(hf_family):
+    """Each family's decode recorded as one graph (the op tape: no breaks, so q/k norm, partial
+    rotary and the scaled tables all live inside it) and replayed: greedy tokens still HF's."""
+    from graphexec.batch.forward_mode import ForwardMode
+
+    _, path, reference = hf_family
+    engine = Engine(overrides=[
+        "model=hf", f"model.path={path}", "cache.num_slots=512", "capture=graph_first", "capture.decode.buckets=[4]",
+        "capture.decode.graph=tape", "capture.decode.progress=false", "capture.extend.backend=eager",
+    ])
+    backend = engine.runner.backends[ForwardMode.DECODE]
+    recorded = backend.segments_of(4)
+    assert recorded.num_segments == 1 and recorded.breaks == ()
+    outputs = engine.generate(PROMPTS, SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))
+    for prompt, out in zip(PROMPTS, outputs):
+        assert out.token_ids == hf_greedy(reference, prompt, NEW_TOKENS)[0]
+    assert backend.stats.executions == NEW_TOKENS - 1 and backend.stats.fallbacks == 0
+
+
+# ---- tensor parallelism ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("families", [("qwen3", "llama3"), ("phi3", "qwen2")])
+def test_tp2_equals_tp1(families, tmp_path):
+    """Qwen3 (replicated per-head q/k norms), RoPE-scaled Llama 3, Phi-3 (fused tensors split,
+    then cut, while loading) and Qwen2 (cut biases) at parallel.tp_size=2 against 1, all ranks as
+    real processes at once; ATOL as tests/test_tp_model.py's (the all-reduce changes the summation order)."""
+    from tests.test_tp_model import ATOL, _max_diff, _run_ranks
+
+    groups = []
+    for family in families:
+        save_family(family, tmp_path / family)
+        overrides = ["model=hf", f"model.path={tmp_path / family}", "cache.num_slots=512", "capture=eager"]
+        groups += [(1, overrides), (2, overrides)]
+    results = _run_ranks(*groups, tmp_path=tmp_path)
+    for (reference,), ranks in zip(results[0::2], results[1::2]):
+        diffs = _max_diff(ranks[0][1], reference[1])
+        assert max(diffs.values()) < ATOL, diffs
+        assert max(_max_diff(ranks[1][1], ranks[0][1]).values()) == 0.0
+        assert all(r[2] < reference[2] * 0.75 for r in ranks)  # each rank holds a part of the weights
+
+
+def test_gguf_yarn_attn_factor_multiplies_the_yarn_correction(tmp_path):
+    """llama.cpp scales cos/sin by rope.scaling.attn_factor times YaRN's 0.1 ln(factor) + 1."""
+    import math
+
+    from graphexec.loader.gguf_config import config_from_metadata
+    from graphexec.models.rope import inverse_frequencies
+
+    metadata = {
+        "general.architecture": "qwen3", "qwen3.context_length": 256, "qwen3.embedding_length": 64,
+        "qwen3.attention.head_count": 4, "qwen3.attention.key_length": 16, "qwen3.feed_forward_length": 128,
+        "qwen3.block_count": 2, "qwen3.vocab_size": 384, "qwen3.attention.layer_norm_rms_epsilon": 1e-6,
+        "qwen3.rope.scaling.type": "yarn", "qwen3.rope.scaling.factor": 4.0,
+        "qwen3.rope.scaling.original_context_length": 64,
+    }
+    plain = config_from_metadata(metadata, set(), {}, "t", tmp_path)
+    assert inverse_frequencies(plain)[1] == pytest.approx(0.1 * math.log(4.0) + 1)
+    scaled = config_from_metadata({**metadata, "qwen3.rope.scaling.attn_factor": 0.5}, set(), {}, "t", tmp_path)
+    assert inverse_frequencies(scaled)[1] == pytest.approx(0.5 * (0.1 * math.log(4.0) + 1))
+
+
+def test_gguf_fused_quantized_tensors_split_packed_and_cut(tmp_path):
+    """Phi-3's attn_qkv and stacked ffn_up kept Q8_0 (model.weights=native) split by rows into
+    packed q/k/v and gate/up, whole and as tensor-parallel ranks of 2, equal to the dense split."""
+    from gguf import GGMLQuantizationType as Q
+
+    from graphexec.loader import load_gguf
+    from graphexec.models.sharding import shard_state_dict
+    from graphexec.models.tp_layout import TPLayout
+    from graphexec.quant import QuantizedWeight
+
+    path = tmp_path / "q8.gguf"
+    write_family_gguf(path, "phi3", save_family("phi3", tmp_path / "hf"), types={"attn_qkv": Q.Q8_0, "ffn_up": Q.Q8_0})
+    native = load_gguf(path, "q", weights="native").state_dict
+    dense = load_gguf(path, "q", weights="dequantize").state_dict
+    fused_parts = [k for k in native if k.split(".")[-2] in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")]
+    assert len(fused_parts) == 10 and all(isinstance(native[k], QuantizedWeight) for k in fused_parts)
+    for key in fused_parts:
+        assert torch.equal(native[key].dequantize(), dense[key]), key
+    for rank in range(2):
+        part = load_gguf(path, "q", weights="native", tp_size=2, tp_rank=rank).state_dict
+        expected = shard_state_dict(dense, TPLayout.build(load_gguf(path, "q").config, 2, rank))
+        for key in fused_parts:
+            assert torch.equal(part[key].dequantize(), expected[key]), (rank, key)
