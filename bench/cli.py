@@ -27,6 +27,7 @@ from pathlib import Path
 # Command -> module with main(argv) -> exit status or None.  The workers are commands too, so a
 # parent starts them as `python -m bench.cli <worker> ...` (bench/workers.py).
 COMMANDS = {
+    "agent_check": "bench.agent_check",
     "attention_kernels": "bench.attention_kernels",
     "compare": "bench.compare",
     "decode_step_split": "bench.decode_step_split",
