@@ -44,14 +44,18 @@ def reference_tokens():
 @pytest.mark.parametrize("capture", ["eager", "graph_first"])
 def test_tp2_tokens_equal_tp1(reference_tokens, capture):
     greedy, seeded = reference_tokens
-    # Decode buckets 1, 2, 4: five requests run as 5 -> padded to 8 (eager past the largest
-    # bucket) and shrink through the buckets as they finish.
+    # The five requests decode padded to the 8 bucket (three padded rows on every rank); prefill
+    # runs in chunks of 16 tokens, the extend bucket, whose pieces run on both ranks with the
+    # all-reduces between them.
     plan = [f"capture={capture}"]
     if capture == "graph_first":
-        plan += ["capture.decode.buckets=[1,2,4]", "capture.extend.buckets=[16,64]"]
+        plan += ["capture.decode.buckets=[8]", "capture.extend.buckets=[16]", "scheduler.max_prefill_tokens=16"]
     with Engine([*TINY, *plan, "parallel.tp_size=2"]) as engine:
         assert _tokens(engine, SamplingParams(max_new_tokens=10, temperature=0.0)) == greedy
         assert _tokens(engine, SamplingParams(max_new_tokens=10, temperature=0.9, top_p=0.9, seed=11)) == seeded
+        if capture == "graph_first":
+            stats = engine.metrics().backends
+            assert stats["extend"]["executions"] > 0 and stats["decode"]["executions"] > 0, stats
         workers = engine._tp.workers.procs
     assert all(p.poll() is not None for p in workers)
     assert _children() == []
