@@ -10,10 +10,9 @@ earlier turn take chat completions' shape, so tool calling there serves here too
 
 from __future__ import annotations
 
-from graphexec.errors import InvalidRequestError
 from graphexec.server.responses_protocol import FunctionCallItem, FunctionCallOutputItem, MessageItem, ResponsesRequest
 from graphexec.server.tool_parsers import ToolCallFormat
-from graphexec.server.tools import ToolChoice, ToolPlan, ToolSpec
+from graphexec.server.tools import ToolChoice, ToolPlan, ToolSpec, check_unique_names
 
 _CHAT_ROLE = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 
@@ -39,14 +38,7 @@ def tool_plan(body: ResponsesRequest, fmt: ToolCallFormat) -> ToolPlan | None:
     held to the function's schema.  InvalidRequestError for two functions of one name."""
     if not body.tools:
         return None
-    seen: dict[str, int] = {}
-    for i, tool in enumerate(body.tools):
-        if tool.name in seen:
-            raise InvalidRequestError(
-                f"tools[{i}].name: {tool.name!r} is already defined by tools[{seen[tool.name]}]; names must be unique",
-                param=f"tools[{i}].name",
-            )
-        seen[tool.name] = i
+    check_unique_names([t.name for t in body.tools], "tools[{}].name")
     specs = tuple(ToolSpec(t.name, t.description, t.parameters, t.strict is not False) for t in body.tools)
     choice = body.tool_choice
     mode = ToolChoice(choice) if isinstance(choice, str) else ToolChoice("function", choice.name)

@@ -88,6 +88,19 @@ def tool_constraint(
     return StructuredSpec.lark(forced_grammar([(t.name, t.arguments_schema) for t in chosen], fmt, not one), param=param)
 
 
+def check_unique_names(names: Sequence[str], field: str) -> None:
+    """InvalidRequestError naming the second of two functions with one name (`field` formats
+    with the tool's index: chat's nested shape and the Responses API's flat one differ)."""
+    seen: dict[str, int] = {}
+    for i, name in enumerate(names):
+        if name in seen:
+            raise InvalidRequestError(
+                f"{field.format(i)}: {name!r} is already defined by tools[{seen[name]}]; names must be unique",
+                param=field.format(i),
+            )
+        seen[name] = i
+
+
 @dataclass(frozen=True)
 class ToolPlan:
     """A chat request's tool calling, once its fields are checked."""
@@ -105,15 +118,7 @@ class ToolPlan:
         InvalidRequestError for two functions of one name, naming the second."""
         if not body.tools:
             return None
-        seen: dict[str, int] = {}
-        for i, tool in enumerate(body.tools):
-            name = tool.function.name
-            if name in seen:
-                raise InvalidRequestError(
-                    f"tools[{i}].function.name: {name!r} is already defined by tools[{seen[name]}]; names must be unique",
-                    param=f"tools[{i}].function.name",
-                )
-            seen[name] = i
+        check_unique_names([t.function.name for t in body.tools], "tools[{}].function.name")
         specs = tuple(
             ToolSpec(t.function.name, t.function.description, t.function.parameters, bool(t.function.strict))
             for t in body.tools
