@@ -27,6 +27,8 @@ _MODEL_SOURCES = ("gguf", "hf", "random")
 _ADMISSION_POLICIES = ("optimistic", "reserve")
 _DEFAULT_PREFILL_TOKENS = 2048
 _DIST_BACKENDS = ("auto", "gloo", "nccl")
+_SPEC_METHODS = ("none", "ngram")
+_SPEC_POLICIES = ("cost", "always")
 
 
 def config_dir() -> Path:
@@ -99,6 +101,9 @@ class CapturePlan:
     decode: BackendSpec
     mixed: BackendSpec
     idle: BackendSpec
+    # Speculative verification batches are decode rows; a plan that does not name this mode runs
+    # them with decode's spec (and so, sharing its backend, on decode's graphs).
+    target_verify: BackendSpec
     # true: the engine serves eagerly from the moment the weights are loaded and captures one
     # bucket at a time on its loop thread while no request is waiting, swapping each in when
     # ready.  false (a plan that does not say): every bucket is captured before the engine serves.
@@ -181,6 +186,28 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (graphexec/speculative/): drafts verified in one TARGET_VERIFY forward."""
+
+    # none: never speculate.  ngram: prompt lookup, the continuation of the latest earlier
+    # occurrence of the request's last tokens in its own prompt + output.
+    method: str = "none"
+    # Draft tokens per request and step at most (k); a step verifies up to k + 1 tokens of it.
+    num_draft_tokens: int = 4
+    # ngram: the longest and shortest suffix looked up (the longest that occurs earlier wins).
+    ngram_max: int = 4
+    ngram_min: int = 2
+    # cost: per step, draft only where the expected accepted tokens beat the measured cost of the
+    # extra rows (graphexec/speculative/policy.py), so speculation turns itself off where it cannot
+    # pay.  always: verify every draft found (tests, benchmarks of the mechanism).
+    policy: str = "cost"
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none"
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelSourceConfig
     capture: CapturePlan
@@ -191,6 +218,7 @@ class EngineConfig:
     attention_backend: str
     seed: int
     parallel: ParallelConfig = ParallelConfig()
+    speculative: SpeculativeConfig = SpeculativeConfig()
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -224,6 +252,7 @@ class EngineConfig:
             attention_backend=str(raw["attention_backend"]),
             seed=int(raw["seed"]),
             parallel=_parallel(raw.get("parallel") or {}),
+            speculative=_speculative(raw.get("speculative") or {}),
         )
 
     def to_plain(self) -> dict[str, Any]:
@@ -240,7 +269,7 @@ def _plain(value: Any, option: str) -> Any:
         return {key: _plain(item, f"{option}.{key}") for key, item in value.items()}
     if isinstance(value, (list, tuple)):
         return [_plain(item, f"{option}[{i}]") for i, item in enumerate(value)]
-    if isinstance(value, (ModelSourceConfig, SchedulerConfig, CacheConfig, ParallelConfig, SamplingParams)):
+    if isinstance(value, (ModelSourceConfig, SchedulerConfig, CacheConfig, ParallelConfig, SpeculativeConfig, SamplingParams)):
         return {f.name: _plain(getattr(value, f.name), f"{option}.{f.name}") for f in fields(value)}
     raise ConfigError(f"{option} holds a {type(value).__name__}, which cannot travel to another process as plain data")
 
@@ -328,6 +357,22 @@ def _parallel(values: Mapping[str, Any]) -> ParallelConfig:
     return ParallelConfig(**values)
 
 
+def _speculative(values: Mapping[str, Any]) -> SpeculativeConfig:
+    values = _known(SpeculativeConfig, values, "speculative")
+    if values.get("method", "none") not in _SPEC_METHODS:
+        raise ConfigError(f"speculative.method must be one of {list(_SPEC_METHODS)}, got {values['method']!r}")
+    if values.get("policy", "cost") not in _SPEC_POLICIES:
+        raise ConfigError(f"speculative.policy must be one of {list(_SPEC_POLICIES)}, got {values['policy']!r}")
+    for key in ("num_draft_tokens", "ngram_max", "ngram_min"):
+        _check_positive_int(values.get(key, getattr(SpeculativeConfig, key)), f"speculative.{key}")
+    if values.get("ngram_min", SpeculativeConfig.ngram_min) > values.get("ngram_max", SpeculativeConfig.ngram_max):
+        raise ConfigError(
+            f"speculative.ngram_min ({values['ngram_min']}) must not exceed speculative.ngram_max "
+            f"({values.get('ngram_max', SpeculativeConfig.ngram_max)})"
+        )
+    return SpeculativeConfig(**values)
+
+
 def _model_source(values: Mapping[str, Any]) -> ModelSourceConfig:
     values = _known(ModelSourceConfig, values, "model")
     if values.get("source") not in _MODEL_SOURCES:
@@ -349,6 +394,8 @@ def _capture_plan(values: Mapping[str, Any]) -> CapturePlan:
     specs = {}
     for mode in ForwardMode:
         key = mode.config_key
+        if mode.is_target_verify() and values.get(key) is None:
+            key = ForwardMode.DECODE.config_key
         entry = dict(values.get(key) or {})
         backend = entry.pop("backend", None)
         if backend not in available_backends():
@@ -358,7 +405,7 @@ def _capture_plan(values: Mapping[str, Any]) -> CapturePlan:
             not isinstance(devices, (list, tuple)) or not devices or not set(devices) <= {"cpu", "cuda"}
         ):
             raise ConfigError(f"capture.{key}.devices must be a non-empty list of 'cpu' and 'cuda' (elsewhere: eager), got {devices!r}")
-        specs[key] = BackendSpec(backend=backend, options=MappingProxyType(entry))
+        specs[mode.config_key] = BackendSpec(backend=backend, options=MappingProxyType(entry))
     plan_keys = {"name", "background", "cache_dir", "idle_delay_s"}
     extra = sorted(set(values) - {m.config_key for m in ForwardMode} - plan_keys)
     if extra:

@@ -137,7 +137,7 @@ def test_e2e_sweep_writes_runs_and_one_comparison_even_when_a_run_fails(tmp_path
     assert sides["hf_single"]["agreement"]["identical_requests"] == 3
     assert sides["hf_grouped"]["agreement"]["identical_requests"] == 10
     decode = next(b for b in good["result"]["engine_backends"] if "decode" in b["modes"])
-    assert decode["backend"] == "full_graph" and decode["modes"] == ["decode", "idle"] and decode["executions"] > 0
+    assert decode["backend"] == "full_graph" and decode["modes"] == ["decode", "idle", "target_verify"] and decode["executions"] > 0
     assert good["result"]["ratios"]["graphexec / hf_grouped"] == pytest.approx(
         sides["graphexec"]["tokens_per_s"] / sides["hf_grouped"]["tokens_per_s"])
     for png in good["plots"]:

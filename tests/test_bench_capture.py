@@ -32,7 +32,7 @@ def test_cold_and_warm_capture_per_backend_and_bucket(tmp_path):
     assert set(backends) == {"extend", "decode"}
     assert backends["extend"]["modes"] == ["extend", "mixed"] and backends["extend"]["buckets"] == []
     decode = backends["decode"]
-    assert decode["modes"] == ["decode", "idle"] and decode["backend"] == "full_graph"
+    assert decode["modes"] == ["decode", "idle", "target_verify"] and decode["backend"] == "full_graph"
     assert [row["bucket"] for row in decode["buckets"]] == [1]
     for row in decode["buckets"]:
         assert row["cold_seconds"] >= 0 and row["cold_mib"] >= 0

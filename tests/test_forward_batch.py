@@ -121,4 +121,5 @@ def test_forward_mode_predicates():
     assert not ForwardMode.DECODE.is_extend() and ForwardMode.DECODE.is_decode()
     assert ForwardMode.DECODE.is_graph_capturable() and ForwardMode.IDLE.is_graph_capturable()
     assert not ForwardMode.EXTEND.is_graph_capturable() and not ForwardMode.MIXED.is_graph_capturable()
-    assert [m.config_key for m in ForwardMode] == ["extend", "decode", "mixed", "idle"]
+    assert ForwardMode.TARGET_VERIFY.is_graph_capturable() and not ForwardMode.TARGET_VERIFY.is_extend()
+    assert [m.config_key for m in ForwardMode] == ["extend", "decode", "mixed", "idle", "target_verify"]

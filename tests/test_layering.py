@@ -141,7 +141,7 @@ FLOORS = (
     ("graphexec.sampling",),
     ("graphexec.batch",),
     ("graphexec.config",),
-    ("graphexec.cache", "graphexec.parallel"),
+    ("graphexec.cache", "graphexec.parallel", "graphexec.speculative"),
     ("graphexec.attention",),
     ("graphexec.models",),
     ("graphexec.loader",),

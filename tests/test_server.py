@@ -203,7 +203,7 @@ def test_health_and_metrics(tiny_server, tiny):
     assert metrics["tokens_per_s"] > 0 and metrics["generated_tokens_total"] >= 8
     decode = metrics["backends"]["decode"]
     assert decode["backend"] == "eager" and decode["executions"] > 0 and decode["fallbacks"] == 0
-    assert set(decode["modes"]) == {"extend", "decode", "mixed", "idle"}  # capture=eager: one runner
+    assert set(decode["modes"]) == {"extend", "decode", "mixed", "idle", "target_verify"}  # capture=eager: one runner
 
 
 def test_flush_cache_route_and_cached_tokens_in_usage(tiny_server):

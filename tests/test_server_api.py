@@ -87,7 +87,7 @@ def test_prometheus_metrics_parse_and_move_with_requests(tiny_server, tiny):
     assert ("graphexec_retractions_total", ()) in after
     # capture=eager: one backend serves all four modes; it is reported once, not four times.
     executions = {labels: v for (name, labels), v in after.items() if name == "graphexec_capture_executions_total"}
-    assert list(executions) == [(("backend", "eager"), ("modes", "extend,decode,mixed,idle"))]
+    assert list(executions) == [(("backend", "eager"), ("modes", "extend,decode,mixed,idle,target_verify"))]
     assert moved("graphexec_capture_executions_total", next(iter(executions))) >= 2 * 4  # prefill + 3 decodes each
     _idle(tiny)
 
@@ -106,7 +106,7 @@ def test_metrics_json_keeps_the_snapshot(tiny_server):
     with _http() as http:
         snapshot = http.get(f"{tiny_server.url}/metrics/json").json()
     assert snapshot["model"] == TINY and snapshot["kv_slots_total"] == 2048
-    assert set(snapshot["backends"]) == {"extend", "decode", "mixed", "idle"}
+    assert set(snapshot["backends"]) == {"extend", "decode", "mixed", "idle", "target_verify"}
 
 
 # --- OpenAPI -------------------------------------------------------------------------------

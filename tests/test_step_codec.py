@@ -301,7 +301,7 @@ def test_corrupt_messages_are_refused_or_harmless(message, word_edits, byte_edit
         (lambda d: _with_word(d, _WORDS["version"], 99), "version 99"),
         (lambda d: _with_word(d, _WORDS["kind"], 3), "kind code 3"),
         (lambda d: _with_word(d, _WORDS["kind"], -1), "kind code -1"),
-        (lambda d: _with_word(d, _WORDS["forward_mode"], 4), "forward_mode code 4"),
+        (lambda d: _with_word(d, _WORDS["forward_mode"], 5), "forward_mode code 5"),
         (lambda d: _with_word(d, _WORDS["flags"], 1 | 64), "flags"),
         (lambda d: _with_word(d, _WORDS["flags"], 1 | 2), "takes no extend fields"),
         (lambda d: _with_word(d, _WORDS["batch_size"], 3), "batch_size=3"),

@@ -79,8 +79,9 @@ class ForwardBatch:
         seq_lens_cpu = tuple(batch.seq_lens)
         prefix_cpu = tuple(batch.prefix_lens)
         extend_cpu = tuple(batch.extend_lens)
-        if mode.is_decode_or_idle():
-            # The token being decoded sits at the old length L = seq_lens - 1.
+        if not mode.is_extend():
+            # The token of each row sits at the old length L = seq_lens - 1 (decode; a verify
+            # row i of a request sits at L + i, its length L + i + 1).
             positions = [max(s - 1, 0) for s in seq_lens_cpu]
         else:
             positions = [p for pre, ext in zip(prefix_cpu, extend_cpu) for p in range(pre, pre + ext)]
@@ -106,7 +107,9 @@ class ForwardBatch:
         if batch.reqs:
             # A prompt chunk's row is computed but not sampled: greedy and generator-free, so it
             # never advances a seeded request's random stream; with no history it is never penalised.
-            sampled = [r if s else None for r, s in zip(batch.reqs, batch.samples)]
+            # A verify batch samples every row, each for its request.
+            samples = batch.samples if batch.drafts is None else (True,) * batch.batch_size
+            sampled = [r if s else None for r, s in zip(batch.row_owners(), samples)]
             sampling_info = SamplingBatchInfo.from_params(
                 [_NO_SAMPLING if r is None else r.params for r in sampled],
                 [None if r is None else r.generator for r in sampled],
@@ -114,6 +117,7 @@ class ForwardBatch:
                 device,
                 histories=sampled,
                 grammars=[None if r is None else r.grammar for r in sampled],
+                draft_tokens=None if batch.drafts is None else [t for d in batch.drafts for t in (*d, -1)],
             )
         return cls(
             forward_mode=mode,
@@ -179,7 +183,8 @@ class ForwardBatch:
         return dataclasses.replace(self, **moved)
 
     def sample_row_indices(self) -> torch.Tensor:
-        """Hidden rows that produce a next token: each request's last new token."""
+        """Hidden rows that produce a next token: each request's last new token (every row of a
+        decode or verify batch)."""
         if self.forward_mode.is_extend():
             return self.extend_start_loc + self.extend_seq_lens - 1
         return torch.arange(self.batch_size, device=self.input_ids.device)

@@ -14,6 +14,11 @@ class ForwardMode(enum.Enum):
     MIXED = enum.auto()
     # No request on this rank, but the forward must still run (kept for the graph plans).
     IDLE = enum.auto()
+    # Speculative verification: each request's last token plus its draft tokens, laid out as
+    # decode rows (one row per token: the request's table row, its own length and position), so
+    # row i of a request attends causally over the cached KV and its drafts up to i.  Every
+    # attention backend's decode path and every decode graph run it unchanged; every row samples.
+    TARGET_VERIFY = enum.auto()
 
     def is_extend(self) -> bool:
         """Laid out as variable-length runs (extend_* fields are meaningful)."""
@@ -25,6 +30,9 @@ class ForwardMode(enum.Enum):
     def is_mixed(self) -> bool:
         return self is ForwardMode.MIXED
 
+    def is_target_verify(self) -> bool:
+        return self is ForwardMode.TARGET_VERIFY
+
     def is_idle(self) -> bool:
         return self is ForwardMode.IDLE
 
@@ -32,8 +40,8 @@ class ForwardMode(enum.Enum):
         return self in (ForwardMode.DECODE, ForwardMode.IDLE)
 
     def is_graph_capturable(self) -> bool:
-        """Shapes depend on the batch size only, so a bucket list covers them (full-graph decode)."""
-        return self in (ForwardMode.DECODE, ForwardMode.IDLE)
+        """Shapes depend on the row count only, so a bucket list covers them (full-graph decode)."""
+        return self in (ForwardMode.DECODE, ForwardMode.IDLE, ForwardMode.TARGET_VERIFY)
 
     @property
     def config_key(self) -> str:

@@ -26,17 +26,28 @@ class ScheduleBatch:
     prefix_lens: list[int]
     # New tokens computed in this forward, per request (all 1 in decode).
     extend_lens: list[int]
-    # prefix_lens + extend_lens: the KV length each request has after this forward.
+    # prefix_lens + extend_lens: the KV length each request has after this forward; in
+    # TARGET_VERIFY per row (each row's own length), so the rows' count.
     seq_lens: list[int]
     # Slot each new token's K/V is written to, in input order.
     out_cache_loc: torch.Tensor
     # Per request: does this forward produce its next token?  False for a prompt chunk that
     # does not reach the end of its prompt.
     samples: tuple[bool, ...]
+    # TARGET_VERIFY only: per request, the draft tokens it verifies (its rows are its last token
+    # then each draft token); None in every other mode.
+    drafts: tuple[tuple[int, ...], ...] | None = None
 
     @property
     def batch_size(self) -> int:
-        return len(self.reqs)
+        """Rows of the forward: one per request, except in TARGET_VERIFY (one per token)."""
+        return len(self.seq_lens)
+
+    def row_owners(self) -> list[Req]:
+        """The request of each row (each sampled row of TARGET_VERIFY samples for its request)."""
+        if self.drafts is None:
+            return list(self.reqs)
+        return [req for req, draft in zip(self.reqs, self.drafts) for _ in range(len(draft) + 1)]
 
     @classmethod
     def extend(
@@ -80,4 +91,32 @@ class ScheduleBatch:
             seq_lens=[n + 1 for n in old_lens],
             out_cache_loc=out_cache_loc,
             samples=(True,) * len(reqs),
+        )
+
+    @classmethod
+    def verify(
+        cls, reqs: Sequence[Req], drafts: Sequence[Sequence[int]], rows: Sequence[int], out_cache_loc: torch.Tensor
+    ) -> "ScheduleBatch":
+        """Each request's last sampled token (at its old length L) and its drafts (at L + 1, ...),
+        one decode row per token: row i of a request has length L + i + 1, so it attends to the
+        cached KV and the rows before it.  A request with no draft is a plain decode row."""
+        input_ids: list[int] = []
+        row_ids: list[int] = []
+        seq_lens: list[int] = []
+        for req, draft, row in zip(reqs, drafts, rows):
+            old = req.num_computed_tokens
+            input_ids += [req.output_ids[-1], *draft]
+            row_ids += [row] * (len(draft) + 1)
+            seq_lens += range(old + 1, old + len(draft) + 2)
+        return cls(
+            forward_mode=ForwardMode.TARGET_VERIFY,
+            reqs=tuple(reqs),
+            input_ids=input_ids,
+            req_pool_indices=row_ids,
+            prefix_lens=[req.num_computed_tokens for req in reqs],
+            extend_lens=[len(d) + 1 for d in drafts],
+            seq_lens=seq_lens,
+            out_cache_loc=out_cache_loc,
+            samples=(True,) * len(reqs),
+            drafts=tuple(tuple(d) for d in drafts),
         )

@@ -31,6 +31,7 @@ from graphexec.parallel.group import SINGLE
 from graphexec.parallel.step_channel import NO_PEERS
 from graphexec.sampling_params import SamplingParams
 from graphexec.scheduler.scheduler import Scheduler
+from graphexec.speculative import Speculator
 from graphexec.structured.spec import StructuredSpec
 from graphexec.text.prompt_encoder import Prompt, PromptEncoder
 
@@ -79,7 +80,8 @@ class Engine:
         self.kv_cache = rank.kv_cache
         self.model_config = rank.checkpoint.config
         self.tokenizer = rank.checkpoint.tokenizer
-        self.scheduler = Scheduler(self.runner, self.kv_cache, self.config.scheduler)
+        speculator = Speculator(self.config.speculative) if self.config.speculative.enabled else None
+        self.scheduler = Scheduler(self.runner, self.kv_cache, self.config.scheduler, speculator)
         self.prompt_encoder = PromptEncoder(self.tokenizer, self.model_config.name, self.model_config.vocab_size, self.max_context)
         self._request_ids = itertools.count()
         self._grammar_backend: GrammarBackend | None = None  # built by the first constrained request

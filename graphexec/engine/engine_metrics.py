@@ -30,6 +30,7 @@ class LoopSnapshot:
     kv_slots_cached: int
     retractions_total: int
     backends: Mapping[str, Mapping[str, Any]]
+    speculation: Mapping[str, Any] | None = None  # SpeculationStats.as_dict(); None: speculation off
 
     @classmethod
     def take(cls, scheduler: Scheduler, runner: ModelRunner) -> LoopSnapshot:
@@ -43,6 +44,7 @@ class LoopSnapshot:
             kv_slots_cached=kv.num_cached,
             retractions_total=scheduler.num_retractions,
             backends=runner.backend_stats(),
+            speculation=None if scheduler.speculator is None else scheduler.speculator.stats().as_dict(),
         )
 
 
@@ -62,6 +64,9 @@ class EngineMetrics:
     generated_tokens_total: int
     finished: Mapping[str, int]  # ended requests by finish reason, plus "error"
     backends: Mapping[str, Mapping[str, Any]]  # per ForwardMode: backend name, replays, fallbacks, ...
+    # Speculative decoding (None when off): verify steps, drafted and accepted tokens, acceptance
+    # rate, mean accepted drafts per verified request-step and their histogram, measured step ms by rows.
+    speculation: Mapping[str, Any] | None = None
 
     @classmethod
     def collect(cls, snapshot: LoopSnapshot, unfinished: int, stats: ServingStats) -> EngineMetrics:
@@ -80,6 +85,7 @@ class EngineMetrics:
             generated_tokens_total=stats.tokens_total(),
             finished=stats.finished(),
             backends=snapshot.backends,
+            speculation=snapshot.speculation,
         )
 
     def as_dict(self) -> dict[str, Any]:

@@ -30,6 +30,8 @@ class RequestTracker:
         self._sent_chars = 0
         self._searched_chars = 0
         self._stop_string_matched = False
+        # Output tokens up to the one that completed a stop string (None: no match yet).
+        self._token_limit: int | None = None
         self._first_token_time: float | None = None
         self._last_token_time: float | None = None
         self._prompt_logprobs_sent = False
@@ -59,6 +61,9 @@ class RequestTracker:
             self._first_token_time = self._first_token_time or now
             self._last_token_time = now
         self._decode(new_ids, start, final=req.finished)
+        if self._token_limit is not None:  # tokens past the stop string's last are not output
+            new_ids = new_ids[: max(0, self._token_limit - start)]
+            self._sent_tokens = min(self._sent_tokens, self._token_limit)
         done = self.finished
         end = len(self._text) if done else len(self._text) - self._stop.held_back(self._text)
         text = self._text[self._sent_chars : max(end, self._sent_chars)]
@@ -81,7 +86,11 @@ class RequestTracker:
         return list(self.req.prompt_logprobs)
 
     def _decode(self, new_ids: list[int], first_index: int, *, final: bool) -> None:
-        """Add the text of output tokens first_index, first_index + 1, ...; look for stop strings."""
+        """Add the text of output tokens first_index, first_index + 1, ...; look for stop strings.
+
+        With stop strings the tokens are decoded and searched one at a time, as if each step
+        yielded one: a step that yields several (speculative verification) ends the output at the
+        token that completes a stop string, as a one-token step would have."""
         if self._detokenizer is None or self._stop_string_matched:
             return
         # As in vLLM, a stop string cannot end a request before min_tokens outputs: the text of
@@ -91,33 +100,49 @@ class RequestTracker:
         if unchecked:
             self._text += self._detokenizer.push(new_ids[:unchecked])
             self._searched_chars = len(self._text)
-        if unchecked < len(new_ids):
-            self._text += self._detokenizer.push(new_ids[unchecked:])
-        if final:
-            self._text += self._detokenizer.flush()
-        if not self._stop or first_index + len(new_ids) < min_tokens:
+        rest = new_ids[unchecked:]
+        if not self._stop:
+            self._text += self._detokenizer.push(rest) if rest else ""
+            self._text += self._detokenizer.flush() if final else ""
             return
+        for i, token in enumerate(rest):
+            self._text += self._detokenizer.push([token])
+            if final and i == len(rest) - 1:
+                self._text += self._detokenizer.flush()
+            if self._stop_found():
+                self._token_limit = first_index + unchecked + i + 1
+                return
+        if final and not rest:
+            self._text += self._detokenizer.flush()
+            if first_index >= min_tokens and self._stop_found():
+                self._token_limit = first_index
+
+    def _stop_found(self) -> bool:
         cut = self._stop.find(self._text, self._searched_chars)
         self._searched_chars = len(self._text)
-        if cut is not None:
-            self._text = self._text[:cut]
-            self._stop_string_matched = True
+        if cut is None:
+            return False
+        self._text = self._text[:cut]
+        self._stop_string_matched = True
+        return True
 
     def _output(self, reason: FinishReason, now: float) -> RequestOutput:
         req = self.req
         first, last = self._first_token_time, self._last_token_time
-        n = len(req.output_ids)
+        token_ids = req.output_ids[: self._token_limit]
+        n = len(token_ids)
         return RequestOutput(
             request_id=req.rid,
             prompt_token_ids=list(req.prompt_ids),
             text=self._text,
-            token_ids=list(req.output_ids),
+            token_ids=token_ids,
             finish_reason=reason.value,
-            logprobs=list(req.output_logprobs) if req.params.logprobs is not None else None,
+            logprobs=req.output_logprobs[:n] if req.params.logprobs is not None else None,
             ttft=None if first is None else first - self.arrival_time,
             tpot=(last - first) / (n - 1) if first is not None and last is not None and n > 1 else None,
             latency=now - self.arrival_time,
             cached_tokens=req.num_reused_tokens,
             prompt_logprobs=list(req.prompt_logprobs) if req.prompt_logprobs is not None else None,
-            stop_token_id=req.matched_stop_token,
+            # A stop string ended the text before any stop token could come.
+            stop_token_id=None if self._stop_string_matched else req.matched_stop_token,
         )

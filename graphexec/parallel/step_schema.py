@@ -29,7 +29,7 @@ from graphexec.batch.forward_mode import ForwardMode
 from graphexec.batch.table_change import TableChange
 
 MAGIC = 0x3150_4554_5358_4547  # b"GEXSTEP1" read as a little-endian int64
-VERSION = 1
+VERSION = 2  # 2: ForwardMode.TARGET_VERIFY
 
 
 class StepMessageError(ValueError):
@@ -52,7 +52,7 @@ class StepMessage:
 
 # Wire codes are indices into these tuples (dtype code 0: slot absent).
 KINDS = (StepKind.FORWARD, StepKind.KEEP_ALIVE, StepKind.STOP)
-MODES = (ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED, ForwardMode.IDLE)
+MODES = (ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED, ForwardMode.IDLE, ForwardMode.TARGET_VERIFY)
 CHANGE_KINDS = ("span", "points", "clear")
 DTYPES = (None, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 NUMPY_DTYPES = (None, np.int64, np.int32, np.int16, np.int8, np.uint8)  # the same, as numpy sees them

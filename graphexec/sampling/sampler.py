@@ -5,6 +5,14 @@ samples every row: argmax(logits / T + G) with G = -log(-log(U)) picks token i w
 softmax(logits / T)_i.  Dropped tokens are simply -inf, so nothing needs renormalising, and each
 seeded row can draw its U from its own generator.
 
+Speculative verification (a TARGET_VERIFY batch) gives each row the draft token that follows it,
+if any.  A greedy row still takes the argmax (the draft is accepted when it equals it).  A sampled
+row accepts its draft d with probability p(d), p being the distribution the row would sample from
+(temperature and filters applied); otherwise it samples from p with d removed.  For a draft
+proposed deterministically (n-gram lookup) that is exact rejection sampling: the token the row
+yields is distributed as p, whatever the draft.  Per row the random stream advances by the same
+amount (one noise block, one uniform) whether or not the draft is taken.
+
 Penalties, logit_bias and min_tokens (`penalties.py`) run first, on a copy, and everything after
 (greedy argmax, temperature, filters) sees the processed logits.  Log-probabilities are "raw":
 log_softmax of the model's logits before penalties, temperature and filters, like vLLM's default
@@ -74,6 +82,9 @@ class SamplingBatchInfo:
     penalties: LogitsPenalties | None = None
     # Per row, the grammar its next token must fit (None: free); None when no row has one.
     grammars: tuple[RowGrammar | None, ...] | None = None
+    # Verification: per row, the draft token the row's sample is tested against (-1: none);
+    # None outside a TARGET_VERIFY batch.
+    draft_tokens: Tensor | None = None
 
     @classmethod
     def from_params(
@@ -84,6 +95,7 @@ class SamplingBatchInfo:
         device: torch.device | str,
         histories: Sequence[TokenHistory | None] | None = None,
         grammars: Sequence[RowGrammar | None] = (),
+        draft_tokens: Sequence[int] | None = None,
     ) -> SamplingBatchInfo:
         """vocab_size must be the last dimension of the logits this info will sample.
 
@@ -121,6 +133,7 @@ class SamplingBatchInfo:
             max_logprobs=max(requested_logprobs, default=None),
             penalties=LogitsPenalties.build(params, histories, vocab_size, device),
             grammars=tuple(grammars) if any(g is not None for g in grammars) else None,
+            draft_tokens=None if draft_tokens is None else torch.tensor(draft_tokens, dtype=torch.int64, device=device),
         )
 
 
@@ -168,11 +181,33 @@ class Sampler:
 def _sample(logits: Tensor, info: SamplingBatchInfo) -> Tensor:
     scaled = logits / info.temperatures.unsqueeze(1)
     thresholds = _keep_thresholds(scaled, info)
-    dropped = None if thresholds is None else scaled < thresholds
-    scores = scaled.add_(_gumbel_noise(scaled, info.generators))
-    if dropped is not None:
-        scores.masked_fill_(dropped, -math.inf)
-    return scores.argmax(dim=-1)
+    if thresholds is not None:
+        scaled.masked_fill_(scaled < thresholds, -math.inf)
+    noise = _gumbel_noise(scaled, info.generators)
+    if info.draft_tokens is None:
+        return scaled.add_(noise).argmax(dim=-1)
+    return _verify_drafts(scaled, noise, info)
+
+
+def _verify_drafts(kept: Tensor, noise: Tensor, info: SamplingBatchInfo) -> Tensor:
+    """Per row: its draft with probability p(draft), else a sample of p without the draft, where
+    p = softmax(kept) (scaled logits, filtered tokens at -inf).  Rows without a draft sample p."""
+    drafts = info.draft_tokens
+    has_draft = drafts >= 0
+    index = drafts.clamp(min=0).unsqueeze(1)
+    p_draft = (kept.gather(1, index).squeeze(1) - kept.logsumexp(dim=-1)).exp()
+    accept = has_draft & (_row_uniforms(kept, info.generators) < p_draft)
+    residual = torch.where(has_draft.unsqueeze(1), kept.scatter(1, index, -math.inf), kept)
+    return torch.where(accept, drafts, residual.add_(noise).argmax(dim=-1))
+
+
+def _row_uniforms(scaled: Tensor, generators: tuple[torch.Generator | None, ...]) -> Tensor:
+    """One uniform per row, a seeded row's from its own generator (after its noise block)."""
+    uniform = torch.rand(scaled.shape[0], device=scaled.device)
+    for row, generator in enumerate(generators):
+        if generator is not None:
+            uniform[row : row + 1].uniform_(generator=generator)
+    return uniform
 
 
 def _keep_thresholds(scaled: Tensor, info: SamplingBatchInfo) -> Tensor | None:

@@ -13,10 +13,18 @@ One step:
    the head of the queue and later resume by recomputing prompt + output so far (what the cache
    kept is reused), with their outputs and random streams untouched.
 4. Record the sampled tokens; cache what the prefills computed; release what finished.
+
+With a speculator (graphexec/speculative/), a decode step may instead verify drafts: each running
+request's last token and its draft tokens run as one TARGET_VERIFY forward (slots for all of
+them, taken from what the decode step leaves spare), each request keeps the drafts its sampled
+rows agreed with plus the token of the first row that disagreed (or of the last row), and the
+slots of the rejected drafts go back at once, so the KV and the prefix cache hold accepted
+tokens only.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Sequence
 
@@ -27,13 +35,17 @@ from graphexec.config import SchedulerConfig
 from graphexec.runner.model_runner import ModelRunner, StepOutput
 from graphexec.sampling.sampler import make_generator
 from graphexec.scheduler.admission import create_admission
+from graphexec.speculative import Speculator
 
 
 class Scheduler:
-    def __init__(self, runner: ModelRunner, kv_cache: KVCacheManager, config: SchedulerConfig):
+    def __init__(
+        self, runner: ModelRunner, kv_cache: KVCacheManager, config: SchedulerConfig, speculator: Speculator | None = None
+    ):
         self.runner = runner
         self.kv_cache = kv_cache
         self.config = config
+        self.speculator = speculator
         self.admission = create_admission(config)
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
@@ -77,11 +89,19 @@ class Scheduler:
         if not reqs:
             return []
         lens = chunks + [1] * (len(reqs) - len(admitted))
+        drafts = None
+        if not admitted and self.speculator is not None:
+            drafts = self.speculator.drafts(reqs, self.kv_cache.num_available - len(reqs))
+            if drafts is not None:
+                lens = [len(d) + 1 for d in drafts]
+        started = time.perf_counter()
         try:
             slots = self.kv_cache.allocate(reqs, lens)
             rows = self.kv_cache.rows(reqs)
             if admitted:
                 batch = ScheduleBatch.extend(reqs, lens, rows, slots, mixed=decoding)
+            elif drafts is not None:
+                batch = ScheduleBatch.verify(reqs, drafts, rows, slots)
             else:
                 batch = ScheduleBatch.decode(reqs, rows, slots)
             result = self.runner.forward_and_sample(self.runner.init_forward_batch(batch))
@@ -95,7 +115,12 @@ class Scheduler:
             raise
         if not admitted:
             self.admission.on_decode_step()
-        finished = self._process_result(batch, result)
+        if drafts is not None:
+            finished = self._process_verify(batch, result)
+        else:
+            finished = self._process_result(batch, result)
+        if not admitted and self.speculator is not None:
+            self.speculator.observe_step(batch.batch_size, time.perf_counter() - started, drafts is not None)
         if self.kv_cache.prefix_cache is not None:
             for req in admitted:
                 if not req.finished:
@@ -187,6 +212,35 @@ class Scheduler:
             self.running = [r for r in self.running if not r.finished]
         return finished
 
+    def _process_verify(self, batch: ScheduleBatch, result: StepOutput) -> list[Req]:
+        """Per request: its rows' tokens in order while each equals the next draft token (the
+        sampler accepted it), then the first that does not, or the last row's; the KV of the
+        rejected drafts is unmapped and freed."""
+        out = result.sampler
+        next_ids = out.next_token_ids.tolist()
+        finished = []
+        row = 0
+        for req, draft in zip(batch.reqs, batch.drafts):
+            old_len = req.num_computed_tokens
+            accepted = 0
+            for j in range(len(draft) + 1):
+                self._record_token(req, out, row + j, next_ids[row + j])
+                if req.finished or j == len(draft) or next_ids[row + j] != draft[j]:
+                    break
+                accepted += 1
+            row += len(draft) + 1
+            # Valid KV: the last token's and the accepted drafts' (each computed on accepted ids only).
+            computed = min(old_len + 1 + accepted, req.seq_len)
+            self.kv_cache.truncate(req, computed)
+            req.num_computed_tokens = computed
+            self.speculator.observe(req, len(draft), accepted)
+            if req.finished:
+                finished.append(req)
+                self.kv_cache.release(req)
+        if finished:
+            self.running = [r for r in self.running if not r.finished]
+        return finished
+
     @staticmethod
     def _record_token(req: Req, out, row: int, token_id: int) -> None:
         n_before = len(req.output_ids)
@@ -222,6 +276,11 @@ class Scheduler:
     def plan_decode(self, reqs: Sequence[Req]) -> ScheduleBatch:
         slots = self.kv_cache.allocate(reqs, [1] * len(reqs))
         return ScheduleBatch.decode(reqs, self.kv_cache.rows(reqs), slots)
+
+    def plan_verify(self, reqs: Sequence[Req], drafts: Sequence[Sequence[int]]) -> ScheduleBatch:
+        """Slots for each request's last token and drafts, and the TARGET_VERIFY batch of them."""
+        slots = self.kv_cache.allocate(reqs, [len(d) + 1 for d in drafts])
+        return ScheduleBatch.verify(reqs, drafts, self.kv_cache.rows(reqs), slots)
 
     def release(self, req: Req, cache: bool = True) -> None:
         """Free what a hand-run request holds (its computed KV cached when `cache`)."""

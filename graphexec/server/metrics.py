@@ -41,6 +41,8 @@ class EngineCollector(Collector):
         yield from self._requests(m)
         yield from self._kv(m)
         yield from _backends(m)
+        if m.speculation is not None:
+            yield from _speculation(m.speculation)
 
     def _requests(self, m: EngineMetrics) -> Iterator[Metric]:
         finished = CounterMetricFamily(
@@ -111,6 +113,22 @@ def _backends(m: EngineMetrics) -> Iterator[Metric]:
             if entry.get("speedup") is not None:
                 speedup.add_metric([*key, str(bucket)], entry["speedup"])
     yield from (executions, fallbacks, padded, state, speedup)
+
+
+def _speculation(spec: dict) -> Iterator[Metric]:
+    yield CounterMetricFamily(
+        "graphexec_spec_verify_steps", "Decode steps that verified drafts (TARGET_VERIFY forwards)", value=spec["verify_steps"]
+    )
+    yield CounterMetricFamily("graphexec_spec_draft_tokens", "Draft tokens verified", value=spec["drafted_tokens"])
+    yield CounterMetricFamily("graphexec_spec_accepted_tokens", "Draft tokens accepted", value=spec["accepted_tokens"])
+    lengths = CounterMetricFamily(
+        "graphexec_spec_accepted_length",
+        "Verified request-steps by how many of their draft tokens were accepted",
+        labels=["accepted"],
+    )
+    for accepted, count in spec["accepted_lengths"].items():
+        lengths.add_metric([accepted], count)
+    yield lengths
 
 
 def unique_backends(per_mode: dict[str, dict]) -> list[dict]:

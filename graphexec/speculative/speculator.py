@@ -1,0 +1,141 @@
+"""The scheduler's speculation partner: drafts for a decode step, and what verification taught.
+
+Boundary: it reads requests (their ids and sampling options) and never touches KV, rows or the
+model.  Each decode step the scheduler asks `drafts` for every running request's draft (maybe
+empty); if any is non-empty the step is a TARGET_VERIFY forward, and the scheduler reports each
+request's outcome (`observe`) and the step's time (`observe_step`).  A request drafts only when
+speculation cannot change what it would sample: no grammar, no repetition penalties and no
+min_tokens still to meet (each verified row would need its own history); logit_bias is the same
+for every row, so it may.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from graphexec.speculative.cost_model import StepCosts
+from graphexec.speculative.ngram import NgramDrafter
+from graphexec.speculative.policy import choose_lengths
+
+if TYPE_CHECKING:
+    from graphexec.batch.request import Req
+    from graphexec.config import SpeculativeConfig
+
+# Running acceptance per request: counts decay by this factor per verified draft, so a request
+# that stops copying stops drafting within a few steps.
+_DECAY = 0.8
+# A request's first drafts are priced at this acceptance rate.
+_PRIOR_ALPHA = 0.5
+
+
+@dataclass
+class _Acceptance:
+    drafted: float = 0.0
+    accepted: float = 0.0
+
+    @property
+    def alpha(self) -> float:
+        # One prior draft at _PRIOR_ALPHA: a rate, never 0 or 1.
+        return (self.accepted + _PRIOR_ALPHA) / (self.drafted + 1.0)
+
+
+@dataclass(frozen=True)
+class SpeculationStats:
+    verify_steps: int
+    drafted_tokens: int
+    accepted_tokens: int
+    # Accepted drafts per verified request-step: {accepted count: how often}.
+    accepted_lengths: dict[int, int]
+    step_ms_by_rows: dict[int, float]
+
+    def as_dict(self) -> dict:
+        rate = self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else None
+        verified = sum(self.accepted_lengths.values())
+        mean = sum(k * n for k, n in self.accepted_lengths.items()) / verified if verified else None
+        return {
+            "verify_steps": self.verify_steps,
+            "drafted_tokens": self.drafted_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "acceptance_rate": rate,
+            "mean_accepted_length": mean,
+            "accepted_lengths": {str(k): n for k, n in sorted(self.accepted_lengths.items())},
+            "step_ms_by_rows": {str(k): v for k, v in self.step_ms_by_rows.items()},
+        }
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig):
+        self.config = config
+        self.drafter = NgramDrafter(config.ngram_min, config.ngram_max)
+        self.costs = StepCosts()
+        self._acceptance: weakref.WeakKeyDictionary[Req, _Acceptance] = weakref.WeakKeyDictionary()
+        self._verify_steps = 0
+        self._drafted = 0
+        self._accepted = 0
+        self._lengths: Counter[int] = Counter()
+
+    def drafts(self, reqs: Sequence[Req], spare_slots: int) -> list[tuple[int, ...]] | None:
+        """Per request the draft to verify this step (maybe empty); None when nobody drafts (a
+        plain decode step).  Never more draft tokens in all than `spare_slots`."""
+        proposals = [self._propose(req) for req in reqs]
+        if not any(proposals):
+            return None
+        if self.config.policy == "always":
+            lengths, left = [], spare_slots
+            for p in proposals:
+                lengths.append(min(len(p), left))
+                left -= lengths[-1]
+        else:
+            alphas = [self._acceptance.get(req, _Acceptance()).alpha for req in reqs]
+            lengths = choose_lengths(alphas, [len(p) for p in proposals], self.costs, spare_slots)
+        drafts = [p[:n] for p, n in zip(proposals, lengths)]
+        return drafts if any(drafts) else None
+
+    def _propose(self, req: Req) -> tuple[int, ...]:
+        if not _may_draft(req):
+            return ()
+        params = req.params
+        # Every verified row may yield a token: the drafts plus one must fit what the request
+        # may still produce, and every row's position must fit its table row.
+        room = min(
+            self.config.num_draft_tokens,
+            params.max_new_tokens - len(req.output_ids) - 1,
+            req.max_context - req.seq_len,
+        )
+        return self.drafter.propose(req, req.all_ids, room)
+
+    def observe(self, req: Req, drafted: int, accepted: int) -> None:
+        """A request verified `drafted` tokens this step and the first `accepted` were taken."""
+        if not drafted:
+            return
+        state = self._acceptance.setdefault(req, _Acceptance())
+        state.drafted = state.drafted * _DECAY**drafted + drafted
+        state.accepted = state.accepted * _DECAY**drafted + accepted
+        self._drafted += drafted
+        self._accepted += accepted
+        self._lengths[accepted] += 1
+
+    def observe_step(self, rows: int, seconds: float, verified: bool) -> None:
+        """A decode or verify step of `rows` rows took `seconds`."""
+        self.costs.observe(rows, seconds)
+        self._verify_steps += verified
+
+    def stats(self) -> SpeculationStats:
+        return SpeculationStats(
+            self._verify_steps, self._drafted, self._accepted, dict(self._lengths), self.costs.as_dict()
+        )
+
+
+def _may_draft(req: Req) -> bool:
+    params = req.params
+    return (
+        req.grammar is None
+        and params.repetition_penalty == 1.0
+        and params.presence_penalty == 0.0
+        and params.frequency_penalty == 0.0
+        and params.min_tokens <= len(req.output_ids)
+    )
