@@ -42,7 +42,7 @@ def test_cold_and_warm_capture_per_backend_and_bucket(tmp_path):
 
     assert payload["plots"] == ["capture_decode.png"]
     assert (tmp_path / "capture_decode.png").read_bytes()[:8] == PNG_MAGIC
-    assert "### decode: full_graph (shared by idle)" in report
+    assert "### decode: full_graph (shared by idle, target_verify)" in report
     assert "| bucket | eager ms | graph ms | speedup | decision | cold s | warm s | cold MiB | warm MiB |" in report
     # The default plan measured the bucket cold; warm loaded that decision (same key, same plan dir).
     (row,) = decode["buckets"]

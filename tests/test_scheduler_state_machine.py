@@ -7,7 +7,9 @@ every position of the request maps to a slot holding that position's token: what
 read.  Its next token is a pure function of the request's ids, so the tokens of an unpressured run
 are known exactly.  After every step: each slot free, cached or owned by one request (audit), lock
 counts equal to the holdings; at the end every finished request has exactly its unpressured tokens
-and the pool is whole again.
+and the pool is whole again.  With speculation drawn on, decode steps verify n-gram drafts
+(TARGET_VERIFY): each verified row is checked against its request's ids plus the drafts before
+it, and rejected drafts must leave no slot behind and nothing wrong in the prefix cache.
 
 The default run is 250 examples (the suite's 15-minute budget; each run draws new ones);
 GRAPHEXEC_SOAK=1 runs 20,000 (`pytest -m soak`).
@@ -28,10 +30,11 @@ from graphexec.batch.request import Req
 from graphexec.cache.kv_pool import TokenToKVPool
 from graphexec.cache.manager import KVCacheManager
 from graphexec.cache.req_to_token_pool import ReqToTokenPool
-from graphexec.config import SchedulerConfig
+from graphexec.config import SchedulerConfig, SpeculativeConfig
 from graphexec.runner.model_runner import StepOutput
 from graphexec.sampling.sampler import SamplerOutput
 from graphexec.scheduler.scheduler import Scheduler
+from graphexec.speculative import Speculator
 
 EOS = 3
 MAX_CONTEXT = 32
@@ -60,20 +63,34 @@ class TokenKVRunner:
         self.kv = kv
         self.store = torch.full((kv.num_slots + 1,), -1, dtype=torch.int64)
         self.forwards = 0
+        self.verify_forwards = 0
 
     def init_forward_batch(self, batch):
         return batch
 
     def forward_and_sample(self, batch) -> StepOutput:
         self.forwards += 1
+        self.verify_forwards += batch.drafts is not None
         assert batch.out_cache_loc.numel() == len(batch.input_ids)
         self.store[batch.out_cache_loc] = torch.tensor(batch.input_ids, dtype=torch.int64)
         table = self.kv.req_to_token_pool.req_to_token
         next_ids = []
-        for req, row, seq_len in zip(batch.reqs, batch.req_pool_indices, batch.seq_lens):
-            assert self.store[table[row, :seq_len]].tolist() == req.all_ids[:seq_len], f"{req.rid} reads wrong KV"
-            next_ids.append(next_token(req.all_ids[:seq_len]))
+        for req, row, seq_len, ids in zip(batch.row_owners(), batch.req_pool_indices, batch.seq_lens, _row_ids(batch)):
+            assert self.store[table[row, :seq_len]].tolist() == ids, f"{req.rid} reads wrong KV"
+            next_ids.append(next_token(ids))
         return StepOutput(SamplerOutput(next_token_ids=torch.tensor(next_ids)), logits=torch.empty(0))
+
+
+def _row_ids(batch) -> list[list[int]]:
+    """The ids each row's KV must hold: the request's first seq_len ids; in a verify batch, row i
+    of a request holds its ids up to its last token, then its first i draft tokens."""
+    if batch.drafts is None:
+        return [req.all_ids[:n] for req, n in zip(batch.reqs, batch.seq_lens)]
+    return [
+        req.all_ids[: old + 1] + list(draft[:i])
+        for req, old, draft in zip(batch.reqs, batch.prefix_lens, batch.drafts)
+        for i in range(len(draft) + 1)
+    ]
 
 
 class SchedulerMachine(RuleBasedStateMachine):
@@ -85,8 +102,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         admission=st.sampled_from(["optimistic", "reserve"]),
         prefix_cache=st.booleans(),
         ratio=st.sampled_from([0.0, 0.3, 0.7]),
+        draft_tokens=st.sampled_from([0, 0, 1, 3]),
     )
-    def setup(self, num_slots, max_running, prefill_tokens, mixed, admission, prefix_cache, ratio):
+    def setup(self, num_slots, max_running, prefill_tokens, mixed, admission, prefix_cache, ratio, draft_tokens):
         pools = TokenToKVPool(num_slots, 1, 1, 1, torch.float32), ReqToTokenPool(max_running, MAX_CONTEXT)
         self.kv = KVCacheManager(*pools, prefix_cache=prefix_cache)
         config = SchedulerConfig(
@@ -95,7 +113,11 @@ class SchedulerMachine(RuleBasedStateMachine):
             new_token_ratio_decay=0.05,
         )
         self.runner = TokenKVRunner(self.kv)
-        self.scheduler = Scheduler(self.runner, self.kv, config)
+        speculator = None
+        if draft_tokens:
+            spec = SpeculativeConfig(method="ngram", num_draft_tokens=draft_tokens, ngram_min=1, ngram_max=2, policy="always")
+            speculator = Speculator(spec)
+        self.scheduler = Scheduler(self.runner, self.kv, config, speculator)
         self.reqs: list[Req] = []
         self.aborted: set[str] = set()
 
@@ -180,3 +202,19 @@ def test_the_stand_in_model_catches_a_wrong_mapping():
     table[kv.row(a), 0] = table[kv.row(b), 0]
     with pytest.raises(AssertionError, match="a reads wrong KV"):
         scheduler.step()
+
+
+def test_the_machine_verifies_drafts_and_keeps_every_token():
+    """The speculating configuration of the machine does verify drafts (the stand-in model's
+    tokens repeat, so n-grams match), accepts some, and leaves exactly the unpressured tokens."""
+    machine = SchedulerMachine()
+    machine.setup(num_slots=40, max_running=3, prefill_tokens=16, mixed=False, admission="optimistic",
+                  prefix_cache=True, ratio=0.3, draft_tokens=3)
+    for i in range(6):
+        machine.arrive(base=i % 4, suffix=[40 + i, 41], max_new=24, ignore_eos=True)
+    for _ in range(3):
+        machine.step()
+        machine.every_slot_owned_once()
+    machine.teardown()
+    stats = machine.scheduler.speculator.stats()
+    assert machine.runner.verify_forwards > 0 and stats.accepted_tokens > 0

@@ -152,10 +152,20 @@ def plain_outputs():
     return Engine(overrides=TINY).generate(prompts, params)
 
 
-@pytest.mark.parametrize("plan", ["eager", "tape"])
+PLANS = {
+    "eager": [],
+    "tape": TAPE,
+    # The CPU's graphs: one compiled bucket that every decode and verify batch pads into.
+    "compile": [*TAPE, "capture.decode.graph=compile", "capture.decode.buckets=[8]", "capture.decode.compile.aot=false"],
+}
+
+
+@pytest.mark.parametrize("plan", PLANS)
 def test_greedy_outputs_equal_speculation_off(plan, plain_outputs):
-    engine = Engine(overrides=TINY + SPEC + (TAPE if plan == "tape" else []))
+    engine = Engine(overrides=TINY + SPEC + PLANS[plan])
     prompts, params = _copy_workload()
+    decode = engine.runner.backends[ForwardMode.DECODE]
+    before = decode.stats.executions, decode.stats.fallbacks
     with recorded_batches(engine) as batches:
         outputs = engine.generate(prompts, params)
     assert [o.token_ids for o in outputs] == [o.token_ids for o in plain_outputs]
@@ -164,6 +174,11 @@ def test_greedy_outputs_equal_speculation_off(plan, plain_outputs):
     verified = [fb for fb in batches if fb.forward_mode.is_target_verify()]
     assert verified and stats.verify_steps == len(verified)
     assert 0 < stats.accepted_tokens < stats.drafted_tokens
+    if plan != "eager":  # decode and verify batches that fit the largest bucket ran on the graphs
+        rows = [fb.batch_size for fb in batches if not fb.forward_mode.is_extend()]
+        assert decode.stats.executions - before[0] == sum(r <= 8 for r in rows)
+        assert decode.stats.fallbacks - before[1] == sum(r > 8 for r in rows)
+        assert any(fb.batch_size <= 8 for fb in verified)
     assert_no_leak(engine)
 
 
@@ -305,3 +320,38 @@ def test_the_server_reports_speculation(plain_outputs):
     assert scraped[("graphexec_spec_accepted_tokens_total", ())] == spec["accepted_tokens"]
     verified = sum(v for (name, _), v in scraped.items() if name == "graphexec_spec_accepted_length_total")
     assert verified == sum(spec["accepted_lengths"].values()) > 0
+
+
+_PASSAGE = (
+    "Graph capture records a forward once and replays it many times, so the host does not pay for "
+    "launching every kernel again. A decode step is weight bound on a small machine, so checking "
+    "several tokens at once costs little more than checking one."
+)
+_CODE = "def area(width, height):\n    result = width * height\n    return result\n"
+SMOL_PROMPTS = [
+    f"Repeat the following text exactly, word for word:\n\n{_PASSAGE}",
+    f"Copy this code exactly:\n\n{_CODE}",
+    f"Repeat this sentence three times: {_PASSAGE.split('. ')[0]}.",
+    f"Correct the spelling in this paragraph and return the whole paragraph:\n\n{_PASSAGE.replace('once', 'onse')}",
+    "Write a short story about a robot who learns to paint.",
+    "What are three good habits for studying?",
+    "Explain why the sky is blue.",
+    "List the days of the week.",
+]
+
+
+def test_smollm2_greedy_outputs_equal_speculation_off(smollm2_engine):
+    """SmolLM2 (Q4/Q8 native weights, C++ kernels), 8 chat prompts x 64 tokens in one batch,
+    copy-heavy and open-ended, with stop strings and a max_tokens inside drafts."""
+    engine = Engine(overrides=["model=smollm2-135m", "capture=eager", "cache.num_slots=8192", *SPEC])
+    params = [SamplingParams(max_new_tokens=64) for _ in SMOL_PROMPTS]
+    params[0] = SamplingParams(max_new_tokens=64, stop=["tokens at once"])
+    params[2] = SamplingParams(max_new_tokens=37, logprobs=1)
+    ref = smollm2_engine.generate(SMOL_PROMPTS, params, chat=True)
+    spec = engine.generate(SMOL_PROMPTS, params, chat=True)
+    for r, s in zip(ref, spec):
+        assert (s.token_ids, s.text, s.finish_reason) == (r.token_ids, r.text, r.finish_reason)
+    assert spec[0].finish_reason == "stop" and spec[0].text.endswith("checking several "), spec[0].text
+    stats = engine.metrics().speculation
+    assert stats["acceptance_rate"] > 0.5, stats  # the copy prompts copy
+    assert_no_leak(engine)
