@@ -208,16 +208,23 @@ def test_stops_inside_a_draft_end_where_they_would_without_speculation(plain_out
         assert_no_leak(engine)
 
 
-def test_requests_that_cannot_draft_decode_plainly_beside_drafting_ones(plain_outputs):
-    """Penalties and unmet min_tokens keep a request out of drafts; the others still draft."""
-    prompts, params = _copy_workload()
-    engine = Engine(overrides=TINY + SPEC)
-    penalised = SamplingParams(max_new_tokens=40, ignore_eos=True, repetition_penalty=1.3)
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(max_new_tokens=40, ignore_eos=True, frequency_penalty=0.4, presence_penalty=0.3),
+        SamplingParams(max_new_tokens=40, min_tokens=30, stop_token_ids=[60, 61, 62, 63, 64, 65]),
+    ],
+    ids=["frequency-presence", "min_tokens"],
+)
+def test_penalties_and_min_tokens_see_each_rows_drafts(params):
+    """Each verified row is penalised over its request's outputs plus the drafts before it, and
+    min_tokens counts them too: the same tokens as without speculation."""
+    prompts, _ = _copy_workload()
+    engine = Engine(overrides=TINY + SPEC + ["speculative.ngram_min=1"])  # penalised text repeats less
     with recorded_batches(engine) as batches:
-        outputs = engine.generate([prompts[0], prompts[2]], [penalised, params[2]])
-    (ref,) = Engine(overrides=TINY).generate([prompts[0]], penalised)
-    assert outputs[0].token_ids == ref.token_ids
-    assert outputs[1].token_ids == plain_outputs[2].token_ids
+        (spec,) = engine.generate([prompts[0]], params)
+    (ref,) = Engine(overrides=TINY).generate([prompts[0]], params)
+    assert (spec.token_ids, spec.finish_reason) == (ref.token_ids, ref.finish_reason)
     assert any(fb.forward_mode.is_target_verify() for fb in batches)
     assert_no_leak(engine)
 
@@ -354,4 +361,66 @@ def test_smollm2_greedy_outputs_equal_speculation_off(smollm2_engine):
     assert spec[0].finish_reason == "stop" and spec[0].text.endswith("checking several "), spec[0].text
     stats = engine.metrics().speculation
     assert stats["acceptance_rate"] > 0.5, stats  # the copy prompts copy
+    assert_no_leak(engine)
+
+
+def test_smollm2_structured_output_drafts_only_what_the_grammar_allows(smollm2_engine):
+    """JSON-schema requests draft (their repeated keys match earlier text); a draft is cut where
+    the grammar would refuse it and each verified row is masked by the grammar after the drafts
+    before it: the same JSON as without speculation, greedy and seeded-sampled."""
+    import json
+
+    from graphexec.structured.spec import StructuredSpec
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "people": {
+                "type": "array",
+                "minItems": 3,
+                "maxItems": 3,
+                "items": {
+                    "type": "object",
+                    "properties": {"name": {"type": "string"}, "city": {"type": "string"}},
+                    "required": ["name", "city"],
+                },
+            }
+        },
+        "required": ["people"],
+    }
+    prompt = "Give a JSON list of three people with their name and city."
+    greedy = SamplingParams(max_new_tokens=96, structured=StructuredSpec.json_schema(json.dumps(schema)))
+    seeded = greedy.replace(temperature=0.7, seed=3)
+    engine = Engine(overrides=["model=smollm2-135m", "capture=eager", "cache.num_slots=4096", *SPEC])
+    spec = engine.generate([prompt, prompt], [greedy, seeded], chat=True)
+    ref = smollm2_engine.generate([prompt], [greedy], chat=True)
+    assert spec[0].token_ids == ref[0].token_ids
+    for out in spec:
+        assert out.finish_reason == "stop" and len(json.loads(out.text)["people"]) == 3, out.text
+    assert engine.metrics().speculation["accepted_tokens"] > 0
+    assert_no_leak(engine)
+
+
+def test_each_verify_row_is_penalised_over_the_drafts_before_it():
+    """Row i of a verified request gets exactly the penalties, bans and bias a decode step would
+    give it with the first i draft tokens already in its output."""
+    engine = Engine(overrides=TINY)
+    params = SamplingParams(
+        max_new_tokens=32, repetition_penalty=1.2, frequency_penalty=0.7, presence_penalty=0.4,
+        min_tokens=3, logit_bias=((9, 2.0),), stop_token_ids=[5],
+    )
+    req = _start(engine, _ids(7, 1))
+    req.params = params
+    draft = [req.output_ids[-1], 11, 11]  # repeats: frequency counts each occurrence
+    fb = engine.runner.init_forward_batch(engine.scheduler.plan_verify([req], [draft]))
+    vocab = engine.model_config.vocab_size
+    logits = torch.randn(len(draft) + 1, vocab, generator=torch.Generator().manual_seed(0))
+    processed = fb.sampling_info.penalties.apply(logits)
+    for i in range(len(draft) + 1):
+        alone = Req("ref", req.prompt_ids, params, req.eos_token_ids, req.max_context, output_ids=req.output_ids + draft[:i])
+        info = SamplingBatchInfo.from_params([params], [None], vocab, "cpu", histories=[alone])
+        torch.testing.assert_close(processed[i], info.penalties.apply(logits[i : i + 1])[0])
+    assert processed[0, 5] == -math.inf and processed[2, 5] > -math.inf  # min_tokens met at row 2
+    engine.kv_cache.truncate(req, req.num_computed_tokens)
+    engine.scheduler.release(req)
     assert_no_leak(engine)

@@ -115,8 +115,8 @@ class ForwardBatch:
                 [None if r is None else r.generator for r in sampled],
                 vocab_size,
                 device,
-                histories=sampled,
-                grammars=[None if r is None else r.grammar for r in sampled],
+                histories=[h if s else None for h, s in zip(batch.row_histories(), samples)],
+                grammars=[g if s else None for g, s in zip(batch.row_grammars(), samples)],
                 draft_tokens=None if batch.drafts is None else [t for d in batch.drafts for t in (*d, -1)],
             )
         return cls(

@@ -17,6 +17,16 @@ from graphexec.batch.request import Req
 
 
 @dataclass(frozen=True)
+class DraftedHistory:
+    """A verify row's token history (sampling/penalties.py's TokenHistory): its request's ids
+    with the draft tokens before the row counted as outputs."""
+
+    prompt_ids: list[int]
+    output_ids: list[int]
+    eos_token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class ScheduleBatch:
     forward_mode: ForwardMode
     reqs: tuple[Req, ...]
@@ -48,6 +58,28 @@ class ScheduleBatch:
         if self.drafts is None:
             return list(self.reqs)
         return [req for req, draft in zip(self.reqs, self.drafts) for _ in range(len(draft) + 1)]
+
+    def row_histories(self) -> list[Req | DraftedHistory]:
+        """Per row, the token history its penalties and min_tokens see: the request's, and in
+        TARGET_VERIFY row i the request's with its first i draft tokens as outputs."""
+        if self.drafts is None:
+            return list(self.reqs)
+        return [
+            DraftedHistory(req.prompt_ids, req.output_ids + list(draft[:i]), req.eos_token_ids) if i else req
+            for req, draft in zip(self.reqs, self.drafts)
+            for i in range(len(draft) + 1)
+        ]
+
+    def row_grammars(self) -> list:
+        """Per row, the grammar its token must fit (None: free); in TARGET_VERIFY row i the
+        request's grammar as it stands after the first i draft tokens."""
+        if self.drafts is None:
+            return [req.grammar for req in self.reqs]
+        return [
+            None if req.grammar is None else req.grammar.after(draft[:i]) if i else req.grammar
+            for req, draft in zip(self.reqs, self.drafts)
+            for i in range(len(draft) + 1)
+        ]
 
     @classmethod
     def extend(

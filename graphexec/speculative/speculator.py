@@ -3,10 +3,10 @@
 Boundary: it reads requests (their ids and sampling options) and never touches KV, rows or the
 model.  Each decode step the scheduler asks `drafts` for every running request's draft (maybe
 empty); if any is non-empty the step is a TARGET_VERIFY forward, and the scheduler reports each
-request's outcome (`observe`) and the step's time (`observe_step`).  A request drafts only when
-speculation cannot change what it would sample: no grammar, no repetition penalties and no
-min_tokens still to meet (each verified row would need its own history); logit_bias is the same
-for every row, so it may.
+request's outcome (`observe`) and the step's time (`observe_step`).  Every request may draft:
+each verified row samples with its own history (penalties, min_tokens: ScheduleBatch.row_histories)
+and grammar state (ScheduleBatch.row_grammars); a constrained request's draft ends before the
+first token its grammar refuses.
 """
 
 from __future__ import annotations
@@ -96,8 +96,6 @@ class Speculator:
         return drafts if any(drafts) else None
 
     def _propose(self, req: Req) -> tuple[int, ...]:
-        if not _may_draft(req):
-            return ()
         params = req.params
         # Every verified row may yield a token: the drafts plus one must fit what the request
         # may still produce, and every row's position must fit its table row.
@@ -106,7 +104,10 @@ class Speculator:
             params.max_new_tokens - len(req.output_ids) - 1,
             req.max_context - req.seq_len,
         )
-        return self.drafter.propose(req, req.all_ids, room)
+        draft = self.drafter.propose(req, req.all_ids, room)
+        if draft and req.grammar is not None:
+            draft = draft[: req.grammar.valid_draft_length(draft)]
+        return draft
 
     def observe(self, req: Req, drafted: int, accepted: int) -> None:
         """A request verified `drafted` tokens this step and the first `accepted` were taken."""
@@ -129,13 +130,3 @@ class Speculator:
             self._verify_steps, self._drafted, self._accepted, dict(self._lengths), self.costs.as_dict()
         )
 
-
-def _may_draft(req: Req) -> bool:
-    params = req.params
-    return (
-        req.grammar is None
-        and params.repetition_penalty == 1.0
-        and params.presence_penalty == 0.0
-        and params.frequency_penalty == 0.0
-        and params.min_tokens <= len(req.output_ids)
-    )

@@ -62,6 +62,27 @@ class RequestGrammar:
                 else:
                     words[word] &= 0xFFFFFFFF ^ bits
 
+    def valid_draft_length(self, tokens: Sequence[int]) -> int:
+        """How many leading draft tokens the grammar would accept from here, stopping before the
+        first stop token (nothing after one is verified); the matcher is left as it was."""
+        if self._terminated:
+            return 0
+        text = list(tokens[: next((i for i, t in enumerate(tokens) if t in self._stops), len(tokens))])
+        return self._matcher.validate_tokens(text) if text else 0
+
+    def after(self, tokens: Sequence[int]) -> _AfterDraft:
+        """This grammar as a verify row sees it: as if `tokens` (valid drafts) were accepted."""
+        return _AfterDraft(self, tuple(tokens))
+
+    def _fill_row_after(self, tokens: tuple[int, ...], bitmask: torch.Tensor, row: int) -> None:
+        consumed = self._matcher.try_consume_tokens(list(tokens))
+        try:
+            if consumed != len(tokens):
+                raise RuntimeError(f"a verified draft left the grammar after {consumed} of {len(tokens)} tokens")
+            self.fill_row(bitmask, row)
+        finally:
+            self._matcher.rollback(consumed)
+
     @property
     def is_completed(self) -> bool:
         """The text so far is a whole match (a stop token may come next)."""
@@ -71,6 +92,18 @@ class RequestGrammar:
     def is_terminated(self) -> bool:
         """A stop token was accepted: nothing more may follow."""
         return self._terminated
+
+
+class _AfterDraft:
+    """A RowGrammar for verify row i of a constrained request: the request's grammar advanced by
+    the i draft tokens before the row while its mask is written, then rolled back."""
+
+    def __init__(self, grammar: RequestGrammar, tokens: tuple[int, ...]):
+        self._grammar = grammar
+        self._tokens = tokens
+
+    def fill_row(self, bitmask: torch.Tensor, row: int) -> None:
+        self._grammar._fill_row_after(self._tokens, bitmask, row)
 
 
 def _bits_by_word(token_ids: list[int]) -> tuple[tuple[int, int], ...]:
