@@ -382,3 +382,20 @@ def test_gguf_fused_quantized_tensors_split_packed_and_cut(tmp_path):
         expected = shard_state_dict(dense, TPLayout.build(load_gguf(path, "q").config, 2, rank))
         for key in fused_parts:
             assert torch.equal(part[key].dequantize(), expected[key]), (rank, key)
+
+
+def test_a_random_model_yaml_spells_rope_scaling_as_a_mapping():
+    """`model.architecture.rope_scaling` in a random model's YAML is a mapping of RopeScaling's
+    fields; a bad one is a ConfigError naming model.architecture."""
+    from graphexec import ConfigError
+    from graphexec.config import EngineConfig
+    from graphexec.loader.resolve import load_checkpoint
+    from graphexec.models.config import RopeScaling
+
+    overrides = ["model=tiny-llama", "+model.architecture.rope_scaling={kind: linear, factor: 2.0}"]
+    source = EngineConfig.from_overrides(overrides).model
+    checkpoint = load_checkpoint(source, torch.float32)
+    assert checkpoint.config.rope_scaling == RopeScaling(kind="linear", factor=2.0)
+    bad = EngineConfig.from_overrides(["model=tiny-llama", "+model.architecture.rope_scaling={kind: spiral}"]).model
+    with pytest.raises(ConfigError, match="model.architecture"):
+        load_checkpoint(bad, torch.float32)

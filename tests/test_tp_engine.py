@@ -61,6 +61,17 @@ def test_tp2_tokens_equal_tp1(reference_tokens, capture):
     assert _children() == []
 
 
+def test_tp2_verifies_drafts_with_the_tokens_of_tp1(reference_tokens):
+    """Speculation under tensor parallelism: TARGET_VERIFY batches travel to the other rank like
+    decode batches, and greedy tokens stay those of one process without speculation."""
+    greedy, _ = reference_tokens
+    spec = ["speculative=ngram", "speculative.policy=always", "speculative.ngram_min=1"]
+    with Engine([*TINY, "capture=eager", "parallel.tp_size=2", *spec]) as engine:
+        assert _tokens(engine, SamplingParams(max_new_tokens=10, temperature=0.0)) == greedy
+        assert engine.metrics().speculation["verify_steps"] > 0
+    assert _children() == []
+
+
 def test_idle_engine_keeps_its_ranks(reference_tokens):
     """Idle longer than the timeout: keep-alives stop the workers from taking rank 0 for hung."""
     greedy, _ = reference_tokens

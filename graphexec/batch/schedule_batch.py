@@ -65,7 +65,9 @@ class ScheduleBatch:
         if self.drafts is None:
             return list(self.reqs)
         return [
-            DraftedHistory(req.prompt_ids, req.output_ids + list(draft[:i]), req.eos_token_ids) if i else req
+            DraftedHistory(req.prompt_ids, req.output_ids + list(draft[:i]), req.eos_token_ids)
+            if i and req.params.processes_logits  # (a copy of the outputs: only where it is read)
+            else req
             for req, draft in zip(self.reqs, self.drafts)
             for i in range(len(draft) + 1)
         ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import replace
 
 import torch
@@ -9,7 +10,7 @@ import torch
 from graphexec.config import ModelSourceConfig
 from graphexec.errors import ConfigError
 from graphexec.loader import LoadedCheckpoint, default_smollm2_gguf, load_gguf, load_hf_dir
-from graphexec.models.config import ModelConfig
+from graphexec.models.config import ModelConfig, RopeScaling
 from graphexec.models.random_weights import random_state_dict
 from graphexec.models.sharding import shard_state_dict
 from graphexec.models.tp_layout import TPLayout
@@ -33,14 +34,20 @@ def load_checkpoint(source: ModelSourceConfig, dtype: torch.dtype, tp_size: int 
 
 def _random_checkpoint(source: ModelSourceConfig, dtype: torch.dtype) -> LoadedCheckpoint:
     tokenizer = ByteTokenizer(vocab_size=source.architecture.get("vocab_size", 0))
+    architecture = dict(source.architecture)
     try:
+        if isinstance(architecture.get("rope_scaling"), Mapping):  # as a YAML spells it
+            scaling = dict(architecture["rope_scaling"])
+            if scaling.get("short_factor") is not None:
+                scaling["short_factor"] = tuple(scaling["short_factor"])
+            architecture["rope_scaling"] = RopeScaling(**scaling)
         config = ModelConfig(
             name=source.name,
             bos_token_id=tokenizer.bos_token_id,
             eos_token_ids=tuple(tokenizer.eos_token_ids),
-            **source.architecture,
+            **architecture,
         )
-    except TypeError as err:
+    except (TypeError, ValueError) as err:
         raise ConfigError(f"model.architecture of {source.name!r} is incomplete or has unknown fields: {err}") from err
     state_dict = {k: v.to(dtype) for k, v in random_state_dict(config, source.seed).items()}
     return LoadedCheckpoint(config=config, state_dict=state_dict, tokenizer=tokenizer)
