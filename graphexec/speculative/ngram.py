@@ -56,3 +56,10 @@ class NgramDrafter:
             if end is not None:
                 return tuple(ids[end : end + max_tokens])
         return ()
+
+    def propose_batch(self, reqs: Sequence[Any], rooms: Sequence[int]) -> list[tuple[int, ...]]:
+        """`propose` for each request over its whole text (`all_ids`)."""
+        return [self.propose(req, req.all_ids, room) for req, room in zip(reqs, rooms)]
+
+    def forget(self, req: Any) -> None:
+        """Nothing to free: an index goes with its request (weak keys)."""

@@ -1,7 +1,8 @@
 """The scheduler's speculation partner: drafts for a decode step, and what verification taught.
 
-Boundary: it reads requests (their ids and sampling options) and never touches KV, rows or the
-model.  Each decode step the scheduler asks `drafts` for every running request's draft (maybe
+Boundary: it reads requests (their ids and sampling options) and never touches the target's KV,
+rows or model; a draft model's own KV and runner are its drafter's (draft_model.py), freed when the
+scheduler says a request stopped running (`forget`).  Each decode step the scheduler asks `drafts` for every running request's draft (maybe
 empty); if any is non-empty the step is a TARGET_VERIFY forward, and the scheduler reports each
 request's outcome (`observe`) and the step's time (`observe_step`).  A request drafts only when
 speculation cannot change what it would sample: no grammar, no repetition penalties and no
@@ -15,7 +16,7 @@ import weakref
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from graphexec.speculative.cost_model import StepCosts
 from graphexec.speculative.ngram import NgramDrafter
@@ -24,6 +25,18 @@ from graphexec.speculative.policy import choose_lengths
 if TYPE_CHECKING:
     from graphexec.batch.request import Req
     from graphexec.config import SpeculativeConfig
+
+
+class Drafter(Protocol):
+    """Proposes drafts for a whole decode step at once (ngram.py, draft_model.py)."""
+
+    def propose_batch(self, reqs: Sequence[Req], rooms: Sequence[int]) -> list[tuple[int, ...]]:
+        """Per request at most `rooms[i]` deterministic draft tokens (room 0: ())."""
+        ...
+
+    def forget(self, req: Req) -> None:
+        """The request stopped running: free whatever is kept for it."""
+        ...
 
 # Running acceptance per request: counts decay by this factor per verified draft, so a request
 # that stops copying stops drafting within a few steps.
@@ -68,9 +81,10 @@ class SpeculationStats:
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig):
+    def __init__(self, config: SpeculativeConfig, drafter: Drafter | None = None):
+        """`drafter`: the draft model's (the engine builds it); ngram's is built here."""
         self.config = config
-        self.drafter = NgramDrafter(config.ngram_min, config.ngram_max)
+        self.drafter = drafter if drafter is not None else NgramDrafter(config.ngram_min, config.ngram_max)
         self.costs = StepCosts()
         self._acceptance: weakref.WeakKeyDictionary[Req, _Acceptance] = weakref.WeakKeyDictionary()
         self._verify_steps = 0
@@ -81,7 +95,7 @@ class Speculator:
     def drafts(self, reqs: Sequence[Req], spare_slots: int) -> list[tuple[int, ...]] | None:
         """Per request the draft to verify this step (maybe empty); None when nobody drafts (a
         plain decode step).  Never more draft tokens in all than `spare_slots`."""
-        proposals = [self._propose(req) for req in reqs]
+        proposals = self.drafter.propose_batch(reqs, [self._room(req) for req in reqs])
         if not any(proposals):
             return None
         if self.config.policy == "always":
@@ -95,18 +109,22 @@ class Speculator:
         drafts = [p[:n] for p, n in zip(proposals, lengths)]
         return drafts if any(drafts) else None
 
-    def _propose(self, req: Req) -> tuple[int, ...]:
+    def _room(self, req: Req) -> int:
+        """Draft tokens the request may verify this step (0: it does not draft)."""
         if not _may_draft(req):
-            return ()
-        params = req.params
+            return 0
         # Every verified row may yield a token: the drafts plus one must fit what the request
         # may still produce, and every row's position must fit its table row.
-        room = min(
+        return max(0, min(
             self.config.num_draft_tokens,
-            params.max_new_tokens - len(req.output_ids) - 1,
+            req.params.max_new_tokens - len(req.output_ids) - 1,
             req.max_context - req.seq_len,
-        )
-        return self.drafter.propose(req, req.all_ids, room)
+        ))
+
+    def forget(self, req: Req) -> None:
+        """The request stopped running (finished, aborted, retracted): the drafter frees what it
+        kept for it (a draft model's KV)."""
+        self.drafter.forget(req)
 
     def observe(self, req: Req, drafted: int, accepted: int) -> None:
         """A request verified `drafted` tokens this step and the first `accepted` were taken."""

@@ -1,0 +1,124 @@
+"""Draft-model speculation: a model drafting for itself has every draft accepted, another model's
+drafts change no greedy token, and the draft model's own KV is freed whenever a request stops
+running (finished, aborted, retracted)."""
+
+import pytest
+import torch
+
+from graphexec import Engine, SamplingParams
+from graphexec.errors import ConfigError
+from tests.invariants import assert_no_leak
+
+TINY = ["model=tiny-llama", "cache.num_slots=2048", "capture=eager"]
+DRAFT = ["speculative=draft_model", "speculative.policy=always"]
+
+
+def _ids(n, seed, vocab=320):
+    return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _prompts():
+    return [_ids(6 + 5 * i, 40 + i) for i in range(4)]
+
+
+def _greedy(n=40):
+    return SamplingParams(max_new_tokens=n, ignore_eos=True)
+
+
+def _assert_draft_clean(engine) -> None:
+    kv = engine.draft.kv_cache
+    kv.audit()
+    assert not kv.holders()
+    assert kv.num_free_rows == kv.req_to_token_pool.max_requests
+    assert kv.num_free + kv.num_cached == kv.num_slots
+
+
+@pytest.fixture(scope="module")
+def expected():
+    return [o.token_ids for o in Engine(overrides=TINY).generate(_prompts(), _greedy())]
+
+
+def test_a_model_drafting_for_itself_has_every_draft_accepted(expected):
+    engine = Engine(overrides=TINY + DRAFT + ["speculative.draft_model=tiny-llama"])
+    assert [o.token_ids for o in engine.generate(_prompts(), _greedy())] == expected
+    stats = engine.scheduler.speculator.stats()
+    assert stats.verify_steps > 0 and stats.drafted_tokens > 0
+    assert stats.accepted_tokens == stats.drafted_tokens
+    # Four drafts and the bonus token per step: far fewer steps than tokens.
+    assert stats.verify_steps < 40 / 3
+    assert_no_leak(engine)
+    _assert_draft_clean(engine)
+
+
+def test_another_draft_model_changes_no_greedy_token(expected):
+    # tiny-qwen2: the same vocabulary, other weights, a shorter context (256).
+    engine = Engine(overrides=TINY + DRAFT + ["speculative.draft_model=tiny-qwen2", "speculative.num_draft_tokens=3"])
+    assert [o.token_ids for o in engine.generate(_prompts(), _greedy())] == expected
+    stats = engine.scheduler.speculator.stats()
+    assert stats.verify_steps > 0
+    assert stats.accepted_tokens < stats.drafted_tokens
+    assert_no_leak(engine)
+    _assert_draft_clean(engine)
+
+
+def test_sampled_requests_draft_and_free_their_draft_kv():
+    engine = Engine(overrides=TINY + DRAFT + ["speculative.draft_model=tiny-qwen2"])
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True, temperature=0.8, seed=3)
+    outputs = engine.generate(_prompts(), params)
+    assert all(len(o.token_ids) == 30 for o in outputs)
+    assert engine.scheduler.speculator.stats().verify_steps > 0
+    assert_no_leak(engine)
+    _assert_draft_clean(engine)
+
+
+def test_an_abort_mid_generation_frees_the_draft_kv():
+    engine = Engine(overrides=TINY + DRAFT + ["speculative.draft_model=tiny-llama"])
+    scheduler = engine.scheduler
+    streams = [engine.stream(p, _greedy(200)) for p in _prompts()[:2]]
+    first = next(iter(streams[0]))  # the engine is generating
+    assert first.token_ids
+    assert engine.abort(streams[0].request_id)
+    assert streams[0].result().finish_reason == "abort"
+    assert len(streams[1].result().token_ids) == 200
+    assert scheduler.speculator.stats().verify_steps > 0
+    assert_no_leak(engine)
+    _assert_draft_clean(engine)
+
+
+def test_retraction_frees_the_draft_kv_and_keeps_every_token():
+    prompts = [_ids(12 + 3 * i, 90 + i) for i in range(6)]
+    params = _greedy(40)
+    expected = [o.token_ids for o in Engine(overrides=TINY).generate(prompts, params)]
+    engine = Engine(
+        overrides=TINY + DRAFT + ["speculative.draft_model=tiny-llama", "cache.num_slots=120", "scheduler.max_running_requests=8"]
+    )
+    assert [o.token_ids for o in engine.generate(prompts, params)] == expected
+    assert engine.metrics().retractions_total > 0
+    assert engine.scheduler.speculator.stats().verify_steps > 0
+    assert_no_leak(engine)
+    _assert_draft_clean(engine)
+
+
+def test_a_small_draft_pool_drafts_less_and_changes_nothing(expected):
+    """A draft pool too small for every request: the ones that do not fit draft nothing that step."""
+    engine = Engine(overrides=TINY + DRAFT + ["speculative.draft_model=tiny-llama", "speculative.draft_num_slots=60"])
+    assert engine.draft.kv_cache.num_slots == 60
+    assert [o.token_ids for o in engine.generate(_prompts(), _greedy())] == expected
+    stats = engine.scheduler.speculator.stats()
+    assert stats.verify_steps > 0 and stats.accepted_tokens == stats.drafted_tokens
+    assert_no_leak(engine)
+    _assert_draft_clean(engine)
+
+
+def test_draft_model_config_errors_name_the_option():
+    with pytest.raises(ConfigError, match=r"speculative\.draft_model"):
+        Engine(overrides=TINY + ["speculative=draft_model"])
+    with pytest.raises(ConfigError, match=r"speculative\.draft_model='nope' is unknown"):
+        Engine(overrides=TINY + ["speculative=draft_model", "speculative.draft_model=nope"])
+    with pytest.raises(ConfigError, match=r"speculative\.draft_num_slots"):
+        Engine(overrides=TINY + ["speculative=draft_model", "speculative.draft_model=tiny-llama", "speculative.draft_num_slots=0"])
+
+
+def test_a_draft_model_of_another_vocabulary_is_refused():
+    with pytest.raises(ConfigError, match=r"speculative\.draft_model='smollm2-135m-random'.*49152.*320"):
+        Engine(overrides=TINY + ["speculative=draft_model", "speculative.draft_model=smollm2-135m-random"])
