@@ -2,6 +2,8 @@
 drafts change no greedy token, and the draft model's own KV is freed whenever a request stops
 running (finished, aborted, retracted)."""
 
+import time
+
 import pytest
 import torch
 
@@ -74,12 +76,12 @@ def test_sampled_requests_draft_and_free_their_draft_kv():
 def test_an_abort_mid_generation_frees_the_draft_kv():
     engine = Engine(overrides=TINY + DRAFT + ["speculative.draft_model=tiny-llama"])
     scheduler = engine.scheduler
-    streams = [engine.stream(p, _greedy(200)) for p in _prompts()[:2]]
+    streams = [engine.stream(p, _greedy(120)) for p in _prompts()[:2]]
     first = next(iter(streams[0]))  # the engine is generating
     assert first.token_ids
     assert engine.abort(streams[0].request_id)
     assert streams[0].result().finish_reason == "abort"
-    assert len(streams[1].result().token_ids) == 200
+    assert len(streams[1].result().token_ids) == 120
     assert scheduler.speculator.stats().verify_steps > 0
     assert_no_leak(engine)
     _assert_draft_clean(engine)
@@ -108,6 +110,29 @@ def test_a_small_draft_pool_drafts_less_and_changes_nothing(expected):
     assert stats.verify_steps > 0 and stats.accepted_tokens == stats.drafted_tokens
     assert_no_leak(engine)
     _assert_draft_clean(engine)
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_the_draft_model_runs_on_its_own_captured_graphs(expected, background):
+    """The draft runner gets the engine's capture plan: captured before serving, or while idle
+    after the target's buckets; greedy tokens are the same either way."""
+    overrides = [
+        "model=tiny-llama", "cache.num_slots=2048", "capture=auto", "capture.cache_dir=null",
+        "capture.decode.graph=tape", "capture.decode.buckets=[1,2,4]", "capture.decode.keep=all",
+        "capture.decode.progress=false", f"capture.background={str(background).lower()}", "capture.idle_delay_s=0",
+        *DRAFT, "speculative.draft_model=tiny-llama",
+    ]
+    with Engine(overrides=overrides) as engine:
+        deadline = time.monotonic() + 60
+        while (engine.runner.capture_pending() or engine.draft.runner.capture_pending()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [o.token_ids for o in engine.generate(_prompts(), _greedy())] == expected
+        stats = engine.draft.runner.backend_stats()["decode"]
+        assert {s["state"] for s in stats["buckets"].values()} == {"ready"}
+        assert stats["executions"] > 0
+        assert engine.scheduler.speculator.stats().verify_steps > 0
+        assert_no_leak(engine)
+        _assert_draft_clean(engine)
 
 
 def test_draft_model_config_errors_name_the_option():

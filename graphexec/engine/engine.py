@@ -38,6 +38,7 @@ from graphexec.text.prompt_encoder import Prompt, PromptEncoder
 
 if TYPE_CHECKING:
     from graphexec.loader import LoadedCheckpoint
+    from graphexec.runner.model_runner import ModelRunner
     from graphexec.structured.grammar_backend import GrammarBackend
 
 __all__ = ["Engine", "Prompt", "RequestDelta", "RequestOutput"]
@@ -88,7 +89,8 @@ class Engine:
         self._request_ids = itertools.count()
         self._grammar_backend: GrammarBackend | None = None  # built by the first constrained request
         self._grammar_backend_lock = threading.Lock()
-        idle_work = self.runner.capture_next if background and self.runner.capture_pending() else None
+        runners = [self.runner] + ([self.draft.runner] if self.draft is not None else [])
+        idle_work = _CaptureInTurn(runners) if background and any(r.capture_pending() for r in runners) else None
         self._loop = EngineLoop(
             self.scheduler,
             self.runner,
@@ -101,9 +103,8 @@ class Engine:
 
     def _speculator(self, target: LoadedCheckpoint, capture: bool) -> Speculator | None:
         """The scheduler's speculation partner (None when speculation is off); with a draft model,
-        that model's own KV cache and runner too (`self.draft`).  Under background capture the
-        draft runner's graphs are not captured: the loop's idle work captures the target's only,
-        so the draft model runs eagerly."""
+        that model's own KV cache and runner too (`self.draft`); under background capture its
+        buckets are captured while idle after the target's (`_CaptureInTurn`)."""
         self.draft: RankParts | None = None
         spec = self.config.speculative
         if not spec.enabled:
@@ -328,6 +329,21 @@ def _shutdown(loop: EngineLoop, tp: TPDriver | None) -> None:
     loop.shutdown()
     if tp is not None:
         tp.close()  # after the loop thread is done with the process group
+
+
+class _CaptureInTurn:
+    """Background capture over several runners (the target's, then a draft model's): one pending
+    bucket per call, the first runner's first; True while any remain (EngineLoop's idle work)."""
+
+    def __init__(self, runners: Sequence[ModelRunner]):
+        self.runners = list(runners)
+
+    def __call__(self) -> bool:
+        for runner in self.runners:
+            if runner.capture_pending():
+                runner.capture_next()
+                break
+        return any(r.capture_pending() for r in self.runners)
 
 
 def _drain(stream: RequestStream) -> None:
