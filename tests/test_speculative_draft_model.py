@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from graphexec import Engine, SamplingParams
+from graphexec.batch.request import Req
 from graphexec.errors import ConfigError
+from graphexec.speculative.draft_model import DraftModelDrafter
 from tests.invariants import assert_no_leak
 
 TINY = ["model=tiny-llama", "cache.num_slots=2048", "capture=eager"]
@@ -38,6 +40,41 @@ def _assert_draft_clean(engine) -> None:
 @pytest.fixture(scope="module")
 def expected():
     return [o.token_ids for o in Engine(overrides=TINY).generate(_prompts(), _greedy())]
+
+
+def test_a_shadow_synced_to_any_history_drafts_like_one_built_from_scratch():
+    """Whatever verification kept of last step's drafts (all and a bonus token, some, none), the
+    synced shadow's draft equals a fresh drafter's over the same ids: its KV was cut back right."""
+    engine = Engine(overrides=TINY + DRAFT + ["speculative.draft_model=tiny-qwen2"])
+    drafter = engine.scheduler.speculator.drafter
+    fresh = DraftModelDrafter(engine.draft.runner, engine.draft.kv_cache)
+    req = Req("r", _ids(9, 5), _greedy(), (), engine.max_context, output_ids=[7])
+
+    def check(room):
+        got = drafter.propose_batch([req], [room])[0]
+        alone = Req("alone", list(req.prompt_ids), req.params, (), engine.max_context, output_ids=list(req.output_ids))
+        assert got == fresh.propose_batch([alone], [room])[0]
+        fresh.forget(alone)
+        assert len(got) == room
+        return got
+
+    draft = check(4)
+    req.output_ids += [draft[0], draft[1]]  # one accepted, and a bonus token that was drafted too
+    draft = check(4)
+    req.output_ids += [*draft, 3]  # every draft accepted, and a bonus token
+    draft = check(2)
+    req.output_ids += [(draft[0] + 1) % 320]  # the first draft rejected
+    draft = check(3)
+    assert engine.draft.kv_cache.holders() != []
+    drafter.forget(req)
+    _assert_draft_clean(engine)
+
+
+def test_the_cost_policy_changes_no_greedy_token(expected):
+    engine = Engine(overrides=TINY + ["speculative=draft_model", "speculative.draft_model=tiny-llama"])
+    assert [o.token_ids for o in engine.generate(_prompts(), _greedy())] == expected
+    assert_no_leak(engine)
+    _assert_draft_clean(engine)
 
 
 def test_a_model_drafting_for_itself_has_every_draft_accepted(expected):

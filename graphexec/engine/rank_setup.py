@@ -60,7 +60,8 @@ def load_draft(config: EngineConfig, target: LoadedCheckpoint, capture: bool = T
     is false).  On one rank, whole: the draft model is small, and only rank 0 drafts.  ConfigError when its vocabulary is not the
     target's (a draft token would mean another token to the target)."""
     spec = config.speculative
-    cache = replace(config.cache, num_slots=spec.draft_num_slots or config.cache.num_slots)
+    # No prefix cache: a shadow computes its own request's ids and frees them when it goes.
+    cache = replace(config.cache, num_slots=spec.draft_num_slots or config.cache.num_slots, prefix_cache=False)
     draft_config = replace(config, model=draft_model_source(spec), cache=cache)
     checkpoint = load_checkpoint(draft_config.model, draft_config.torch_dtype)
     draft_vocab, target_vocab = checkpoint.config.vocab_size, target.config.vocab_size

@@ -38,6 +38,9 @@ if TYPE_CHECKING:
 
 
 class DraftModelDrafter:
+    # A full room's worth of tokens, unless the draft pool is short (then nothing that step).
+    fills_room = True
+
     def __init__(self, runner: ModelRunner, kv_cache: KVCacheManager):
         self.runner = runner
         self.kv_cache = kv_cache
@@ -75,9 +78,6 @@ class DraftModelDrafter:
         shadow = self._shadows.pop(req, None)
         if shadow is not None:
             self.kv_cache.release(shadow, cache=False)
-
-    def holds(self, req: Req) -> bool:
-        return req in self._shadows
 
     def _admit(self, candidates: list[int], reqs: Sequence[Req], rooms: Sequence[int]) -> list[int]:
         """Sync the candidates' shadows and keep those whose step fits the draft pool, in order;

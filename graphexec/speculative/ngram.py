@@ -33,6 +33,8 @@ class _Index:
 
 
 class NgramDrafter:
+    fills_room = False  # a draft is whatever followed the match: maybe shorter, maybe nothing
+
     def __init__(self, ngram_min: int, ngram_max: int):
         if not 1 <= ngram_min <= ngram_max:
             raise ValueError(f"ngram sizes must satisfy 1 <= min <= max, got {ngram_min}..{ngram_max}")

@@ -30,6 +30,10 @@ if TYPE_CHECKING:
 class Drafter(Protocol):
     """Proposes drafts for a whole decode step at once (ngram.py, draft_model.py)."""
 
+    # True when a proposal always fills its room (a draft model); False when it may be shorter
+    # or empty (prompt lookup finds no match).
+    fills_room: bool
+
     def propose_batch(self, reqs: Sequence[Req], rooms: Sequence[int]) -> list[tuple[int, ...]]:
         """Per request at most `rooms[i]` deterministic draft tokens (room 0: ())."""
         ...
@@ -95,19 +99,30 @@ class Speculator:
     def drafts(self, reqs: Sequence[Req], spare_slots: int) -> list[tuple[int, ...]] | None:
         """Per request the draft to verify this step (maybe empty); None when nobody drafts (a
         plain decode step).  Never more draft tokens in all than `spare_slots`."""
-        proposals = self.drafter.propose_batch(reqs, [self._room(req) for req in reqs])
-        if not any(proposals):
-            return None
+        rooms = [self._room(req) for req in reqs]
+        if self.drafter.fills_room:
+            # A draft model proposes as many tokens as asked, each at the price of a forward:
+            # decide the lengths first, so it never drafts what would not be verified.
+            lengths = self._verify_lengths(reqs, rooms, spare_slots)
+            drafts = self.drafter.propose_batch(reqs, lengths) if any(lengths) else []
+        else:
+            proposals = self.drafter.propose_batch(reqs, rooms)
+            lengths = self._verify_lengths(reqs, [len(p) for p in proposals], spare_slots)
+            drafts = [p[:n] for p, n in zip(proposals, lengths)]
+        return drafts if any(drafts) else None
+
+    def _verify_lengths(self, reqs: Sequence[Req], proposed: Sequence[int], spare_slots: int) -> list[int]:
+        """How many of each request's `proposed` draft tokens to verify."""
+        if not any(proposed):
+            return [0] * len(proposed)
         if self.config.policy == "always":
             lengths, left = [], spare_slots
-            for p in proposals:
-                lengths.append(min(len(p), left))
+            for n in proposed:
+                lengths.append(max(0, min(n, left)))
                 left -= lengths[-1]
-        else:
-            alphas = [self._acceptance.get(req, _Acceptance()).alpha for req in reqs]
-            lengths = choose_lengths(alphas, [len(p) for p in proposals], self.costs, spare_slots)
-        drafts = [p[:n] for p, n in zip(proposals, lengths)]
-        return drafts if any(drafts) else None
+            return lengths
+        alphas = [self._acceptance.get(req, _Acceptance()).alpha for req in reqs]
+        return choose_lengths(alphas, proposed, self.costs, spare_slots)
 
     def _room(self, req: Req) -> int:
         """Draft tokens the request may verify this step (0: it does not draft)."""
