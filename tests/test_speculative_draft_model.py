@@ -9,6 +9,7 @@ import torch
 
 from graphexec import Engine, SamplingParams
 from graphexec.batch.request import Req
+from graphexec.config import EngineConfig, draft_model_source
 from graphexec.errors import ConfigError
 from graphexec.speculative.draft_model import DraftModelDrafter
 from tests.invariants import assert_no_leak
@@ -111,15 +112,20 @@ def test_sampled_requests_draft_and_free_their_draft_kv():
 
 
 def test_an_abort_mid_generation_frees_the_draft_kv():
+    # Driven by hand (the engine serves nothing), so the abort surely lands mid-generation.
     engine = Engine(overrides=TINY + DRAFT + ["speculative.draft_model=tiny-llama"])
     scheduler = engine.scheduler
-    streams = [engine.stream(p, _greedy(120)) for p in _prompts()[:2]]
-    first = next(iter(streams[0]))  # the engine is generating
-    assert first.token_ids
-    assert engine.abort(streams[0].request_id)
-    assert streams[0].result().finish_reason == "abort"
-    assert len(streams[1].result().token_ids) == 120
-    assert scheduler.speculator.stats().verify_steps > 0
+    reqs = [Req(f"a{i}", p, _greedy(120), (), engine.max_context) for i, p in enumerate(_prompts()[:2])]
+    for req in reqs:
+        scheduler.add_request(req)
+    while scheduler.speculator.stats().verify_steps < 3:
+        scheduler.step()
+    assert len(engine.draft.kv_cache.holders()) == 2
+    assert scheduler.abort("a0")
+    assert len(engine.draft.kv_cache.holders()) == 1
+    while scheduler.has_unfinished():
+        scheduler.step()
+    assert reqs[0].finish_reason.value == "abort" and len(reqs[1].output_ids) == 120
     assert_no_leak(engine)
     _assert_draft_clean(engine)
 
@@ -170,6 +176,13 @@ def test_the_draft_model_runs_on_its_own_captured_graphs(expected, background):
         assert engine.scheduler.speculator.stats().verify_steps > 0
         assert_no_leak(engine)
         _assert_draft_clean(engine)
+
+
+def test_the_draft_options_compose_and_travel_as_plain_data():
+    config = EngineConfig.from_overrides(TINY + ["speculative=draft_model", "speculative.draft_model=tiny-qwen2"])
+    assert config.speculative.method == "draft_model" and config.speculative.draft_num_slots is None
+    assert EngineConfig.from_mapping(config.to_plain()) == config
+    assert draft_model_source(config.speculative).name == "tiny-qwen2"
 
 
 def test_draft_model_config_errors_name_the_option():

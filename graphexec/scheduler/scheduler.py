@@ -19,7 +19,8 @@ request's last token and its draft tokens run as one TARGET_VERIFY forward (slot
 them, taken from what the decode step leaves spare), each request keeps the drafts its sampled
 rows agreed with plus the token of the first row that disagreed (or of the last row), and the
 slots of the rejected drafts go back at once, so the KV and the prefix cache hold accepted
-tokens only.
+tokens only.  Whenever a request stops running (finished, aborted, retracted) the speculator is
+told (`Speculator.forget`), so a draft model's KV for it goes too.
 """
 
 from __future__ import annotations
