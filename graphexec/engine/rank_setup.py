@@ -57,8 +57,9 @@ def _build(config: EngineConfig, checkpoint: LoadedCheckpoint, tp: TPGroup, chan
 def load_draft(config: EngineConfig, target: LoadedCheckpoint, capture: bool = True) -> RankParts:
     """The draft model's own checkpoint, KV cache (speculative.draft_num_slots slots, else
     cache.num_slots) and runner, under the engine's capture plan (captured now unless `capture`
-    is false).  On one rank, whole: the draft model is small, and only rank 0 drafts.  ConfigError when its vocabulary is not the
-    target's (a draft token would mean another token to the target)."""
+    is false).  On one rank, whole: the draft model is small, and only rank 0 drafts.
+    ConfigError when its vocabulary is not the target's (a draft token would mean another token
+    to the target); checked before its KV pool and runner are built."""
     spec = config.speculative
     # No prefix cache: a shadow computes its own request's ids and frees them when it goes.
     cache = replace(config.cache, num_slots=spec.draft_num_slots or config.cache.num_slots, prefix_cache=False)
