@@ -27,7 +27,7 @@ _MODEL_SOURCES = ("gguf", "hf", "random")
 _ADMISSION_POLICIES = ("optimistic", "reserve")
 _DEFAULT_PREFILL_TOKENS = 2048
 _DIST_BACKENDS = ("auto", "gloo", "nccl")
-_SPEC_METHODS = ("none", "ngram")
+_SPEC_METHODS = ("none", "ngram", "draft_model")
 _SPEC_POLICIES = ("cost", "always")
 
 
@@ -190,7 +190,8 @@ class SpeculativeConfig:
     """Speculative decoding (graphexec/speculative/): drafts verified in one TARGET_VERIFY forward."""
 
     # none: never speculate.  ngram: prompt lookup, the continuation of the latest earlier
-    # occurrence of the request's last tokens in its own prompt + output.
+    # occurrence of the request's last tokens in its own prompt + output.  draft_model: a smaller
+    # model of the same vocabulary proposes greedily (graphexec/speculative/draft_model.py).
     method: str = "none"
     # Draft tokens per request and step at most (k); a step verifies up to k + 1 tokens of it.
     num_draft_tokens: int = 4
@@ -201,6 +202,12 @@ class SpeculativeConfig:
     # extra rows (graphexec/speculative/policy.py), so speculation turns itself off where it cannot
     # pay.  always: verify every draft found (tests, benchmarks of the mechanism).
     policy: str = "cost"
+    # draft_model: the name of the drafting model's config in configs/model/ (composed and checked
+    # like `model=<name>`); its vocabulary must be the target's.
+    draft_model: str | None = None
+    # draft_model: KV slots of the drafting model's own pool; null: cache.num_slots.  A request
+    # that finds the pool full drafts nothing that step (it never waits for the draft model).
+    draft_num_slots: int | None = None
 
     @property
     def enabled(self) -> bool:
@@ -370,7 +377,25 @@ def _speculative(values: Mapping[str, Any]) -> SpeculativeConfig:
             f"speculative.ngram_min ({values['ngram_min']}) must not exceed speculative.ngram_max "
             f"({values.get('ngram_max', SpeculativeConfig.ngram_max)})"
         )
+    if values.get("draft_num_slots") is not None:
+        _check_positive_int(values["draft_num_slots"], "speculative.draft_num_slots")
+    draft = values.get("draft_model")
+    if draft is not None and draft not in available_options("model"):
+        raise ConfigError(f"speculative.draft_model={draft!r} is unknown; available: {available_options('model')}")
+    if values.get("method") == "draft_model" and draft is None:
+        raise ConfigError(
+            "speculative.method=draft_model needs speculative.draft_model, the name of a model config "
+            f"(one of {available_options('model')})"
+        )
     return SpeculativeConfig(**values)
+
+
+def draft_model_source(config: SpeculativeConfig) -> ModelSourceConfig:
+    """The drafting model's source, composed from configs/model/<speculative.draft_model>.yaml
+    through the same checks as `model=<name>`."""
+    raw = OmegaConf.to_container(compose([f"model={config.draft_model}"]).model, resolve=True)
+    assert isinstance(raw, dict)
+    return _model_source(raw)
 
 
 def _model_source(values: Mapping[str, Any]) -> ModelSourceConfig:

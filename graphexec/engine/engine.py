@@ -20,7 +20,7 @@ from graphexec.batch.request import Req
 from graphexec.config import EngineConfig
 from graphexec.engine.engine_loop import EngineLoop
 from graphexec.engine.engine_metrics import EngineMetrics
-from graphexec.engine.rank_setup import load_and_capture
+from graphexec.engine.rank_setup import RankParts, load_and_capture, load_draft
 from graphexec.engine.request_output import RequestDelta, RequestOutput
 from graphexec.engine.request_stream import AsyncRequestStream, RequestStream
 from graphexec.engine.request_tracker import RequestTracker
@@ -32,10 +32,13 @@ from graphexec.parallel.step_channel import NO_PEERS
 from graphexec.sampling_params import SamplingParams
 from graphexec.scheduler.scheduler import Scheduler
 from graphexec.speculative import Speculator
+from graphexec.speculative.draft_model import DraftModelDrafter
 from graphexec.structured.spec import StructuredSpec
 from graphexec.text.prompt_encoder import Prompt, PromptEncoder
 
 if TYPE_CHECKING:
+    from graphexec.loader import LoadedCheckpoint
+    from graphexec.runner.model_runner import ModelRunner
     from graphexec.structured.grammar_backend import GrammarBackend
 
 __all__ = ["Engine", "Prompt", "RequestDelta", "RequestOutput"]
@@ -70,6 +73,7 @@ class Engine:
         background = self.config.capture.background and self._tp is None
         try:
             rank = call_in_thread(lambda: load_and_capture(self.config, tp, channel, capture=not background))
+            speculator = self._speculator(rank.checkpoint, capture=not background)
         except BaseException:
             if self._tp is not None:
                 self._tp.close()
@@ -80,13 +84,13 @@ class Engine:
         self.kv_cache = rank.kv_cache
         self.model_config = rank.checkpoint.config
         self.tokenizer = rank.checkpoint.tokenizer
-        speculator = Speculator(self.config.speculative) if self.config.speculative.enabled else None
         self.scheduler = Scheduler(self.runner, self.kv_cache, self.config.scheduler, speculator)
         self.prompt_encoder = PromptEncoder(self.tokenizer, self.model_config.name, self.model_config.vocab_size, self.max_context)
         self._request_ids = itertools.count()
         self._grammar_backend: GrammarBackend | None = None  # built by the first constrained request
         self._grammar_backend_lock = threading.Lock()
-        idle_work = self.runner.capture_next if background and self.runner.capture_pending() else None
+        runners = [self.runner] + ([self.draft.runner] if self.draft is not None else [])
+        idle_work = _CaptureInTurn(runners) if background and any(r.capture_pending() for r in runners) else None
         self._loop = EngineLoop(
             self.scheduler,
             self.runner,
@@ -96,6 +100,19 @@ class Engine:
         # An engine dropped without shutdown() still stops its thread and its other ranks (the
         # callback holds the loop and the driver, not the engine, so it does not keep it alive).
         self._stop_loop = weakref.finalize(self, _shutdown, self._loop, self._tp)
+
+    def _speculator(self, target: LoadedCheckpoint, capture: bool) -> Speculator | None:
+        """The scheduler's speculation partner (None when speculation is off); with a draft model,
+        that model's own KV cache and runner too (`self.draft`); under background capture its
+        buckets are captured while idle after the target's (`_CaptureInTurn`)."""
+        self.draft: RankParts | None = None
+        spec = self.config.speculative
+        if not spec.enabled:
+            return None
+        if spec.method != "draft_model":
+            return Speculator(spec)
+        self.draft = call_in_thread(lambda: load_draft(self.config, target, capture=capture))
+        return Speculator(spec, DraftModelDrafter(self.draft.runner, self.draft.kv_cache))
 
     @property
     def max_context(self) -> int:
@@ -312,6 +329,21 @@ def _shutdown(loop: EngineLoop, tp: TPDriver | None) -> None:
     loop.shutdown()
     if tp is not None:
         tp.close()  # after the loop thread is done with the process group
+
+
+class _CaptureInTurn:
+    """Background capture over several runners (the target's, then a draft model's): one pending
+    bucket per call, the first runner's first; True while any remain (EngineLoop's idle work)."""
+
+    def __init__(self, runners: Sequence[ModelRunner]):
+        self.runners = list(runners)
+
+    def __call__(self) -> bool:
+        for runner in self.runners:
+            if runner.capture_pending():
+                runner.capture_next()
+                break
+        return any(r.capture_pending() for r in self.runners)
 
 
 def _drain(stream: RequestStream) -> None:

@@ -19,7 +19,8 @@ request's last token and its draft tokens run as one TARGET_VERIFY forward (slot
 them, taken from what the decode step leaves spare), each request keeps the drafts its sampled
 rows agreed with plus the token of the first row that disagreed (or of the last row), and the
 slots of the rejected drafts go back at once, so the KV and the prefix cache hold accepted
-tokens only.
+tokens only.  Whenever a request stops running (finished, aborted, retracted) the speculator is
+told (`Speculator.forget`), so a draft model's KV for it goes too.
 """
 
 from __future__ import annotations
@@ -90,12 +91,13 @@ class Scheduler:
             return []
         lens = chunks + [1] * (len(reqs) - len(admitted))
         drafts = None
-        if not admitted and self.speculator is not None:
-            drafts = self.speculator.drafts(reqs, self.kv_cache.num_available - len(reqs))
-            if drafts is not None:
-                lens = [len(d) + 1 for d in drafts]
         started = time.perf_counter()
         try:
+            # Inside the try: a draft model's forward failing fails the step like the target's.
+            if not admitted and self.speculator is not None:
+                drafts = self.speculator.drafts(reqs, self.kv_cache.num_available - len(reqs))
+                if drafts is not None:
+                    lens = [len(d) + 1 for d in drafts]
             slots = self.kv_cache.allocate(reqs, lens)
             rows = self.kv_cache.rows(reqs)
             if admitted:
@@ -109,7 +111,7 @@ class Scheduler:
             # Leave the pools as if these requests had never run; other requests are untouched.
             for req in reqs:
                 req.finish_reason = FinishReason.ABORT
-                self.kv_cache.release(req, cache=False)  # its KV may be half written
+                self._stop(req, cache=False)  # its KV may be half written
             self.running = [r for r in self.running if not r.finished]
             self.waiting = deque(r for r in self.waiting if not r.finished)
             raise
@@ -173,7 +175,7 @@ class Scheduler:
                 enumerate(self.running), key=lambda item: (item[1].max_total_tokens() - item[1].seq_len, item[0])
             )[1]
             self.running.remove(victim)
-            self.kv_cache.release(victim)
+            self._stop(victim)
             victim.num_computed_tokens = 0
             victim.num_retractions += 1
             victims.append(victim)
@@ -205,7 +207,7 @@ class Scheduler:
                 self._record_token(req, out, i, next_ids[i])
             if req.finished:
                 finished.append(req)
-                self.kv_cache.release(req)
+                self._stop(req)
             elif req not in running:
                 self.running.append(req)
         if finished:
@@ -236,7 +238,7 @@ class Scheduler:
             self.speculator.observe(req, len(draft), accepted)
             if req.finished:
                 finished.append(req)
-                self.kv_cache.release(req)
+                self._stop(req)
         if finished:
             self.running = [r for r in self.running if not r.finished]
         return finished
@@ -256,9 +258,16 @@ class Scheduler:
                 if req.rid == rid:
                     queue.remove(req)
                     req.finish_reason = reason
-                    self.kv_cache.release(req)
+                    self._stop(req)
                     return True
         return False
+
+    def _stop(self, req: Req, cache: bool = True) -> None:
+        """The request stops running (finished, aborted, retracted): release its KV (its computed
+        KV cached when `cache`) and whatever the speculator keeps for it (a draft model's KV)."""
+        self.kv_cache.release(req, cache=cache)
+        if self.speculator is not None:
+            self.speculator.forget(req)
 
     # ---- batches built by hand (tests, benchmarks): no admission policy, no prefix reuse ----
 

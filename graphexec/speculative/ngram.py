@@ -33,6 +33,8 @@ class _Index:
 
 
 class NgramDrafter:
+    fills_room = False  # a draft is whatever followed the match: maybe shorter, maybe nothing
+
     def __init__(self, ngram_min: int, ngram_max: int):
         if not 1 <= ngram_min <= ngram_max:
             raise ValueError(f"ngram sizes must satisfy 1 <= min <= max, got {ngram_min}..{ngram_max}")
@@ -56,3 +58,10 @@ class NgramDrafter:
             if end is not None:
                 return tuple(ids[end : end + max_tokens])
         return ()
+
+    def propose_batch(self, reqs: Sequence[Any], rooms: Sequence[int]) -> list[tuple[int, ...]]:
+        """`propose` for each request over its whole text (`all_ids`)."""
+        return [self.propose(req, req.all_ids, room) for req, room in zip(reqs, rooms)]
+
+    def forget(self, req: Any) -> None:
+        """Nothing to free: an index goes with its request (weak keys)."""

@@ -1,8 +1,10 @@
 """The scheduler's speculation partner: drafts for a decode step, and what verification taught.
 
-Boundary: it reads requests (their ids and sampling options) and never touches KV, rows or the
-model.  Each decode step the scheduler asks `drafts` for every running request's draft (maybe
-empty); if any is non-empty the step is a TARGET_VERIFY forward, and the scheduler reports each
+Boundary: it reads requests (their ids and sampling options) and never touches the target's KV,
+rows or model; a draft model's own KV and runner are its drafter's (draft_model.py), freed when
+the scheduler says a request stopped running (`forget`).  Each decode step the scheduler asks
+`drafts` for every running request's draft (maybe empty); if any is non-empty the step is a
+TARGET_VERIFY forward, and the scheduler reports each
 request's outcome (`observe`) and the step's time (`observe_step`).  Every request may draft:
 each verified row samples with its own history (penalties, min_tokens: ScheduleBatch.row_histories)
 and grammar state (ScheduleBatch.row_grammars); a constrained request's draft ends before the
@@ -15,7 +17,7 @@ import weakref
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from graphexec.speculative.cost_model import StepCosts
 from graphexec.speculative.ngram import NgramDrafter
@@ -24,6 +26,23 @@ from graphexec.speculative.policy import choose_lengths
 if TYPE_CHECKING:
     from graphexec.batch.request import Req
     from graphexec.config import SpeculativeConfig
+
+
+class Drafter(Protocol):
+    """Proposes drafts for a whole decode step at once (ngram.py, draft_model.py)."""
+
+    # True when a proposal always fills its room (a draft model); False when it may be shorter
+    # or empty (prompt lookup finds no match).
+    fills_room: bool
+
+    def propose_batch(self, reqs: Sequence[Req], rooms: Sequence[int]) -> list[tuple[int, ...]]:
+        """Per request at most `rooms[i]` deterministic draft tokens (room 0: ())."""
+        ...
+
+    def forget(self, req: Req) -> None:
+        """The request stopped running: free whatever is kept for it."""
+        ...
+
 
 # Running acceptance per request: counts decay by this factor per verified draft, so a request
 # that stops copying stops drafting within a few steps.
@@ -68,9 +87,10 @@ class SpeculationStats:
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig):
+    def __init__(self, config: SpeculativeConfig, drafter: Drafter | None = None):
+        """`drafter`: the draft model's (the engine builds it); ngram's is built here."""
         self.config = config
-        self.drafter = NgramDrafter(config.ngram_min, config.ngram_max)
+        self.drafter = drafter if drafter is not None else NgramDrafter(config.ngram_min, config.ngram_max)
         self.costs = StepCosts()
         self._acceptance: weakref.WeakKeyDictionary[Req, _Acceptance] = weakref.WeakKeyDictionary()
         self._verify_steps = 0
@@ -81,33 +101,46 @@ class Speculator:
     def drafts(self, reqs: Sequence[Req], spare_slots: int) -> list[tuple[int, ...]] | None:
         """Per request the draft to verify this step (maybe empty); None when nobody drafts (a
         plain decode step).  Never more draft tokens in all than `spare_slots`."""
-        proposals = [self._propose(req) for req in reqs]
-        if not any(proposals):
-            return None
-        if self.config.policy == "always":
-            lengths, left = [], spare_slots
-            for p in proposals:
-                lengths.append(min(len(p), left))
-                left -= lengths[-1]
+        rooms = [self._room(req) for req in reqs]
+        if self.drafter.fills_room:
+            # A draft model proposes as many tokens as asked, each at the price of a forward:
+            # decide the lengths first, so it never drafts what would not be verified.
+            lengths = self._verify_lengths(reqs, rooms, spare_slots)
+            drafts = self.drafter.propose_batch(reqs, lengths) if any(lengths) else []
+            drafts = [_within_grammar(req, d) for req, d in zip(reqs, drafts)]
         else:
-            alphas = [self._acceptance.get(req, _Acceptance()).alpha for req in reqs]
-            lengths = choose_lengths(alphas, [len(p) for p in proposals], self.costs, spare_slots)
-        drafts = [p[:n] for p, n in zip(proposals, lengths)]
+            proposals = [_within_grammar(req, p) for req, p in zip(reqs, self.drafter.propose_batch(reqs, rooms))]
+            lengths = self._verify_lengths(reqs, [len(p) for p in proposals], spare_slots)
+            drafts = [p[:n] for p, n in zip(proposals, lengths)]
         return drafts if any(drafts) else None
 
-    def _propose(self, req: Req) -> tuple[int, ...]:
-        params = req.params
+    def _verify_lengths(self, reqs: Sequence[Req], proposed: Sequence[int], spare_slots: int) -> list[int]:
+        """How many of each request's `proposed` draft tokens to verify."""
+        if not any(proposed):
+            return [0] * len(proposed)
+        if self.config.policy == "always":
+            lengths, left = [], spare_slots
+            for n in proposed:
+                lengths.append(max(0, min(n, left)))
+                left -= lengths[-1]
+            return lengths
+        alphas = [self._acceptance.get(req, _Acceptance()).alpha for req in reqs]
+        return choose_lengths(alphas, proposed, self.costs, spare_slots)
+
+    def _room(self, req: Req) -> int:
+        """Draft tokens the request may verify this step (0: it does not draft)."""
         # Every verified row may yield a token: the drafts plus one must fit what the request
         # may still produce, and every row's position must fit its table row.
-        room = min(
+        return max(0, min(
             self.config.num_draft_tokens,
-            params.max_new_tokens - len(req.output_ids) - 1,
+            req.params.max_new_tokens - len(req.output_ids) - 1,
             req.max_context - req.seq_len,
-        )
-        draft = self.drafter.propose(req, req.all_ids, room)
-        if draft and req.grammar is not None:
-            draft = draft[: req.grammar.valid_draft_length(draft)]
-        return draft
+        ))
+
+    def forget(self, req: Req) -> None:
+        """The request stopped running (finished, aborted, retracted): the drafter frees what it
+        kept for it (a draft model's KV)."""
+        self.drafter.forget(req)
 
     def observe(self, req: Req, drafted: int, accepted: int) -> None:
         """A request verified `drafted` tokens this step and the first `accepted` were taken."""
@@ -130,3 +163,9 @@ class Speculator:
             self._verify_steps, self._drafted, self._accepted, dict(self._lengths), self.costs.as_dict()
         )
 
+
+def _within_grammar(req: Req, draft: tuple[int, ...]) -> tuple[int, ...]:
+    """A constrained request's draft up to the first token its grammar would refuse."""
+    if not draft or req.grammar is None:
+        return draft
+    return draft[: req.grammar.valid_draft_length(draft)]

@@ -74,7 +74,9 @@ class RequestGrammar:
         """This grammar as a verify row sees it: as if `tokens` (valid drafts) were accepted."""
         return _AfterDraft(self, tuple(tokens))
 
-    def _fill_row_after(self, tokens: tuple[int, ...], bitmask: torch.Tensor, row: int) -> None:
+    def fill_row_after(self, tokens: tuple[int, ...], bitmask: torch.Tensor, row: int) -> None:
+        """`fill_row` as it would be after accepting `tokens` (valid drafts); the matcher is left
+        as it was."""
         consumed = self._matcher.try_consume_tokens(list(tokens))
         try:
             if consumed != len(tokens):
@@ -103,7 +105,7 @@ class _AfterDraft:
         self._tokens = tokens
 
     def fill_row(self, bitmask: torch.Tensor, row: int) -> None:
-        self._grammar._fill_row_after(self._tokens, bitmask, row)
+        self._grammar.fill_row_after(self._tokens, bitmask, row)
 
 
 def _bits_by_word(token_ids: list[int]) -> tuple[tuple[int, int], ...]:
