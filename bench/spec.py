@@ -72,8 +72,9 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
         cells[f"{name} B={b}"] = {"class": name, "batch": b, "seconds": seconds, "output_tokens": sum(map(len, tokens)),
                                   "tok_s": sum(map(len, tokens)) / seconds, "tokens": tokens,
                                   "speculation": _spec_delta(before, engine.metrics().speculation)}
+    steps = (engine.metrics().speculation or {}).get("step_ms_by_rows")  # the cost model's step times
     engine.shutdown()
-    return {"cells": cells}
+    return {"cells": cells, "step_ms_by_rows": steps}
 
 
 def run(cfg, ctx) -> dict[str, Any]:
@@ -146,6 +147,10 @@ def markdown(result: dict[str, Any]) -> str:
                   f"{m['first_diff_at']} (lengths {m['lengths']})" for m in ident["mismatches"][:20]] + [""]
     else:
         lines += [f"Greedy identity: all {ident['compared']} outputs equal the first `none` run's.", ""]
+    steps = [x.get("step_ms_by_rows") for x in result["runs"]["spec"] if x.get("step_ms_by_rows")]
+    if steps:
+        lines += ["Speculation's measured step ms by rows (last spec run): "
+                  + ", ".join(f"{k}: {v:.1f}" for k, v in steps[-1].items()), ""]
     lines += [f"**Worker failed**: {e}" for e in result["errors"]] + ([""] if result["errors"] else [])
     for batch in sorted({r["batch"] for r in result["rows"]}):
         lines += [f"### B={batch}", "", table(
