@@ -15,8 +15,10 @@ def grouped_bars(
     series: Mapping[str, Sequence[float | None]],
     xlabel: str = "",
     log_y: bool = False,
+    hline: float | None = None,
 ) -> str:
-    """One group of bars per x label, one bar per series (None: no bar); returns the file name."""
+    """One group of bars per x label, one bar per series (None: no bar), and a dashed reference
+    line at `hline` if given; returns the file name."""
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(max(5.0, 1.1 * len(groups) * max(1, len(series)) ** 0.5 + 2), 3.6), dpi=110)
@@ -35,6 +37,8 @@ def grouped_bars(
         ax.set_xlabel(xlabel)
     if log_y:
         ax.set_yscale("log")
+    if hline is not None:
+        ax.axhline(hline, color="grey", linestyle="--", linewidth=0.8)
     ax.margins(y=0.15)
     ax.legend(fontsize=8)
     fig.tight_layout()

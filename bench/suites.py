@@ -24,6 +24,7 @@ SUITES = {
     "peer": "bench.peer",
     "serve": "bench.serve",
     "parallel": "bench.parallel",
+    "spec": "bench.spec",
 }
 
 

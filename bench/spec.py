@@ -1,0 +1,184 @@
+"""Spec suite: output tokens/s with speculation against without, per prompt class and batch size.
+
+Each side is a fresh process (`python -m bench.spec worker <json>`): speculative=none, or the
+suite's `speculative` overrides plus any speculative.* on the command line; the engine captures
+before it returns (capture.background=false).  A worker warms up once per batch size, then per class and batch
+size generates greedily with the prefix cache flushed before each timed call: B=1 one prompt per
+call, B>1 that many requests in one call (prompts cycled).  Sides alternate A B A B for `rounds`;
+tables show medians.  Every output is compared with the first `none` run's: greedy speculation
+must produce the same tokens, and the report says loudly when it does not.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from itertools import chain, cycle, islice, zip_longest
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from bench.plots import grouped_bars
+from bench.stats import median
+from bench.tables import num, table
+from bench.workers import emit, run_python
+
+_SPEC = ("speculative", "+speculative", "++speculative")
+_HEADLINES = (("copy", 1), ("open", 1), ("mixed", 8))
+
+
+def _cases(prompts: dict[str, list[str]], batch_sizes: list[int], mixed: bool) -> list[tuple[str, int, list[list[str]]]]:
+    """(class, batch size, the calls' prompt lists) for every measured cell."""
+    classes = dict(prompts)
+    if mixed and len(classes) > 1:
+        classes["mixed"] = [p for p in chain(*zip_longest(*prompts.values())) if p is not None]
+    return [(name, b, [[p] for p in ps] if b == 1 else [list(islice(cycle(ps), b))])
+            for b in batch_sizes for name, ps in classes.items() if b > 1 or name != "mixed"]
+
+
+def _spec_delta(before: dict | None, after: dict | None) -> dict | None:
+    if after is None:
+        return None
+    drafted = after["drafted_tokens"] - before["drafted_tokens"]
+    accepted = after["accepted_tokens"] - before["accepted_tokens"]
+    lengths = {int(k): n - before["accepted_lengths"].get(k, 0) for k, n in after["accepted_lengths"].items()}
+    verified = sum(lengths.values())
+    return {"verify_steps": after["verify_steps"] - before["verify_steps"], "drafted_tokens": drafted,
+            "accepted_tokens": accepted, "acceptance_rate": accepted / drafted if drafted else None,
+            "mean_accepted_length": sum(k * n for k, n in lengths.items()) / verified if verified else None}
+
+
+def worker(spec: dict[str, Any]) -> dict[str, Any]:
+    from graphexec import Engine, SamplingParams
+
+    engine = Engine(overrides=[*spec["overrides"], "++capture.background=false"])
+    params = SamplingParams(max_new_tokens=spec["max_tokens"], temperature=0.0)
+    cases = _cases(spec["prompts"], spec["batch_sizes"], spec["mixed"])
+    every = [p for ps in spec["prompts"].values() for p in ps]
+    warm = SamplingParams(max_new_tokens=min(32, spec["max_tokens"]), temperature=0.0)
+    for b in spec["batch_sizes"]:  # warm-up, untimed
+        engine.generate(list(islice(cycle(every), b)), warm, chat=spec["chat"])
+    cells = {}
+    for name, b, calls in cases:
+        before, seconds, outputs = engine.metrics().speculation, 0.0, []
+        for prompts in calls:
+            engine.flush_cache()
+            t0 = time.perf_counter()
+            outputs += engine.generate(prompts, params, chat=spec["chat"])
+            seconds += time.perf_counter() - t0
+        tokens = [o.token_ids for o in outputs]
+        cells[f"{name} B={b}"] = {"class": name, "batch": b, "seconds": seconds, "output_tokens": sum(map(len, tokens)),
+                                  "tok_s": sum(map(len, tokens)) / seconds, "tokens": tokens,
+                                  "speculation": _spec_delta(before, engine.metrics().speculation)}
+    steps = (engine.metrics().speculation or {}).get("step_ms_by_rows")  # the cost model's step times
+    engine.shutdown()
+    return {"cells": cells, "step_ms_by_rows": steps}
+
+
+def run(cfg, ctx) -> dict[str, Any]:
+    b = cfg.bench
+    base = [o for o in ctx.overrides if not o.startswith(_SPEC)]
+    sides = {"none": [*base, "speculative=none"],
+             "spec": [*base, *b.speculative, *(o for o in ctx.overrides if o.startswith(_SPEC))]}
+    prompts = {k: list(v)[: b.max_prompts] for k, v in OmegaConf.to_container(b.prompts).items()}
+    runs: dict[str, list[dict]] = {side: [] for side in sides}
+    for r in range(int(b.rounds)):
+        for side, overrides in sides.items():
+            spec = {"overrides": overrides, "prompts": prompts, "max_tokens": int(b.max_tokens),
+                    "batch_sizes": list(b.batch_sizes), "mixed": bool(b.mixed), "chat": bool(b.chat)}
+            t0 = time.perf_counter()
+            runs[side].append(run_python(["-m", "bench.spec", "worker", json.dumps(spec)], float(b.worker_timeout_s),
+                                         label=f"{side} worker", option="bench.worker_timeout_s"))
+            if ctx.progress:
+                print(f"spec suite: round {r + 1} {side}: {runs[side][-1].get('error') or 'ok'} "
+                      f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+    ok = {side: [x for x in rs if "error" not in x] for side, rs in runs.items()}
+    mismatches, compared = _identity(ok)
+    rows = []
+    for key, first in (ok["none"] or ok["spec"] or [{"cells": {}}])[0]["cells"].items():
+        off = median(x["cells"][key]["tok_s"] for x in ok["none"])
+        on = median(x["cells"][key]["tok_s"] for x in ok["spec"])
+        stats = [x["cells"][key]["speculation"] or {} for x in ok["spec"]]
+        rows.append({"key": key, "class": first["class"], "batch": first["batch"], "tok_s_none": off, "tok_s_spec": on,
+                     "ratio": on / off if on and off else None,
+                     "output_tokens": first["output_tokens"],
+                     "acceptance_rate": median(s.get("acceptance_rate") for s in stats),
+                     "mean_accepted_length": median(s.get("mean_accepted_length") for s in stats),
+                     "drafted_tokens": median(s.get("drafted_tokens") for s in stats)})
+    for rs in ok.values():
+        for x in rs:
+            for cell in x["cells"].values():
+                cell.pop("tokens")
+    errors = [f"{side} round {i + 1}: {x['error']}" for side, rs in runs.items() for i, x in enumerate(rs) if "error" in x]
+    return {"sides": sides, "prompts": prompts, "rows": rows, "identity": {"compared": compared, "mismatches": mismatches},
+            "errors": errors, "runs": runs}
+
+
+def _identity(ok: dict[str, list[dict]]) -> tuple[list[dict], int]:
+    """Every output of every run against the first `none` run's, prompt by prompt."""
+    if not ok["none"]:
+        return [], 0
+    reference, mismatches, compared = ok["none"][0]["cells"], [], 0
+    for side, rs in ok.items():
+        for i, x in enumerate(rs):
+            if side == "none" and i == 0:
+                continue
+            for key, cell in x["cells"].items():
+                for j, (want, got) in enumerate(zip(reference[key]["tokens"], cell["tokens"])):
+                    compared += 1
+                    if want != got:
+                        at = next((n for n, (a, c) in enumerate(zip(want, got)) if a != c), min(len(want), len(got)))
+                        mismatches.append({"side": side, "round": i + 1, "cell": key, "output": j, "first_diff_at": at,
+                                           "lengths": [len(want), len(got)]})
+    return mismatches, compared
+
+
+def markdown(result: dict[str, Any]) -> str:
+    sides = result["sides"]
+    lines = [f"none: `{' '.join(sides['none'])}` · spec: `{' '.join(sides['spec'])}`; "
+             "output tokens/s, medians over rounds; prefix cache flushed before each timed call.", ""]
+    ident = result["identity"]
+    if ident["mismatches"]:
+        lines += [f"**GREEDY MISMATCH: {len(ident['mismatches'])} of {ident['compared']} outputs differ from the first "
+                  "`none` run's:**", ""]
+        lines += [f"- {m['side']} round {m['round']}, {m['cell']}, output {m['output']}: first different token at "
+                  f"{m['first_diff_at']} (lengths {m['lengths']})" for m in ident["mismatches"][:20]] + [""]
+    else:
+        lines += [f"Greedy identity: all {ident['compared']} outputs equal the first `none` run's.", ""]
+    steps = [x.get("step_ms_by_rows") for x in result["runs"]["spec"] if x.get("step_ms_by_rows")]
+    if steps:
+        lines += ["Speculation's measured step ms by rows (last spec run): "
+                  + ", ".join(f"{k}: {v:.1f}" for k, v in steps[-1].items()), ""]
+    lines += [f"**Worker failed**: {e}" for e in result["errors"]] + ([""] if result["errors"] else [])
+    for batch in sorted({r["batch"] for r in result["rows"]}):
+        lines += [f"### B={batch}", "", table(
+            ["class", "tok/s none", "tok/s spec", "ratio", "acceptance rate", "mean accepted length", "output tokens"],
+            [[r["class"], num(r["tok_s_none"], ".1f"), num(r["tok_s_spec"], ".1f"), num(r["ratio"]),
+              num(r["acceptance_rate"]), num(r["mean_accepted_length"]), r["output_tokens"]]
+             for r in result["rows"] if r["batch"] == batch]), ""]
+    return "\n".join(lines)
+
+
+def plots(result: dict[str, Any], out_dir: Path) -> list[str]:
+    rows = result["rows"]
+    if not any(r["ratio"] for r in rows):
+        return []
+    classes = list(dict.fromkeys(r["class"] for r in rows))
+    series = {f"B={b}": [next((r["ratio"] for r in rows if r["class"] == c and r["batch"] == b), None) for c in classes]
+              for b in sorted({r["batch"] for r in rows})}
+    return [grouped_bars(out_dir / "spec_ratio.png", "speculation / none, output tokens/s", "ratio", classes, series,
+                         xlabel="prompt class", hline=1.0)]
+
+
+def summary(result: dict[str, Any]) -> dict[str, float]:
+    out = {f"{c} B={b} ratio": r["ratio"] for c, b in _HEADLINES for r in result["rows"]
+           if (r["class"], r["batch"]) == (c, b) and r["ratio"] is not None}
+    return out | {"greedy mismatches": float(len(result["identity"]["mismatches"]))}
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] != ["worker"] or len(sys.argv) != 3:
+        raise SystemExit("usage: python -m bench.spec worker <json>")
+    emit("spec worker", lambda: worker(json.loads(sys.argv[2])))
