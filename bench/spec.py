@@ -62,15 +62,20 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
         engine.generate(list(islice(cycle(every), b)), warm, chat=spec["chat"])
     cells = {}
     for name, b, calls in cases:
-        before, seconds, outputs = engine.metrics().speculation, 0.0, []
+        before, seconds, decode_seconds, outputs = engine.metrics().speculation, 0.0, 0.0, []
         for prompts in calls:
             engine.flush_cache()
             t0 = time.perf_counter()
-            outputs += engine.generate(prompts, params, chat=spec["chat"])
+            done = engine.generate(prompts, params, chat=spec["chat"])
             seconds += time.perf_counter() - t0
+            # After the first token: where speculation acts (the prefill is the same on both sides).
+            decode_seconds += max(o.latency for o in done) - min(o.ttft or 0.0 for o in done)
+            outputs += done
         tokens = [o.token_ids for o in outputs]
+        after_first = sum(max(0, len(t) - 1) for t in tokens)
         cells[f"{name} B={b}"] = {"class": name, "batch": b, "seconds": seconds, "output_tokens": sum(map(len, tokens)),
                                   "tok_s": sum(map(len, tokens)) / seconds, "tokens": tokens,
+                                  "decode_tok_s": after_first / decode_seconds if decode_seconds > 0 else None,
                                   "speculation": _spec_delta(before, engine.metrics().speculation)}
     steps = (engine.metrics().speculation or {}).get("step_ms_by_rows")  # the cost model's step times
     engine.shutdown()
@@ -101,8 +106,11 @@ def run(cfg, ctx) -> dict[str, Any]:
         off = median(x["cells"][key]["tok_s"] for x in ok["none"])
         on = median(x["cells"][key]["tok_s"] for x in ok["spec"])
         stats = [x["cells"][key]["speculation"] or {} for x in ok["spec"]]
+        decode_off = median(x["cells"][key]["decode_tok_s"] for x in ok["none"])
+        decode_on = median(x["cells"][key]["decode_tok_s"] for x in ok["spec"])
         rows.append({"key": key, "class": first["class"], "batch": first["batch"], "tok_s_none": off, "tok_s_spec": on,
                      "ratio": on / off if on and off else None,
+                     "decode_ratio": decode_on / decode_off if decode_on and decode_off else None,
                      "output_tokens": first["output_tokens"],
                      "acceptance_rate": median(s.get("acceptance_rate") for s in stats),
                      "mean_accepted_length": median(s.get("mean_accepted_length") for s in stats),
@@ -138,7 +146,8 @@ def _identity(ok: dict[str, list[dict]]) -> tuple[list[dict], int]:
 def markdown(result: dict[str, Any]) -> str:
     sides = result["sides"]
     lines = [f"none: `{' '.join(sides['none'])}` · spec: `{' '.join(sides['spec'])}`; "
-             "output tokens/s, medians over rounds; prefix cache flushed before each timed call.", ""]
+             "output tokens/s (whole calls, prefill included), medians over rounds; decode ratio: output tokens "
+             "after the first per second after the first token; prefix cache flushed before each timed call.", ""]
     ident = result["identity"]
     if ident["mismatches"]:
         lines += [f"**GREEDY MISMATCH: {len(ident['mismatches'])} of {ident['compared']} outputs differ from the first "
@@ -154,8 +163,9 @@ def markdown(result: dict[str, Any]) -> str:
     lines += [f"**Worker failed**: {e}" for e in result["errors"]] + ([""] if result["errors"] else [])
     for batch in sorted({r["batch"] for r in result["rows"]}):
         lines += [f"### B={batch}", "", table(
-            ["class", "tok/s none", "tok/s spec", "ratio", "acceptance rate", "mean accepted length", "output tokens"],
-            [[r["class"], num(r["tok_s_none"], ".1f"), num(r["tok_s_spec"], ".1f"), num(r["ratio"]),
+            ["class", "tok/s none", "tok/s spec", "ratio", "decode ratio", "acceptance rate", "mean accepted length",
+             "output tokens"],
+            [[r["class"], num(r["tok_s_none"], ".1f"), num(r["tok_s_spec"], ".1f"), num(r["ratio"]), num(r["decode_ratio"]),
               num(r["acceptance_rate"]), num(r["mean_accepted_length"]), r["output_tokens"]]
              for r in result["rows"] if r["batch"] == batch]), ""]
     return "\n".join(lines)
@@ -175,7 +185,9 @@ def plots(result: dict[str, Any], out_dir: Path) -> list[str]:
 def summary(result: dict[str, Any]) -> dict[str, float]:
     out = {f"{c} B={b} ratio": r["ratio"] for c, b in _HEADLINES for r in result["rows"]
            if (r["class"], r["batch"]) == (c, b) and r["ratio"] is not None}
-    return out | {"greedy mismatches": float(len(result["identity"]["mismatches"]))}
+    decode = {f"{c} B={b} decode ratio": r["decode_ratio"] for c, b in _HEADLINES for r in result["rows"]
+              if (r["class"], r["batch"]) == (c, b) and r["decode_ratio"] is not None}
+    return out | decode | {"greedy mismatches": float(len(result["identity"]["mismatches"]))}
 
 
 if __name__ == "__main__":

@@ -35,7 +35,8 @@ def test_spec_suite_runs_both_sides_and_greedy_outputs_agree(tmp_path):
     assert res["identity"] == {"compared": 10, "mismatches": []}
     report = (tmp_path / "report.md").read_text()
     assert "Greedy identity: all 10 outputs" in report and "MISMATCH" not in report
-    assert "| class | tok/s none | tok/s spec | ratio | acceptance rate | mean accepted length |" in report
+    assert "| class | tok/s none | tok/s spec | ratio | decode ratio | acceptance rate | mean accepted length |" in report
     assert payload["plots"] == ["spec_ratio.png"]
     assert (tmp_path / "spec_ratio.png").read_bytes()[:8] == PNG_MAGIC
-    assert set(payload["summary"]) == {"copy B=1 ratio", "open B=1 ratio", "greedy mismatches"}
+    ratios = {"copy B=1 ratio", "open B=1 ratio", "copy B=1 decode ratio", "open B=1 decode ratio"}
+    assert set(payload["summary"]) == ratios | {"greedy mismatches"}

@@ -7,8 +7,9 @@ to the entry of its row count, as a moving average: graphs swapped in by backgro
 busy neighbour or a longer context move the numbers, and the table follows.  A row count never
 measured is interpolated between measured neighbours, or extrapolated with a per-row slope
 (measured between the two largest entries, else `prior_row_fraction` of the largest's per-row
-time); that guess is optimistic on purpose, so a size gets tried once and then priced by what it
-really cost.
+time: about what an extra row cost SmolLM2 at small batches on a 2-core CPU, see the step-ms line
+of `graphexec-bench bench=spec`); a guess on the cheap side, so a size gets tried and is then
+priced by what it really cost.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import bisect
 
 
 class StepCosts:
-    def __init__(self, smoothing: float = 0.2, prior_row_fraction: float = 0.15):
+    def __init__(self, smoothing: float = 0.2, prior_row_fraction: float = 0.25):
         self.smoothing = smoothing
         self.prior_row_fraction = prior_row_fraction
         self._seconds: dict[int, float] = {}

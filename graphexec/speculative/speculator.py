@@ -45,10 +45,10 @@ class Drafter(Protocol):
 
 
 # Running acceptance per request: counts decay by this factor per verified draft, so a request
-# that stops copying stops drafting within a few steps.
+# that stops copying stops drafting within a few steps.  The engine-wide rate, a new request's
+# prior, decays more slowly: it describes the traffic, not one text.
 _DECAY = 0.8
-# A request's first drafts are priced at this acceptance rate.
-_PRIOR_ALPHA = 0.5
+_GLOBAL_DECAY = 0.99
 
 
 @dataclass
@@ -56,10 +56,13 @@ class _Acceptance:
     drafted: float = 0.0
     accepted: float = 0.0
 
-    @property
-    def alpha(self) -> float:
-        # One prior draft at _PRIOR_ALPHA: a rate, never 0 or 1.
-        return (self.accepted + _PRIOR_ALPHA) / (self.drafted + 1.0)
+    def alpha(self, prior: float) -> float:
+        """The acceptance rate with one prior draft accepted at rate `prior`: never 0 or 1."""
+        return (self.accepted + prior) / (self.drafted + 1.0)
+
+    def add(self, drafted: int, accepted: int, decay: float) -> None:
+        self.drafted = self.drafted * decay**drafted + drafted
+        self.accepted = self.accepted * decay**drafted + accepted
 
 
 @dataclass(frozen=True)
@@ -93,6 +96,7 @@ class Speculator:
         self.drafter = drafter if drafter is not None else NgramDrafter(config.ngram_min, config.ngram_max)
         self.costs = StepCosts()
         self._acceptance: weakref.WeakKeyDictionary[Req, _Acceptance] = weakref.WeakKeyDictionary()
+        self._overall = _Acceptance()  # every request's drafts: a new request's prior
         self._verify_steps = 0
         self._drafted = 0
         self._accepted = 0
@@ -124,7 +128,8 @@ class Speculator:
                 lengths.append(max(0, min(n, left)))
                 left -= lengths[-1]
             return lengths
-        alphas = [self._acceptance.get(req, _Acceptance()).alpha for req in reqs]
+        prior = self._overall.alpha(0.5)
+        alphas = [self._acceptance.get(req, _Acceptance()).alpha(prior) for req in reqs]
         return choose_lengths(alphas, proposed, self.costs, spare_slots)
 
     def _room(self, req: Req) -> int:
@@ -146,9 +151,8 @@ class Speculator:
         """A request verified `drafted` tokens this step and the first `accepted` were taken."""
         if not drafted:
             return
-        state = self._acceptance.setdefault(req, _Acceptance())
-        state.drafted = state.drafted * _DECAY**drafted + drafted
-        state.accepted = state.accepted * _DECAY**drafted + accepted
+        self._acceptance.setdefault(req, _Acceptance()).add(drafted, accepted, _DECAY)
+        self._overall.add(drafted, accepted, _GLOBAL_DECAY)
         self._drafted += drafted
         self._accepted += accepted
         self._lengths[accepted] += 1
