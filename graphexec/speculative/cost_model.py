@@ -3,8 +3,10 @@
 A decode step of B requests and a verify step of R token rows run the same decode-shaped forward
 (graphexec/batch/forward_mode.py TARGET_VERIFY), so one table keyed by rows prices both.  Every
 decode and verify step the scheduler runs adds its wall time (forward, sampling and bookkeeping)
-to the entry of its row count, as a moving average: graphs swapped in by background capture, a
-busy neighbour or a longer context move the numbers, and the table follows.  A row count never
+to the entry of its row count; an entry is the least of its last `window` times.  Interference
+only ever adds time, so the least is the step's own cost, and one slow step (a page fault, a
+neighbour) does not price a row count for good, as it would in an average seeded by it; graphs
+swapped in by background capture or a longer context move it within `window` steps.  A row count never
 measured is interpolated between measured neighbours, or extrapolated with a per-row slope
 (measured between the two largest entries, else `prior_row_fraction` of the largest's per-row
 time: about what an extra row cost SmolLM2 at small batches on a 2-core CPU, see the step-ms line
@@ -15,22 +17,24 @@ priced by what it really cost.
 from __future__ import annotations
 
 import bisect
+from collections import deque
 
 
 class StepCosts:
-    def __init__(self, smoothing: float = 0.2, prior_row_fraction: float = 0.25):
-        self.smoothing = smoothing
+    def __init__(self, window: int = 8, prior_row_fraction: float = 0.25):
         self.prior_row_fraction = prior_row_fraction
+        self._window = window
+        self._samples: dict[int, deque[float]] = {}
         self._seconds: dict[int, float] = {}
         self._rows: list[int] = []  # measured row counts, sorted
 
     def observe(self, rows: int, seconds: float) -> None:
-        old = self._seconds.get(rows)
-        if old is None:
+        samples = self._samples.get(rows)
+        if samples is None:
             bisect.insort(self._rows, rows)
-            self._seconds[rows] = seconds
-        else:
-            self._seconds[rows] = old + self.smoothing * (seconds - old)
+            samples = self._samples[rows] = deque(maxlen=self._window)
+        samples.append(seconds)
+        self._seconds[rows] = min(samples)
 
     def measured(self, rows: int) -> bool:
         return rows in self._seconds

@@ -4,7 +4,8 @@ Each candidate draft token i of a request is worth alpha^i expected tokens, alph
 request's running acceptance rate (a draft token is only accepted if every one before it was).
 Taking candidates best first, a step of B requests with n extra rows yields about
 B + sum(worth) tokens for cost(B + n) seconds (cost_model.py); the policy keeps the n that gives
-the most tokens per second, and none unless that beats plain decode (B / cost(B)) by `margin`.
+the most tokens per second, and none unless that beats plain decode (B / cost(B)) by `margin`:
+the worths are estimates, and a draft that only breaks even on paper loses to their error.
 A batch where extra rows cost as much as they can return speculates no more: at large batch
 sizes a CPU forward is compute-bound and speculation turns itself off.
 """
@@ -21,7 +22,7 @@ def choose_lengths(
     proposals: Sequence[int],
     costs: StepCosts,
     spare_rows: int,
-    margin: float = 0.02,
+    margin: float = 0.1,
 ) -> list[int]:
     """Per request, how many of its proposed draft tokens to verify (request r proposed
     `proposals[r]`, accepts each with rate `alphas[r]`); at most `spare_rows` in all."""

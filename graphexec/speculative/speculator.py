@@ -49,6 +49,10 @@ class Drafter(Protocol):
 # prior, decays more slowly: it describes the traffic, not one text.
 _DECAY = 0.8
 _GLOBAL_DECAY = 0.99
+# Each step a request had a draft the policy passed over, its counts shrink by this factor, so its
+# rate drifts back to the prior and it tries again: text that starts copying after a miss (a
+# rename in code past its first lines) must not stay priced by that miss for good.
+_IDLE_DECAY = 0.9
 
 
 @dataclass
@@ -63,6 +67,10 @@ class _Acceptance:
     def add(self, drafted: int, accepted: int, decay: float) -> None:
         self.drafted = self.drafted * decay**drafted + drafted
         self.accepted = self.accepted * decay**drafted + accepted
+
+    def fade(self, factor: float) -> None:
+        self.drafted *= factor
+        self.accepted *= factor
 
 
 @dataclass(frozen=True)
@@ -130,7 +138,11 @@ class Speculator:
             return lengths
         prior = self._overall.alpha(0.5)
         alphas = [self._acceptance.get(req, _Acceptance()).alpha(prior) for req in reqs]
-        return choose_lengths(alphas, proposed, self.costs, spare_slots)
+        lengths = choose_lengths(alphas, proposed, self.costs, spare_slots)
+        for req, n, k in zip(reqs, proposed, lengths):
+            if n and not k and req in self._acceptance:
+                self._acceptance[req].fade(_IDLE_DECAY)
+        return lengths
 
     def _room(self, req: Req) -> int:
         """Draft tokens the request may verify this step (0: it does not draft)."""
