@@ -29,7 +29,7 @@ def step_timers(engine) -> Iterator[list[dict[str, Any]]]:
     """Time every engine-loop step while inside; yields the list the per-step records go into.
     Wraps the calls on these instances only, and restores them on exit."""
     records: list[dict[str, Any]] = []
-    runner, scheduler, loop = engine.runner, engine.scheduler, engine._loop
+    runner, scheduler, loop = engine.runner, engine.scheduler, engine.loop
     current: dict[str, Any] = {}
 
     def timed(name, fn):
@@ -49,7 +49,7 @@ def step_timers(engine) -> Iterator[list[dict[str, Any]]]:
         return forward(fb)
 
     step = timed("step", scheduler.step)
-    publish = timed("publish", loop._publish)
+    publish = timed("publish", loop.publish)
 
     def step_then_record():
         current.clear()
@@ -62,7 +62,7 @@ def step_timers(engine) -> Iterator[list[dict[str, Any]]]:
         return out
 
     patches = {(runner, "forward"): mode_forward, (runner, "forward_and_sample"): forward_and_sample,
-               (scheduler, "step"): step_then_record, (loop, "_publish"): publish_then_record}
+               (scheduler, "step"): step_then_record, (loop, "publish"): publish_then_record}
     for (obj, name), fn in patches.items():
         setattr(obj, name, fn)
     try:

@@ -177,5 +177,5 @@ def test_step_timers_leave_the_engine_as_they_found_it(tiny_engine):
         tiny_engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=4, ignore_eos=True))
     assert [r["mode"] for r in records] == ["extend", "decode", "decode", "decode"]
     assert breakdown(records, "decode")["steps"] == 3 and breakdown(records, "mixed") == {}
-    for obj, name in [(tiny_engine.runner, "forward"), (tiny_engine.scheduler, "step"), (tiny_engine._loop, "_publish")]:
+    for obj, name in [(tiny_engine.runner, "forward"), (tiny_engine.scheduler, "step"), (tiny_engine.loop, "publish")]:
         assert name not in vars(obj)

@@ -115,6 +115,12 @@ class Engine:
         return Speculator(spec, DraftModelDrafter(self.draft.runner, self.draft.kv_cache))
 
     @property
+    def loop(self) -> EngineLoop:
+        """The loop thread's driver (submissions go through the methods above; benchmarks time
+        its iterations)."""
+        return self._loop
+
+    @property
     def max_context(self) -> int:
         return self.runner.max_context
 

@@ -216,7 +216,7 @@ class EngineLoop:
                     self._step()
                 elif self._keep_alive_s is not None:
                     self._runner.keep_alive()
-                self._publish()
+                self.publish()
             except WorkerFailedError as error:
                 self._stop_broken(error, commands)
                 return
@@ -281,7 +281,10 @@ class EngineLoop:
             _log.error("engine step failed for %d request(s): %r", len(failed), error)
             self._fail(failed or list(self._trackers.values()), error)
 
-    def _publish(self) -> None:
+    def publish(self) -> None:
+        """Loop thread only: hand each request its delta since the last iteration (finishing what
+        a stop string ended), then the snapshot.  Public so that a benchmark can time it
+        (bench/host_overhead.py wraps it on the instance)."""
         now = time.perf_counter()
         new_tokens = 0
         deltas = []
@@ -337,4 +340,4 @@ class EngineLoop:
         for tracker in self._trackers.values():
             if not tracker.req.finished:
                 self._scheduler.abort(tracker.rid)
-        self._publish()
+        self.publish()
