@@ -17,7 +17,7 @@ def hf_config_from(config: ModelConfig):
     """The transformers config of the same architecture and sizes."""
     import transformers
 
-    if config.architecture not in ("llama", "qwen2") or config.rope_scaling or config.qk_norm:
+    if config.architecture not in ("llama", "qwen2") or config.rope_scaling or config.qk_norm or config.sliding_window:
         # Other families' reference models are their own checkpoints (tests/test_model_families.py).
         raise ValueError(f"no transformers config is derived for {config.architecture!r} with its features")
     common = dict(

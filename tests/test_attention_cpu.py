@@ -25,11 +25,13 @@ def kernels():
 
 class Batch:
     """A random pool (slots scattered) and the metadata of one forward over `runs`: (cached
-    prefix, new tokens) per request, plus `pad` padded token rows at the end."""
+    prefix, new tokens) per request, plus `pad` padded token rows at the end.  `window`: a
+    sliding window (a query at p sees keys p - window + 1 .. p; 0: full attention)."""
 
     def __init__(self, runs, heads=9, kv_heads=3, head_dim=64, act=torch.float32, kv=torch.float32, pad=0,
-                 layers=3, seed=0):
+                 layers=3, seed=0, window=0):
         gen = torch.Generator().manual_seed(seed)
+        self.window = window
         self.runs, self.heads, self.kv_heads, self.head_dim, self.pad = runs, heads, kv_heads, head_dim, pad
         total = sum(p + n for p, n in runs)
         num_slots = total + 8
@@ -68,7 +70,10 @@ class Batch:
             values = v_pool[layer, slots].double().transpose(0, 1)[None]
             s = int(self.start[r])
             queries = self.q[s : s + n].double().view(n, self.heads, d).transpose(0, 1)[None]
-            mask = torch.arange(p + n)[None, :] <= torch.arange(p, p + n)[:, None]
+            q_pos, k_pos = torch.arange(p, p + n)[:, None], torch.arange(p + n)[None, :]
+            mask = k_pos <= q_pos
+            if self.window:
+                mask &= k_pos > q_pos - self.window
             o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, enable_gqa=True)
             out[s : s + n] = o[0].transpose(0, 1).reshape(n, -1)
         return out, k_pool, v_pool
@@ -83,7 +88,7 @@ class Batch:
             req, seq_lens, extend = self.req, self.seq_lens, (self.prefix, self.lens, self.start)
         torch.ops.graphexec.paged_attention(
             self.q, self.k, self.v, out, self.pool.k_pool, self.pool.v_pool, layer, self.table, req, seq_lens,
-            self.loc, *extend, self.tokens,
+            self.loc, *extend, self.tokens, self.window,
         )
         return out
 
@@ -168,25 +173,49 @@ def test_bad_metadata_is_refused_not_read():
         batch.run_kernel(7, decode=True)
 
 
+@pytest.mark.parametrize("window", [1, 7, 64, 100, 5000])
+def test_sliding_window_decode_and_extend(window):
+    """Windows shorter than a block, one block, off block boundaries and past every length: decode
+    rows (split-K for the long one), short runs (query at a time) and long runs (the blocked loop,
+    whole key blocks below the window skipped) against windowed SDPA."""
+    decode_runs = [(0, 1), (4, 1), (63, 1), (200, 1), (700, 1)]
+    _check(Batch(decode_runs, pad=2, window=window), decode=True)
+    _check(Batch([(2999, 1)], window=window), decode=True, layer=2)  # keys split across threads
+    extend_runs = [(0, 100), (37, 70), (0, 5), (130, 3), (5, 1), (64, 64), (300, 200)]
+    _check(Batch(extend_runs, pad=3, window=window), decode=False)
+    _check(Batch(extend_runs, head_dim=8, window=window), decode=False)  # the portable path
+
+
+def test_sliding_window_reduced_precision_pool():
+    _check(Batch([(0, 40), (77, 9), (3, 1)], heads=4, kv_heads=2, act=torch.bfloat16, kv=torch.bfloat16, window=13),
+           decode=False, tol=2e-2)
+    _check(Batch([(40, 1), (600, 1)], heads=4, kv_heads=2, act=torch.bfloat16, kv=torch.bfloat16, window=13),
+           decode=True, tol=2e-2)
+
+
 # -- the backend: binding, routes, against torch_native ------------------------------------------
 
 
+@pytest.mark.parametrize("window", [None, 9])
 @pytest.mark.parametrize("decode", [True, False])
-def test_backend_matches_torch_native(decode):
+def test_backend_matches_torch_native(decode, window):
     """Through init_forward_metadata and the model's op call: the C++ route (bound) equals the
-    torch_native backend, KV writes included."""
+    torch_native backend, KV writes included, with and without a sliding window."""
     runs = [(5, 1), (40, 1), (130, 1)] if decode else [(0, 30), (12, 17), (50, 1)]
     outputs, pools = [], []
     for cls in (TorchNativeAttnBackend, CpuAttnBackend):
         batch = Batch(runs, pad=2)
         fb = batch.forward_batch(decode)
-        backend = cls(batch.heads, batch.kv_heads, batch.head_dim)
+        backend = cls(batch.heads, batch.kv_heads, batch.head_dim, sliding_window=window)
         with torch.inference_mode(), forward_context(ForwardContext(fb, backend, batch.pool, None)):
             backend.init_forward_metadata(fb, batch.table)
             outputs.append(unified_attention(batch.q, batch.k, batch.v, 1))
         pools.append((batch.pool.k_pool, batch.pool.v_pool))
     torch.testing.assert_close(outputs[1], outputs[0], atol=2e-5, rtol=2e-5)
     assert torch.equal(outputs[1][-2:], torch.zeros_like(outputs[1][-2:]))
+    if window is not None:  # torch_native against windowed SDPA too (Batch.reference)
+        reference = Batch(runs, pad=2, window=window).reference(1)[0]
+        torch.testing.assert_close(outputs[0][:-2].double(), reference[:-2], atol=2e-5, rtol=2e-5)
     # The same real slots written (torch_native also writes padded rows into the dummy slot 0).
     assert all(torch.equal(a[:, 1:], b[:, 1:]) for a, b in zip(pools[0], pools[1]))
 

@@ -158,8 +158,11 @@ def _save_config(path, config) -> None:
 @pytest.mark.parametrize(
     "config_name, fields, match",
     [
-        ("MistralConfig", dict(sliding_window=64), r"sliding-window attention \(sliding_window=64 < context 256\)"),
-        ("Qwen3Config", dict(use_sliding_window=True, sliding_window=32, max_window_layers=0), "sliding-window attention"),
+        # Windows on some layers only (Qwen's max_window_layers, a mixed layer_types): one window for all is run.
+        ("Qwen3Config", dict(use_sliding_window=True, sliding_window=32, max_window_layers=1),
+         r"per-layer sliding-window attention \(sliding_window=32 < context 256 on some layers only"),
+        ("Qwen2Config", dict(use_sliding_window=True, sliding_window=32, layer_types=["sliding_attention", "full_attention"]),
+         r"per-layer sliding-window attention .*layer_types"),
         ("GemmaConfig", dict(head_dim=16), r"unsupported model \['GemmaForCausalLM'\]"),
         ("Qwen3MoeConfig", dict(num_experts=4), "mixture-of-experts"),
         ("MixtralConfig", dict(), "mixture-of-experts"),
@@ -177,11 +180,37 @@ def test_unsupported_checkpoints_are_refused_by_name(config_name, fields, match,
 
 
 def test_a_window_as_long_as_the_context_is_full_attention(tmp_path):
+    from graphexec.loader.hf_config import model_config
+
     config = transformers.MistralConfig(**{**TINY, "sliding_window": 256})
+    assert model_config(config.to_dict(), "t", True, [], tmp_path).sliding_window is None
     config.architectures = ["MistralForCausalLM"]
     _save_config(tmp_path, config)
     with pytest.raises(CheckpointError, match="tensors do not match"):  # got past the window check
         load_hf_dir(tmp_path, "t")
+
+
+@pytest.mark.parametrize(
+    "config_name, fields, window",
+    [
+        ("MistralConfig", dict(sliding_window=64), 64),
+        ("Phi3Config", dict(sliding_window=31), 31),
+        # Qwen: the window only with use_sliding_window, on layers from max_window_layers on (here all).
+        ("Qwen3Config", dict(use_sliding_window=True, sliding_window=32, max_window_layers=0), 32),
+        ("Qwen2Config", dict(use_sliding_window=True, sliding_window=32, max_window_layers=0), 32),
+        ("Qwen3Config", dict(use_sliding_window=False, sliding_window=32, max_window_layers=0), None),
+        ("Qwen2Config", dict(use_sliding_window=True, sliding_window=32, max_window_layers=2), None),  # no layer
+        ("MistralConfig", dict(sliding_window=None), None),
+    ],
+)
+def test_one_window_for_every_layer_is_read(config_name, fields, window, tmp_path):
+    """As transformers reads the config (each case's own layer_types agree)."""
+    from graphexec.loader.hf_config import model_config
+
+    config = getattr(transformers, config_name)(**{**TINY, **fields})
+    assert model_config(config.to_dict(), "t", True, [], tmp_path).sliding_window == window
+    hf_window = config.sliding_window if "sliding_attention" in (getattr(config, "layer_types", None) or ["sliding_attention"]) else None
+    assert hf_window == window
 
 
 # ---- GGUF: what llama.cpp's converter writes for each family --------------------------------
@@ -283,15 +312,17 @@ def test_gguf_matches_transformers(hf_family, tmp_path):
     _check_engine(engine, reference)
 
 
-def test_gguf_sliding_window_shorter_than_the_context_is_refused(tmp_path):
+def test_gguf_sliding_window_is_read(tmp_path):
+    """<arch>.attention.sliding_window: one window for every layer; one as long as the context is
+    full attention.  (tests/test_sliding_window.py runs a windowed GGUF against transformers.)"""
     from graphexec.loader import load_gguf
 
     model = save_family("mistral", tmp_path / "hf")
     write_family_gguf(tmp_path / "m.gguf", "mistral", model, sliding_window=64)
-    with pytest.raises(CheckpointError, match=r"sliding-window attention \(llama.attention.sliding_window=64"):
-        load_gguf(tmp_path / "m.gguf", "m")
+    assert load_gguf(tmp_path / "m.gguf", "m").config.sliding_window == 64
     write_family_gguf(tmp_path / "full.gguf", "mistral", model, sliding_window=256)
-    assert load_gguf(tmp_path / "full.gguf", "m").config.max_context == 256
+    full = load_gguf(tmp_path / "full.gguf", "m").config
+    assert full.max_context == 256 and full.sliding_window is None
 
 
 # ---- graphs ---------------------------------------------------------------------------------

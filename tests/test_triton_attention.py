@@ -246,6 +246,49 @@ def test_extend_matches_torch_native(group):
 
 
 @ON_CPU
+@pytest.mark.parametrize("window", [1, 5, 40, 1000])
+def test_sliding_window_matches_torch_native(window):
+    """A sliding window (a query at p sees keys p - window + 1 .. p): decode rows (splits from the
+    window's start), extend blocks (loops from the first query's window; rows whose window starts
+    past the first key block), through the backends and the kernels with blocks of 16."""
+    heads = KV_HEADS * 3
+    triton_be, native_be = (
+        create_attention_backend(name, heads, KV_HEADS, HEAD_DIM, torch.device("cpu"), sliding_window=window)
+        for name in ("triton", "torch_native")
+    )
+    world = _world(DECODE_LENS)
+    fb = _decode_batch(world, pad=1)
+    q, k, v = _qkv(fb.batch_size, heads)
+    expected = _attend(native_be, world, fb, q, k, v)
+    torch.testing.assert_close(_attend(triton_be, world, fb, q, k, v), expected, atol=ATOL_FP32, rtol=0)
+    out = torch.full_like(q, float("nan")).view(-1, heads, HEAD_DIM)
+    splits = 8
+    acc, lse = torch.empty(fb.batch_size, heads, splits, HEAD_DIM), torch.empty(fb.batch_size, heads, splits)
+    tk.decode(
+        q.view(-1, heads, HEAD_DIM), out, world.pool.k_buffers[0], world.pool.v_buffers[0], world.table.req_to_token,
+        fb.req_pool_indices, fb.seq_lens, acc, lse, HEAD_DIM**-0.5, splits, sliding_window=window,
+        min_split_len=8, block_n=16,
+    )  # fmt: skip
+    real = len(DECODE_LENS)
+    torch.testing.assert_close(out.view(q.shape)[:real], expected[:real], atol=ATOL_FP32, rtol=0)
+
+    world = _world([p + n for p, n in EXTEND_RUNS])
+    fb = _extend_batch(world, [p for p, _ in EXTEND_RUNS], pad=2)
+    q, k, v = _qkv(fb.num_tokens, heads)
+    expected = _attend(native_be, world, fb, q, k, v)
+    torch.testing.assert_close(_attend(triton_be, world, fb, q, k, v), expected, atol=ATOL_FP32, rtol=0)
+    out = torch.full_like(q, float("nan")).view(-1, heads, HEAD_DIM)
+    tk.extend(
+        q.view(-1, heads, HEAD_DIM), out, world.pool.k_buffers[0], world.pool.v_buffers[0],
+        world.table.req_to_token, fb.req_pool_indices, fb.extend_prefix_lens, fb.extend_seq_lens,
+        fb.extend_start_loc, HEAD_DIM**-0.5, max(fb.extend_seq_lens_cpu), sliding_window=window,
+        block_m=16, block_n=16,
+    )  # fmt: skip
+    real = fb.num_token_non_padded
+    torch.testing.assert_close(out.view(q.shape)[:real], expected[:real], atol=ATOL_FP32, rtol=0)
+
+
+@ON_CPU
 def test_bf16_activations_and_pool_match_torch_native():
     """The dtype casts: bf16 q/k/v and pool, bf16 output (decode and extend, GQA 4)."""
     heads, dtype = KV_HEADS * 4, torch.bfloat16

@@ -35,11 +35,15 @@ class AttentionBackend(ABC):
     # seq_lens value of a padded row: a length the kernels accept (it attends to the dummy slot).
     padded_seq_len: int = 1
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None = None):
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
+        # Mistral-style: a query at position p attends keys p - sliding_window + 1 .. p (None: all).
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be at least 1 or None, got {sliding_window}")
+        self.sliding_window = sliding_window
 
     @classmethod
     def check_device(cls, device: torch.device) -> None:
@@ -95,9 +99,15 @@ def resolve_attention_backend(name: str, device: torch.device) -> str:
 
 
 def create_attention_backend(
-    name: str, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device
+    name: str,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    device: torch.device,
+    sliding_window: int | None = None,
 ) -> AttentionBackend:
+    """`sliding_window`: the model's window (ModelConfig.sliding_window; None: full attention)."""
     module_name, class_name = _BACKENDS[resolve_attention_backend(name, device)].split(":")
     backend_cls = getattr(importlib.import_module(module_name), class_name)
     backend_cls.check_device(device)
-    return backend_cls(num_heads, num_kv_heads, head_dim)
+    return backend_cls(num_heads, num_kv_heads, head_dim, sliding_window=sliding_window)

@@ -43,8 +43,8 @@ def load_kernels() -> None:
 
 
 class CpuAttnBackend(TorchNativeAttnBackend):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
-        super().__init__(num_heads, num_kv_heads, head_dim)
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None = None):
+        super().__init__(num_heads, num_kv_heads, head_dim, sliding_window)
         # paged_attention's arguments after layer_id, for this forward (None: not on the CPU).
         self._kernel_args: tuple | None = None
 
@@ -65,6 +65,7 @@ class CpuAttnBackend(TorchNativeAttnBackend):
             fb.extend_seq_lens if extend else None,
             fb.extend_start_loc if extend else None,
             fb.num_token_non_padded,
+            self.sliding_window or 0,  # the kernels' "no window"
         )
         self._pools = (pool.k_pool, pool.v_pool)
         if "forward" not in vars(self):

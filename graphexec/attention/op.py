@@ -38,16 +38,18 @@ _LIB.define("attention(Tensor q, Tensor k, Tensor v, Tensor(a!) out, SymInt laye
 _LIB.define("attention_py(Tensor q, Tensor k, Tensor v, Tensor(a!) out, SymInt layer_id) -> ()")
 # The CPU kernels with every input explicit (the cpu backend's Python route, tests, benchmarks).
 # k_pool/v_pool: [layers, slots, kv_heads, head_dim]; extend iff the three extend_* are given.
+# sliding_window: a query at position p attends keys p - sliding_window + 1 .. p; 0 or less: all.
 _LIB.define(
     "paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) out, Tensor(b!) k_pool, Tensor(c!) v_pool, "
     "int layer_id, Tensor req_to_token, Tensor req_pool_indices, Tensor seq_lens, Tensor out_cache_loc, "
-    "Tensor? extend_prefix_lens, Tensor? extend_seq_lens, Tensor? extend_start_loc, int num_token_non_padded) -> ()"
+    "Tensor? extend_prefix_lens, Tensor? extend_seq_lens, Tensor? extend_start_loc, int num_token_non_padded, "
+    "int sliding_window=0) -> ()"
 )
 # This thread's binding for the C++ route of `attention` (arguments as paged_attention's).
 _LIB.define(
     "attention_bind(Tensor k_pool, Tensor v_pool, Tensor req_to_token, Tensor req_pool_indices, "
     "Tensor seq_lens, Tensor out_cache_loc, Tensor? extend_prefix_lens, Tensor? extend_seq_lens, "
-    "Tensor? extend_start_loc, int num_token_non_padded) -> ()"
+    "Tensor? extend_start_loc, int num_token_non_padded, int sliding_window=0) -> ()"
 )
 _LIB.define("attention_unbind() -> ()")
 

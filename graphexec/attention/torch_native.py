@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class _DecodeMetadata:
     kv_indices: torch.Tensor  # [rows, max_seq_len] KV slots; unused tail points at the dummy slot
-    attn_mask: torch.Tensor  # [rows, 1, 1, max_seq_len] bool, True where the key is live
+    attn_mask: torch.Tensor  # [rows, 1, 1, max_seq_len] bool, True where the key is live (and in the window)
     rows: torch.Tensor | None = None  # which batch rows (None: all of them, in order)
 
 
@@ -33,7 +33,7 @@ class _ExtendRun:
     q_start: int
     q_len: int
     kv_indices: torch.Tensor  # [seq_len] KV slots of the whole sequence (prefix + new tokens)
-    attn_mask: torch.Tensor | None  # [q_len, seq_len] bool; None means plain causal (no prefix)
+    attn_mask: torch.Tensor | None  # [q_len, seq_len] bool; None means plain causal (no prefix, no window)
 
 
 class TorchNativeAttnBackend(AttentionBackend):
@@ -60,10 +60,14 @@ class TorchNativeAttnBackend(AttentionBackend):
         kv_indices, mask = self._static.kv_indices[:bs], self._static.attn_mask[:bs]
         kv_indices.copy_(req_to_token[fb.req_pool_indices, :max_kv_len])
         torch.lt(self._key_positions[None, :], fb.seq_lens[:, None], out=mask.view(bs, max_kv_len))
+        if self.sliding_window is not None:
+            # From the device's seq_lens, like the causal bound: a replayed graph windows this step's lengths.
+            mask.view(bs, max_kv_len).logical_and_(
+                self._key_positions[None, :] >= fb.seq_lens[:, None] - self.sliding_window
+            )
         return _DecodeMetadata(kv_indices=kv_indices, attn_mask=mask)
 
-    @staticmethod
-    def _decode_metadata(fb: "ForwardBatch", req_to_token: torch.Tensor) -> list[_DecodeMetadata]:
+    def _decode_metadata(self, fb: "ForwardBatch", req_to_token: torch.Tensor) -> list[_DecodeMetadata]:
         bs = fb.batch_size
         lens = fb.seq_lens_cpu[:bs]
         if bs <= _DECODE_GROUP_ROWS:
@@ -78,22 +82,31 @@ class TorchNativeAttnBackend(AttentionBackend):
             max_len = max((lens[i] for i in group), default=1)
             pool_rows = fb.req_pool_indices[:bs] if rows is None else fb.req_pool_indices[rows]
             seq_lens = fb.seq_lens[:bs] if rows is None else fb.seq_lens[rows]
-            live = torch.arange(max_len, device=device)[None, :] < seq_lens[:, None]
+            positions = torch.arange(max_len, device=device)[None, :]
+            live = positions < seq_lens[:, None]
+            if self.sliding_window is not None:
+                # The row's query sits at seq_len - 1 (decode and verify rows alike): its window
+                # is keys seq_len - W .. seq_len - 1.
+                live &= positions >= seq_lens[:, None] - self.sliding_window
             out.append(_DecodeMetadata(req_to_token[pool_rows, :max_len], live[:, None, None, :], rows))
         return out
 
-    @staticmethod
-    def _extend_metadata(fb: "ForwardBatch", req_to_token: torch.Tensor) -> list[_ExtendRun]:
+    def _extend_metadata(self, fb: "ForwardBatch", req_to_token: torch.Tensor) -> list[_ExtendRun]:
         runs, q_start = [], 0
         rows = fb.req_pool_indices.tolist()
         device = fb.input_ids.device
         for row, prefix, q_len in zip(rows, fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu):
             seq_len = prefix + q_len
             mask = None
-            if prefix:
-                # Query i sits at position prefix + i and sees keys 0..prefix + i.
+            window = self.sliding_window
+            if prefix or (window is not None and seq_len > window):
+                # Query i sits at position prefix + i and sees keys 0..prefix + i, the last W of them
+                # under a window: prefix + i - W + 1 .. prefix + i.
                 q_pos = torch.arange(prefix, seq_len, device=device)
-                mask = torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]
+                k_pos = torch.arange(seq_len, device=device)[None, :]
+                mask = k_pos <= q_pos[:, None]
+                if window is not None:
+                    mask &= k_pos > q_pos[:, None] - window
             runs.append(_ExtendRun(q_start, q_len, req_to_token[row, :seq_len], mask))
             q_start += q_len
         return runs

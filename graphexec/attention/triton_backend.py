@@ -74,8 +74,9 @@ class TritonAttnBackend(AttentionBackend):
                 "(or auto)"
             )
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
-        super().__init__(num_heads, num_kv_heads, head_dim)
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None = None):
+        super().__init__(num_heads, num_kv_heads, head_dim, sliding_window)
+        self._window = sliding_window or 0  # the kernels' "no window"
         if num_heads % num_kv_heads:
             raise ConfigError(
                 f"attention_backend=triton needs num_heads ({num_heads}) a multiple of num_kv_heads ({num_kv_heads})"
@@ -116,12 +117,13 @@ class TritonAttnBackend(AttentionBackend):
             torch.ops.graphexec.triton_extend.default(
                 q3, out3, k_buf, v_buf, self._req_to_token, fb.req_pool_indices,
                 fb.extend_prefix_lens, fb.extend_seq_lens, fb.extend_start_loc, self.scale, self._max_extend_len,
+                self._window,
             )  # fmt: skip
         else:
             bs, ws = fb.batch_size, self._workspace
             torch.ops.graphexec.triton_decode.default(
                 q3[:bs], out3[:bs], k_buf, v_buf, self._req_to_token, fb.req_pool_indices[:bs], fb.seq_lens[:bs],
-                ws.acc, ws.lse, self.scale, ws.num_splits,
+                ws.acc, ws.lse, self.scale, ws.num_splits, self._window,
             )  # fmt: skip
         real = fb.num_token_non_padded_device
         if real is not None:

@@ -10,6 +10,10 @@ numpy, on CPU tensors (and on GPU tensors, copied to the host and back per launc
 Addressing: the table maps (request row, position) to a page; a key's slot is
 `page * PAGE_SIZE + position % PAGE_SIZE`.  The pool has pages of one slot today (PAGE_SIZE 1,
 the table holds slots); a larger page size changes that line only.
+
+Sliding window (`window` > 0; 0 is full attention): a query at position p sees keys
+p - window + 1 .. p.  Decode starts each row's keys (and its splits) at its window; extend starts
+a block's key loop at its first query's window and masks each query's keys below its own.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ def num_splits_for(max_len: int) -> int:
 def _online_softmax(
     qv,  # [ROWS, BLOCK_D] queries, already DOT_DTYPE
     q_pos,  # [ROWS] the queries' positions (read only when CAUSAL)
+    window,  # sliding window (read only when CAUSAL; 0: none)
     table,  # this request's row of the request -> token table
     k_buf,
     v_buf,
@@ -60,8 +65,9 @@ def _online_softmax(
     """Keys start..end-1 of one KV head against ROWS queries, a block of BLOCK_N keys at a time.
 
     Returns (acc, m, l): the unnormalized output, each row's running max and its sum of
-    exponentials; the output is acc / l, the log-sum-exp m + log(l).  The caller guarantees every
-    row sees a live key in the first block, so m is finite from then on."""
+    exponentials; the output is acc / l, the log-sum-exp m + log(l).  Under a window a row may
+    see no live key in the first blocks (its window starts later): its max stays -inf, and the
+    exponentials are taken against 0 instead so that they are 0, not NaN."""
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
@@ -73,12 +79,15 @@ def _online_softmax(
         k = tl.load(k_buf + slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :], mask=kv_ok, other=0.0)
         qk = tl.dot(qv, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * scale
         if CAUSAL:
-            qk = tl.where(live[None, :] & (pos[None, :] <= q_pos[:, None]), qk, float("-inf"))
+            seen = live[None, :] & (pos[None, :] <= q_pos[:, None])
+            seen = seen & ((window <= 0) | (pos[None, :] > q_pos[:, None] - window))
+            qk = tl.where(seen, qk, float("-inf"))
         else:
             qk = tl.where(live[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(qk - m_new[:, None])
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing live yet
+        alpha = tl.exp(m_i - m_ref)
+        p = tl.exp(qk - m_ref[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_buf + slot[:, None] * stride_vs + kv_head * stride_vh + d[None, :], mask=kv_ok, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
@@ -86,7 +95,7 @@ def _online_softmax(
     return acc, m_i, l_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["window"])  # one compiled kernel for every window
 def _decode_partial(
     q,  # [rows, heads, head_dim]
     out,  # [rows, heads, head_dim]: written here for rows of one split
@@ -114,6 +123,7 @@ def _decode_partial(
     stride_lh,
     head_dim,
     min_split_len,
+    window,  # sliding window (0: none)
     GROUP: tl.constexpr,  # query heads per KV head
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -127,11 +137,14 @@ def _decode_partial(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens + row)
+    # The row's query sits at seq_len - 1 (decode and verify rows alike): its keys start at its window.
+    first_key = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
+    span = seq_len - first_key
     # The row's own split count, from its length on the device: a replayed graph splits this
     # step's lengths; the grid only bounds it.
-    num_splits = tl.maximum(tl.minimum(tl.cdiv(seq_len, min_split_len), tl.num_programs(2)), 1)
-    split_len = tl.cdiv(seq_len, num_splits)
-    start = split * split_len
+    num_splits = tl.maximum(tl.minimum(tl.cdiv(span, min_split_len), tl.num_programs(2)), 1)
+    split_len = tl.cdiv(span, num_splits)
+    start = first_key + split * split_len
     end = tl.minimum(start + split_len, seq_len)
     if start < end:
         h = tl.arange(0, BLOCK_H)
@@ -143,7 +156,7 @@ def _decode_partial(
         qv = tl.load(q + row * stride_qr + heads[:, None] * stride_qh + d[None, :], mask=hd_ok, other=0.0).to(DOT_DTYPE)
         table = req_to_token + tl.load(req_pool_indices + row) * stride_table
         acc, m_i, l_i = _online_softmax(
-            qv, h, table, k_buf, v_buf, kv_head, start, end, scale,
+            qv, h, 0, table, k_buf, v_buf, kv_head, start, end, scale,
             stride_ks, stride_kh, stride_vs, stride_vh, d, d_ok,
             ROWS=BLOCK_H, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, CAUSAL=False, PAGE_SIZE=PAGE_SIZE,
             DOT_DTYPE=DOT_DTYPE, DOT_PRECISION=DOT_PRECISION,
@@ -157,7 +170,7 @@ def _decode_partial(
             tl.store(part_lse + row * stride_lr + heads * stride_lh + split, m_i + tl.log(l_i), mask=h_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["window"])  # one compiled kernel for every window
 def _decode_reduce(
     out,  # [rows, heads, head_dim]
     seq_lens,
@@ -173,6 +186,7 @@ def _decode_reduce(
     head_dim,
     min_split_len,
     max_splits,
+    window,
     GROUP: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_S: tl.constexpr,
@@ -184,16 +198,17 @@ def _decode_reduce(
     kv_head = tl.program_id(1)
     seq_len = tl.load(seq_lens + row)
     # The same split arithmetic as _decode_partial: a split it skipped is not read.
-    num_splits = tl.maximum(tl.minimum(tl.cdiv(seq_len, min_split_len), max_splits), 1)
+    span = seq_len - tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
+    num_splits = tl.maximum(tl.minimum(tl.cdiv(span, min_split_len), max_splits), 1)
     if num_splits > 1:
-        split_len = tl.cdiv(seq_len, num_splits)
+        split_len = tl.cdiv(span, num_splits)
         h = tl.arange(0, BLOCK_H)
         heads = kv_head * GROUP + h
         s = tl.arange(0, BLOCK_S)
         d = tl.arange(0, BLOCK_D)
         h_ok = h < GROUP
         d_ok = d < head_dim
-        s_ok = (s < num_splits) & (s * split_len < seq_len)
+        s_ok = (s < num_splits) & (s * split_len < span)
         hs_ok = h_ok[:, None] & s_ok[None, :]
         lse = tl.load(part_lse + row * stride_lr + heads[:, None] * stride_lh + s[None, :], mask=hs_ok, other=float("-inf"))
         # Rows of padding heads (h >= GROUP) are all -inf: keep their max finite, they are not stored.
@@ -209,7 +224,7 @@ def _decode_reduce(
         tl.store(out_ptrs, o.to(out.dtype.element_ty), mask=h_ok[:, None] & d_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["window"])  # one compiled kernel for every window
 def _extend(
     q,  # [tokens, heads, head_dim]
     out,
@@ -231,6 +246,7 @@ def _extend(
     stride_vh,
     stride_table,
     head_dim,
+    window,  # sliding window (0: none)
     GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -258,15 +274,18 @@ def _extend(
         qv = tl.load(q + (first + i[:, None]) * stride_qt + head * stride_qh + d[None, :], mask=q_ok, other=0.0)
         qv = qv.to(DOT_DTYPE)
         table = req_to_token + tl.load(req_pool_indices + req) * stride_table
-        # Keys up to this block's last query; the first block holds key 0, which every query sees.
+        # Keys up to this block's last query, from its first query's window start (key 0 without a window).
         end = prefix + tl.minimum((m_block + 1) * BLOCK_M, q_len)
+        start = tl.where(window > 0, tl.maximum(prefix + m_block * BLOCK_M - window + 1, 0), 0)
         acc, m_i, l_i = _online_softmax(
-            qv, q_pos, table, k_buf, v_buf, kv_head, 0, end, scale,
+            qv, q_pos, window, table, k_buf, v_buf, kv_head, start, end, scale,
             stride_ks, stride_kh, stride_vs, stride_vh, d, d_ok,
             ROWS=BLOCK_M, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, CAUSAL=True, PAGE_SIZE=PAGE_SIZE,
             DOT_DTYPE=DOT_DTYPE, DOT_PRECISION=DOT_PRECISION,
         )  # fmt: skip
-        o = acc / l_i[:, None]
+        # A real query always sees itself (l > 0); the block's rows past q_len may see no key
+        # under a window and are not stored: divide those by 1, not 0.
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out + (first + i[:, None]) * stride_ot + head * stride_oh + d[None, :], o.to(out.dtype.element_ty), mask=q_ok)
 
 

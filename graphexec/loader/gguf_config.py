@@ -3,8 +3,8 @@
 Families by llama.cpp architecture name: `llama` (also what llama.cpp's converter writes for
 Mistral 7B; Llama 3's RoPE scaling arrives as the rope_freqs tensor of per-pair divisors),
 `qwen2`, `qwen3` (attn_q_norm / attn_k_norm), `phi3` (fused attn_qkv and ffn_up, LongRoPE as
-rope_factors_short / rope_factors_long).  Everything else, and a sliding window shorter than the
-context, is refused by name.
+rope_factors_short / rope_factors_long).  `<arch>.attention.sliding_window` is one window for
+every layer (shorter than the context: sliding-window attention).  Everything else is refused by name.
 """
 
 from __future__ import annotations
@@ -75,12 +75,11 @@ def config_from_metadata(metadata: dict[str, Any], tensor_names: set[str], rope_
         raise CheckpointError(f"{path}: mixture-of-experts models ({arch}.expert_count) are not supported")
     context = int(field("context_length"))
     scaling, max_context = _rope(arch, field, metadata, rope_tensors, context, path)
+    # One window for every layer (llama.cpp's per-layer patterns are other architectures: Gemma's).
     window = metadata.get(f"{arch}.attention.sliding_window")
-    if window is not None and int(window) < max_context:
-        raise CheckpointError(
-            f"{path}: sliding-window attention ({arch}.attention.sliding_window={window} < context {max_context}) "
-            "is not supported"
-        )
+    if window is not None and int(window) < 1:
+        raise CheckpointError(f"{path}: {arch}.attention.sliding_window={window} must be at least 1")
+    window = None if window is None or int(window) >= max_context else int(window)
     hidden, heads = int(field("embedding_length")), int(field("attention.head_count"))
     head_dim = int(field("attention.key_length", hidden // heads))
     tokens = metadata.get("tokenizer.ggml.tokens")
@@ -114,4 +113,5 @@ def config_from_metadata(metadata: dict[str, Any], tensor_names: set[str], rope_
         qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
         rotary_dim=int(field("rope.dimension_count", head_dim)),
         rope_scaling=scaling,
+        sliding_window=window,
     )

@@ -1,5 +1,5 @@
 """A Hugging Face config.json read into a ModelConfig: which family it is, its RoPE scaling, and
-every feature the engine cannot run refused by name (MoE, sliding windows, other families).
+every feature the engine cannot run refused by name (MoE, per-layer sliding windows, other families).
 
 Both spellings are read: transformers 4 writes rope_theta and rope_scaling at the top level,
 transformers 5 nests them (and partial_rotary_factor) in rope_parameters.
@@ -43,16 +43,44 @@ def family(config: dict[str, Any], path: Path) -> str:
     raise _fail(path, f"unsupported model {list(names) or config.get('model_type')!r}; supported: {sorted(ARCHITECTURES)}")
 
 
-def check_attention_window(config: dict[str, Any], max_context: int, path: Path) -> None:
-    """A sliding window at least as long as the context is full attention; a shorter one is refused."""
+def attention_window(config: dict[str, Any], arch: str, max_context: int, path: Path) -> int | None:
+    """The sliding window every layer uses (None: full attention), in transformers' reading.
+
+    A window at least as long as the context is full attention.  Layers that differ (Qwen's
+    max_window_layers, a mixed `layer_types`) are refused: the engine runs one window for all."""
     window = config.get("sliding_window")
-    uses_window = config.get("use_sliding_window", True)  # Mistral and Phi-3 have no switch: the window applies
-    sliding_layers = "sliding_attention" in (config.get("layer_types") or ())
-    if sliding_layers or (uses_window and window is not None and int(window) < max_context):
-        raise _fail(
-            path,
-            f"sliding-window attention (sliding_window={window} < context {max_context}) is not supported",
-        )
+    # Mistral and Phi-3 have no switch: a window is used when given.  Qwen2/Qwen3 default it off.
+    uses_window = bool(config.get("use_sliding_window", arch not in ("qwen2", "qwen3")))
+    if window is None or not uses_window:
+        window = None
+    layers = int(config["num_hidden_layers"])
+    layer_types = config.get("layer_types")
+    if layer_types is None and window is not None and arch in ("qwen2", "qwen3"):
+        # Qwen: layers below max_window_layers attend fully (transformers' Qwen2Config.layer_types;
+        # 28, its default, when the config omits it).
+        first = int(config.get("max_window_layers", 28))
+        layer_types = ["full_attention" if i < first else "sliding_attention" for i in range(layers)]
+    if layer_types is not None:
+        kinds = set(layer_types)
+        if not kinds <= {"full_attention", "sliding_attention"}:
+            raise _fail(path, f"attention layer types {sorted(kinds)} (layer_types) are not supported")
+        if "sliding_attention" not in kinds:
+            return None
+        if window is None:
+            raise _fail(path, "layer_types names sliding_attention layers but sliding_window is not set")
+        if "full_attention" in kinds and int(window) < max_context:
+            counts = {kind: list(layer_types).count(kind) for kind in sorted(kinds)}
+            raise _fail(
+                path,
+                f"per-layer sliding-window attention (sliding_window={window} < context {max_context} on some "
+                f"layers only: {counts}, from layer_types / max_window_layers) is not supported; "
+                "only one window for every layer is",
+            )
+    if window is None or int(window) >= max_context:
+        return None
+    if int(window) < 1:
+        raise _fail(path, f"sliding_window={window} must be at least 1")
+    return int(window)
 
 
 def rope(config: dict[str, Any], path: Path) -> tuple[float, RopeScaling | None, int, float]:
@@ -116,7 +144,7 @@ def model_config(config: dict[str, Any], name: str, has_lm_head: bool, eos_ids: 
     arch = family(config, path)
     unsupported_features(config, arch, path)
     theta, scaling, max_context, partial = rope(config, path)
-    check_attention_window(config, max_context, path)
+    window = attention_window(config, arch, max_context, path)
     hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
     head_dim = int(config.get("head_dim") or hidden // heads)
     bos = config.get("bos_token_id")
@@ -141,4 +169,5 @@ def model_config(config: dict[str, Any], name: str, has_lm_head: bool, eos_ids: 
         qk_norm=arch == "qwen3",
         rotary_dim=rotary_dim(head_dim, partial),
         rope_scaling=scaling,
+        sliding_window=window,
     )

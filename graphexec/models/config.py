@@ -43,7 +43,8 @@ class ModelConfig:
     `architecture` names the family (FAMILIES) for messages and the reference model; the decoder
     itself reads only the switches: attention_bias (Qwen2), qk_norm (Qwen3: per-head RMSNorm of
     q and k before RoPE), rotary_dim (Phi-4-mini: partial rotary; None is the whole head) and
-    rope_scaling.  Weights use Hugging Face tensor names (q/k/v and gate/up unfused), so one
+    rope_scaling, and sliding_window (Mistral-style: every layer attends to the last
+    `sliding_window` positions, the query's own included; None is full attention).  Weights use Hugging Face tensor names (q/k/v and gate/up unfused), so one
     model class serves GGUF, safetensors and random checkpoints alike.
     """
 
@@ -66,6 +67,7 @@ class ModelConfig:
     qk_norm: bool = False
     rotary_dim: int | None = None
     rope_scaling: RopeScaling | None = None
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in FAMILIES:
@@ -78,6 +80,11 @@ class ModelConfig:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
             )
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be a positive number of positions or None, got {self.sliding_window}")
+        if self.sliding_window is not None and self.sliding_window >= self.max_context:
+            # A window that covers the whole context changes nothing: keep full attention's fast paths.
+            object.__setattr__(self, "sliding_window", None)
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
 

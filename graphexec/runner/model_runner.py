@@ -84,7 +84,8 @@ class ModelRunner:
         # This rank's heads (all of them with one rank); the vocabulary stays whole.
         local = model.layout.local_config()
         self.attn_backend = create_attention_backend(
-            config.attention_backend, local.num_heads, local.num_kv_heads, local.head_dim, self.device
+            config.attention_backend, local.num_heads, local.num_kv_heads, local.head_dim, self.device,
+            sliding_window=self.model_config.sliding_window,
         )
         self.logits_processor = LogitsProcessor(self.model.compute_logits)
         self.sampler = Sampler(TokenBitmask(self.model_config.vocab_size, config.scheduler.max_running_requests))

@@ -6,16 +6,22 @@
 // Each call first writes this step's k/v rows into the pool at out_cache_loc (real tokens only;
 // padded rows write nothing and get zero output), then attends:
 //
-//   decode   one query token per row against the row's seq_len keys, all heads at once (a slot's
-//            K and V rows are read whole, in order, prefetched ahead).  Tasks are rows; a long
-//            context with few rows is cut into key splits across threads and the partial softmaxes
-//            combined.
+//   decode   one query token per row against the row's seq_len keys (the last `window` of them
+//            under a sliding window), all heads at once (a slot's K and V rows are read whole, in
+//            order, prefetched ahead).  Tasks are rows; a long context with few rows is cut into
+//            key splits across threads and the partial softmaxes combined.
 //   extend   per request, a run of q_len query tokens at positions prefix..prefix+q_len-1 against
-//            keys 0..position (causal, cached prefix included).  Runs of a few tokens are served
-//            like decode rows; longer runs go through a blocked flash-attention loop: the request's
-//            keys are packed once into fp32 blocks (K transposed), then each task (request, kv
-//            head, tile of query tokens) streams the key blocks up to its causal limit with an
-//            online softmax, scores and outputs computed by register-blocked AVX-512 kernels.
+//            keys 0..position (causal, cached prefix included; position - window + 1..position
+//            under a sliding window).  Runs of a few tokens are served like decode rows; longer
+//            runs go through a blocked flash-attention loop: the request's keys are packed once
+//            into fp32 blocks (K transposed), then each task (request, kv head, tile of query
+//            tokens) streams the key blocks from its window's start (0 with no window) up to its
+//            causal limit with an online softmax, scores and outputs computed by register-blocked
+//            AVX-512 kernels.
+//
+// The sliding window (Mistral's, transformers' semantics: a query at position p sees keys
+// p - window + 1 .. p) is an argument: 0 or less is full attention.  Keys below it stay in the
+// pool (no eviction); they are skipped, never read.
 //
 // Softmax runs in fp32 in base 2 (q is pre-scaled by scale * log2(e)); activations and the pool
 // may each be fp32, bf16 or fp16; every product is accumulated in fp32.
@@ -142,8 +148,14 @@ struct Meta {
   const int64_t* start = nullptr;
   int64_t num_reqs = 0;  // extend: requests; decode: rows (batch size)
   int64_t n_real = 0;    // num_token_non_padded
+  int64_t window = 0;    // sliding window (keys per query, its own included); 0: full attention
   bool extend = false;
 };
+
+// The first key a query at `pos` attends.
+inline int64_t window_start(const Meta& m, int64_t pos) {
+  return m.window > 0 ? std::max<int64_t>(0, pos - m.window + 1) : 0;
+}
 
 struct Pool {
   void* k = nullptr;
@@ -175,8 +187,10 @@ Pool pool_of(const at::Tensor& k_pool, const at::Tensor& v_pool) {
 // Checks every index the kernels will follow, once: afterwards they read without bounds checks.
 Meta meta_of(const Pool& pool, const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
              const at::Tensor& seq_lens, const at::Tensor& out_cache_loc, const c10::optional<at::Tensor>& prefix,
-             const c10::optional<at::Tensor>& ext_len, const c10::optional<at::Tensor>& start, int64_t n_real) {
+             const c10::optional<at::Tensor>& ext_len, const c10::optional<at::Tensor>& start, int64_t n_real,
+             int64_t window) {
   Meta m;
+  m.window = std::max<int64_t>(window, 0);
   TORCH_CHECK(req_to_token.dim() == 2 && req_to_token.scalar_type() == at::kLong && req_to_token.device().is_cpu() &&
                   req_to_token.stride(1) == 1,
               "paged_attention: req_to_token must be a 2-D int64 CPU tensor with unit column stride");
@@ -245,17 +259,18 @@ Meta meta_of(const Pool& pool, const at::Tensor& req_to_token, const at::Tensor&
 constexpr int64_t kKeyBlock = 64;  // keys scored before their values are accumulated
 constexpr int64_t kBK = kKeyBlock;  // keys per block of the extend tiles too (4 vectors of 16)
 
-// Online-softmax update of one row of kBK scores of which the first `valid` are live: the row
-// becomes P = 2^(s - max) (zero past `valid`), m and l are updated; returns the factor the row's
-// earlier output must be scaled by.
-inline float softmax_row(float* s, float& m, float& l, int64_t valid) {
+// Online-softmax update of one row of kBK scores of which [lo, valid) are live (lo > 0: the
+// block starts below a sliding window): the row becomes P = 2^(s - max) (zero outside), m and l
+// are updated; returns the factor the row's earlier output must be scaled by.
+inline float softmax_row(float* s, float& m, float& l, int64_t valid, int64_t lo = 0) {
 #if defined(__AVX512F__)
   __m512 x[4];
   __mmask16 live[4];
   __m512 vmax = _mm512_set1_ps(kNegInf);
   for (int c = 0; c < 4; ++c) {
-    const int64_t left = valid - 16 * c;
+    const int64_t left = valid - 16 * c, below = lo - 16 * c;
     live[c] = left >= 16 ? static_cast<__mmask16>(0xFFFF) : left <= 0 ? 0 : static_cast<__mmask16>((1u << left) - 1);
+    if (below > 0) live[c] &= below >= 16 ? 0 : static_cast<__mmask16>(~((1u << below) - 1));
     x[c] = _mm512_mask_loadu_ps(_mm512_set1_ps(kNegInf), live[c], s + 16 * c);
     vmax = _mm512_max_ps(vmax, x[c]);
   }
@@ -274,17 +289,18 @@ inline float softmax_row(float* s, float& m, float& l, int64_t valid) {
   const float sum = _mm512_reduce_add_ps(vsum);
 #else
   float mx = m;
-  for (int64_t j = 0; j < valid; ++j) mx = std::max(mx, s[j]);
+  for (int64_t j = lo; j < valid; ++j) mx = std::max(mx, s[j]);
   if (mx == kNegInf) {
     std::fill(s, s + kBK, 0.0f);
     return 1.0f;
   }
   float sum = 0.0f;
-  for (int64_t j = 0; j < valid; ++j) {
+  for (int64_t j = 0; j < std::min<int64_t>(lo, kBK); ++j) s[j] = 0.0f;
+  for (int64_t j = std::max<int64_t>(lo, 0); j < valid; ++j) {
     s[j] = exp2_scalar(s[j] - mx);
     sum += s[j];
   }
-  for (int64_t j = valid; j < kBK; ++j) s[j] = 0.0f;
+  for (int64_t j = std::max<int64_t>(valid, 0); j < kBK; ++j) s[j] = 0.0f;
 #endif
   const float alpha = m == kNegInf ? 0.0f : exp2_scalar(m - mx);
   l = l * alpha + sum;
@@ -500,9 +516,10 @@ inline void store_out(const Call& c, int64_t t, int64_t head, const float* value
 struct QueryTask {
   int64_t token;     // activation row
   int64_t req_row;   // row of req_to_token
-  int64_t keys;      // keys attended: 0..keys-1
+  int64_t keys;      // keys attended: first..keys-1
   int64_t splits;    // key ranges this token's work is cut into (one task each)
   int64_t partial0;  // index of its first partial (splits > 1)
+  int64_t first;     // the first key (its sliding window's start; 0 with none)
 };
 
 template <typename A, typename KV, int NC>
@@ -522,8 +539,8 @@ void run_query_tasks(const Call& c, const Meta& m, const std::vector<QueryTask>&
                           : std::upper_bound(first.begin(), first.end(), task) - first.begin() - 1;
     const QueryTask& it = items[i];
     const int64_t split = task - first[i];
-    const int64_t chunk = (it.keys + it.splits - 1) / it.splits;
-    const int64_t k0 = std::min(it.keys, split * chunk), k1 = std::min(it.keys, k0 + chunk);
+    const int64_t span = it.keys - it.first, chunk = (span + it.splits - 1) / it.splits;
+    const int64_t k0 = std::min(it.keys, it.first + split * chunk), k1 = std::min(it.keys, k0 + chunk);
     thread_local std::vector<float> buf;
     float* qs = scratch(buf, HQ * (2 * D + 2 + kKeyBlock));
     float* acc = qs + HQ * D;
@@ -578,8 +595,10 @@ void decode(const Call& c, const Meta& m) {
   items.reserve(m.n_real);
   int64_t total = 0;
   for (int64_t b = 0; b < m.n_real; ++b) {
-    items.push_back(QueryTask{b, m.req[b], m.seq_lens[b], 1, 0});
-    total += m.seq_lens[b];
+    // The row's query sits at seq_len - 1 (decode and verify rows alike).
+    const int64_t first = window_start(m, m.seq_lens[b] - 1);
+    items.push_back(QueryTask{b, m.req[b], m.seq_lens[b], 1, 0, first});
+    total += m.seq_lens[b] - first;
   }
   const int64_t threads = at::get_num_threads();
   const bool parallel = total * c.kv_heads >= kParallelKeyHeads && threads > 1;
@@ -588,7 +607,7 @@ void decode(const Call& c, const Meta& m) {
   if (parallel && base_tasks < 4 * threads) {
     const int64_t want = (4 * threads + base_tasks - 1) / std::max<int64_t>(base_tasks, 1);
     for (QueryTask& it : items) {
-      it.splits = std::max<int64_t>(1, std::min(want, it.keys / kMinSplitKeys));
+      it.splits = std::max<int64_t>(1, std::min(want, (it.keys - it.first) / kMinSplitKeys));
       if (it.splits > 1) {
         it.partial0 = partials;
         partials += it.splits;
@@ -621,8 +640,9 @@ void extend(const Call& c, const Meta& m) {
     if (len == 0) continue;
     if (!tiled || len <= kShortRun) {
       for (int64_t i = 0; i < len; ++i) {
-        short_items.push_back(QueryTask{m.start[r] + i, m.req[r], m.prefix[r] + i + 1, 1, 0});
-        short_work += m.prefix[r] + i + 1;
+        const int64_t pos = m.prefix[r] + i, first = window_start(m, pos);
+        short_items.push_back(QueryTask{m.start[r] + i, m.req[r], pos + 1, 1, 0, first});
+        short_work += pos + 1 - first;
       }
     } else {
       long_reqs.push_back(r);
@@ -652,6 +672,8 @@ void extend(const Call& c, const Meta& m) {
       const int64_t i = std::upper_bound(pack_first.begin(), pack_first.end(), task) - pack_first.begin() - 1;
       const int64_t r = long_reqs[i], S = m.seq_lens[r], nb = (S + kBK - 1) / kBK;
       const int64_t h = (task - pack_first[i]) / nb, blk = (task - pack_first[i]) % nb;
+      // Blocks wholly below the first new token's window are never read (no tile starts lower).
+      if ((blk + 1) * kBK <= window_start(m, m.prefix[r])) return;
       float* base = packed + pack_off[i] + h * nb * kBK * D * 2;
       float* kt = base + blk * D * kBK;
       float* vr = base + nb * kBK * D + blk * kBK * D;
@@ -679,7 +701,8 @@ void extend(const Call& c, const Meta& m) {
       for (int64_t h = 0; h < H; ++h)
         for (int64_t t0 = 0; t0 < m.ext_len[r]; t0 += kBQ) {
           const int64_t t1 = std::min(m.ext_len[r], t0 + kBQ);
-          tiles.push_back(Tile{static_cast<int64_t>(i), h, t0, t1, (m.prefix[r] + t1) * (t1 - t0)});
+          const int64_t keys = m.prefix[r] + t1 - window_start(m, m.prefix[r] + t0);
+          tiles.push_back(Tile{static_cast<int64_t>(i), h, t0, t1, keys * (t1 - t0)});
         }
     }
     std::stable_sort(tiles.begin(), tiles.end(), [](const Tile& a, const Tile& b) { return a.cost > b.cost; });
@@ -710,23 +733,27 @@ void extend(const Call& c, const Meta& m) {
       const int64_t first_limit = prefix + tile.t0;     // key limit (inclusive) of the tile's first token
       const int64_t last_limit = prefix + tile.t1 - 1;  // ... and of its last
       const int64_t nb = last_limit / kBK + 1;
-      for (int64_t blk = 0; blk < nb; ++blk) {
+      // Under a sliding window: blocks wholly below the first token's window are skipped, and a
+      // row's keys start at its own window (the last token's start is the latest).
+      const int64_t first_start = window_start(m, first_limit), last_start = window_start(m, last_limit);
+      for (int64_t blk = first_start / kBK; blk < nb; ++blk) {
         const float* Kt = Kp + blk * D * kBK;
         const float* V = Vp + blk * kBK * D;
         for (int64_t i0 = 0; i0 < rows_pad; i0 += kMR) qk_tile(Q + i0 * D, Kt, S_ + i0 * kBK, D);
         const int64_t key0 = blk * kBK;
-        const bool full = key0 + kBK - 1 <= first_limit;
+        const bool full = key0 + kBK - 1 <= first_limit && key0 >= last_start;
         for (int64_t row = 0; row < rows_pad; ++row) {
-          int64_t valid = kBK;
+          int64_t valid = kBK, lo = 0;
           if (!full) {
             const int64_t limit = row < rows ? prefix + tile.t0 + row % n_tok : last_limit;
             valid = std::clamp<int64_t>(limit - key0 + 1, 0, kBK);
+            lo = std::clamp<int64_t>(window_start(m, limit) - key0, 0, kBK);
           }
-          if (valid == 0) {
+          if (valid <= lo) {
             alpha[row] = 1.0f;
             std::fill(S_ + row * kBK, S_ + (row + 1) * kBK, 0.0f);
           } else {
-            alpha[row] = softmax_row(S_ + row * kBK, mrow[row], lrow[row], valid);
+            alpha[row] = softmax_row(S_ + row * kBK, mrow[row], lrow[row], valid, lo);
           }
         }
         for (int64_t i0 = 0; i0 < rows_pad; i0 += kMR) pv_tile(S_ + i0 * kBK, V, O + i0 * D, alpha + i0, D);
@@ -844,10 +871,11 @@ void paged_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Ten
                          const at::Tensor& req_pool_indices, const at::Tensor& seq_lens,
                          const at::Tensor& out_cache_loc, const c10::optional<at::Tensor>& extend_prefix_lens,
                          const c10::optional<at::Tensor>& extend_seq_lens,
-                         const c10::optional<at::Tensor>& extend_start_loc, int64_t num_token_non_padded) {
+                         const c10::optional<at::Tensor>& extend_start_loc, int64_t num_token_non_padded,
+                         int64_t sliding_window) {
   const Pool pool = pool_of(k_pool, v_pool);
   const Meta m = meta_of(pool, req_to_token, req_pool_indices, seq_lens, out_cache_loc, extend_prefix_lens,
-                         extend_seq_lens, extend_start_loc, num_token_non_padded);
+                         extend_seq_lens, extend_start_loc, num_token_non_padded, sliding_window);
   run(q, k, v, out, layer_id, pool, m);
 }
 
@@ -878,13 +906,14 @@ void attention_bind(const at::Tensor& k_pool, const at::Tensor& v_pool, const at
                     const at::Tensor& req_pool_indices, const at::Tensor& seq_lens, const at::Tensor& out_cache_loc,
                     const c10::optional<at::Tensor>& extend_prefix_lens,
                     const c10::optional<at::Tensor>& extend_seq_lens,
-                    const c10::optional<at::Tensor>& extend_start_loc, int64_t num_token_non_padded) {
+                    const c10::optional<at::Tensor>& extend_start_loc, int64_t num_token_non_padded,
+                    int64_t sliding_window) {
   Binding& b = binding();
   b.armed = false;
   b.watched.clear();
   b.pool = pool_of(k_pool, v_pool);
   b.meta = meta_of(b.pool, req_to_token, req_pool_indices, seq_lens, out_cache_loc, extend_prefix_lens,
-                   extend_seq_lens, extend_start_loc, num_token_non_padded);
+                   extend_seq_lens, extend_start_loc, num_token_non_padded, sliding_window);
   for (const at::Tensor* t : {&k_pool, &v_pool, &req_to_token, &req_pool_indices, &seq_lens, &out_cache_loc})
     b.watched.emplace_back(t->getIntrusivePtr());
   for (const auto* t : {&extend_prefix_lens, &extend_seq_lens, &extend_start_loc})
