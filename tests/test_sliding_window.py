@@ -96,11 +96,15 @@ def test_chunked_prefill_equals_transformers(mistral, backend, chunk):
     assert _tokens(engine) == expected
 
 
-@pytest.mark.parametrize("backend", ["cpu", "torch_native"])
+@pytest.mark.parametrize("backend", ["cpu", "torch_native", "triton"])
 def test_decode_graph_on_the_tape_equals_transformers(mistral, backend):
-    """The window's mask (torch_native: static decode metadata from the device's seq_lens) inside
-    a recorded decode graph, replayed at every step."""
+    """The window inside a recorded decode graph, replayed at every step (torch_native: static
+    decode metadata from the device's seq_lens; triton: each row's window start from its length
+    on the device)."""
     from graphexec.batch.forward_mode import ForwardMode
+
+    if backend == "triton":
+        pytest.importorskip("triton")
 
     path, _, expected = mistral
     engine = Engine(overrides=["model=hf", f"model.path={path}", "cache.num_slots=1024",
