@@ -44,8 +44,9 @@ class ModelConfig:
     itself reads only the switches: attention_bias (Qwen2), qk_norm (Qwen3: per-head RMSNorm of
     q and k before RoPE), rotary_dim (Phi-4-mini: partial rotary; None is the whole head) and
     rope_scaling, and sliding_window (Mistral-style: every layer attends to the last
-    `sliding_window` positions, the query's own included; None is full attention).  Weights use Hugging Face tensor names (q/k/v and gate/up unfused), so one
-    model class serves GGUF, safetensors and random checkpoints alike.
+    `sliding_window` positions, the query's own included; None is full attention).  Weights use
+    Hugging Face tensor names (q/k/v and gate/up unfused), so one model class serves GGUF,
+    safetensors and random checkpoints alike.
     """
 
     name: str
