@@ -107,8 +107,7 @@ class ForwardBatch:
         if batch.reqs:
             # A prompt chunk's row is computed but not sampled: greedy and generator-free, so it
             # never advances a seeded request's random stream; with no history it is never penalised.
-            # A verify batch samples every row, each for its request.
-            samples = batch.samples if batch.drafts is None else (True,) * batch.batch_size
+            samples = batch.row_samples()  # a verify batch samples every row, each for its request
             sampled = [r if s else None for r, s in zip(batch.row_owners(), samples)]
             sampling_info = SamplingBatchInfo.from_params(
                 [_NO_SAMPLING if r is None else r.params for r in sampled],

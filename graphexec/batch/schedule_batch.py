@@ -53,34 +53,36 @@ class ScheduleBatch:
         """Rows of the forward: one per request, except in TARGET_VERIFY (one per token)."""
         return len(self.seq_lens)
 
+    def _rows(self) -> list[tuple[Req, tuple[int, ...]]]:
+        """Per row: its request and the draft tokens before it (() outside TARGET_VERIFY)."""
+        if self.drafts is None:
+            return [(req, ()) for req in self.reqs]
+        return [(req, draft[:i]) for req, draft in zip(self.reqs, self.drafts) for i in range(len(draft) + 1)]
+
     def row_owners(self) -> list[Req]:
         """The request of each row (each sampled row of TARGET_VERIFY samples for its request)."""
-        if self.drafts is None:
-            return list(self.reqs)
-        return [req for req, draft in zip(self.reqs, self.drafts) for _ in range(len(draft) + 1)]
+        return [req for req, _ in self._rows()]
+
+    def row_samples(self) -> tuple[bool, ...]:
+        """Per row, whether it samples: `samples`, except in TARGET_VERIFY (every row samples)."""
+        return self.samples if self.drafts is None else (True,) * self.batch_size
 
     def row_histories(self) -> list[Req | DraftedHistory]:
         """Per row, the token history its penalties and min_tokens see: the request's, and in
         TARGET_VERIFY row i the request's with its first i draft tokens as outputs."""
-        if self.drafts is None:
-            return list(self.reqs)
         return [
-            DraftedHistory(req.prompt_ids, req.output_ids + list(draft[:i]), req.eos_token_ids)
-            if i and req.params.processes_logits  # (a copy of the outputs: only where it is read)
+            DraftedHistory(req.prompt_ids, req.output_ids + list(before), req.eos_token_ids)
+            if before and req.params.processes_logits  # (a copy of the outputs: only where it is read)
             else req
-            for req, draft in zip(self.reqs, self.drafts)
-            for i in range(len(draft) + 1)
+            for req, before in self._rows()
         ]
 
     def row_grammars(self) -> list:
         """Per row, the grammar its token must fit (None: free); in TARGET_VERIFY row i the
         request's grammar as it stands after the first i draft tokens."""
-        if self.drafts is None:
-            return [req.grammar for req in self.reqs]
         return [
-            None if req.grammar is None else req.grammar.after(draft[:i]) if i else req.grammar
-            for req, draft in zip(self.reqs, self.drafts)
-            for i in range(len(draft) + 1)
+            req.grammar.after(before) if before and req.grammar is not None else req.grammar
+            for req, before in self._rows()
         ]
 
     @classmethod
