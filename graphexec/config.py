@@ -23,6 +23,7 @@ from graphexec.sampling_params import SamplingParams
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 _WEIGHT_MODES = ("native", "dequantize")
+_ACTIVATION_MODES = ("float", "q8")
 _MODEL_SOURCES = ("gguf", "hf", "random")
 _ADMISSION_POLICIES = ("optimistic", "reserve")
 _DEFAULT_PREFILL_TOKENS = 2048
@@ -77,6 +78,12 @@ class ModelSourceConfig:
     # gguf only.  native: Q4_0/Q4_1/Q8_0 tensors stay block-quantized and run through
     # graphexec::qlinear; dequantize: every tensor becomes a dense `dtype` tensor (the reference).
     weights: str = "native"
+    # How native quantized weights meet their activations.  float: as they are (the exact path;
+    # only summation order differs from a dense matmul).  q8: each activation row is quantized
+    # per 32-element block to 8 bits first and the block dot products are integer, as llama.cpp
+    # computes (graphexec/kernels/csrc/qlinear_q8.cpp): faster, and close to llama.cpp's own
+    # numerics rather than the fp32 reference's.
+    activations: str = "float"
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -409,6 +416,14 @@ def _model_source(values: Mapping[str, Any]) -> ModelSourceConfig:
         raise ConfigError(f"model.dtype must be one of {sorted(_DTYPES) + sorted(_DTYPE_ALIASES)}, got {dtype!r}")
     if values.get("weights") not in _WEIGHT_MODES:
         raise ConfigError(f"model.weights must be one of {list(_WEIGHT_MODES)}, got {values.get('weights')!r}")
+    activations = values.get("activations", "float")
+    if activations not in _ACTIVATION_MODES:
+        raise ConfigError(f"model.activations must be one of {list(_ACTIVATION_MODES)}, got {activations!r}")
+    if activations == "q8" and (values["source"] != "gguf" or values.get("weights") != "native"):
+        raise ConfigError(
+            "model.activations=q8 applies to block-quantized weights: it needs model.source=gguf with "
+            f"model.weights=native (got model.source={values['source']}, model.weights={values.get('weights')})"
+        )
     architecture = MappingProxyType(dict(values.pop("architecture", None) or {}))
     return ModelSourceConfig(architecture=architecture, **(values | {"dtype": dtype}))
 

@@ -21,16 +21,36 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.parametrize(
-    ("capability", "expected"), [("AVX512", "avx512"), ("AVX2", "avx2"), ("DEFAULT", "portable"), ("SVE256", "portable")]
+    ("capability", "features", "expected"),
+    [
+        ("AVX512", {"avx512_vnni": True, "avx_vnni": True}, "avx512vnni"),  # Sapphire Rapids
+        ("AVX512", {"avx512_vnni": True}, "avx512vnni"),  # Zen 4, Ice Lake server
+        ("AVX512", {}, "avx512"),  # Skylake server
+        ("AVX2", {"avx512_vnni": True, "avx_vnni": True}, "avxvnni"),  # ATEN_CPU_CAPABILITY=avx2 on SPR
+        ("AVX2", {"avx_vnni": True}, "avxvnni"),  # Alder Lake
+        ("AVX2", {}, "avx2"),
+        ("DEFAULT", {"avx_vnni": True}, "portable"),
+        ("SVE256", {}, "portable"),
+    ],
 )
-def test_the_variant_follows_the_running_cpu(monkeypatch, capability, expected):
+def test_the_variant_follows_the_running_cpu(monkeypatch, capability, features, expected):
     monkeypatch.delenv("GRAPHEXEC_KERNEL_ISA", raising=False)
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: features)
     assert kernels.isa() == expected
 
 
 def test_a_lower_variant_may_be_chosen_a_higher_or_unknown_one_is_refused(monkeypatch):
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {"avx512_vnni": True})
+    monkeypatch.setenv("GRAPHEXEC_KERNEL_ISA", "avx2")
+    assert kernels.isa() == "avx2"
+    # AVX-VNNI is not implied by AVX-512 (Zen 4 and Ice Lake server have AVX512-VNNI only).
+    monkeypatch.setenv("GRAPHEXEC_KERNEL_ISA", "avxvnni")
+    with pytest.raises(CheckpointError, match="GRAPHEXEC_KERNEL_ISA='avxvnni' needs instructions this CPU lacks"):
+        kernels.isa()
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {})
     monkeypatch.setenv("GRAPHEXEC_KERNEL_ISA", "portable")
     assert kernels.isa() == "portable"
     monkeypatch.setenv("GRAPHEXEC_KERNEL_ISA", "avx512")
@@ -61,6 +81,8 @@ for qtype in TYPES:
         weight, _ = _packed(qtype, 130, 160, seed=rows)
         x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(rows))
         out[qtype, rows] = torch.ops.graphexec.qlinear(x, weight.codes, weight.scales, weight.mins)
+        out[qtype, rows, "q8"] = torch.ops.graphexec.qlinear_q8(x, weight.codes, weight.scales, weight.mins)
+out["quantize_q8"] = torch.ops.graphexec.quantize_q8(torch.randn(9, 160, generator=torch.Generator().manual_seed(9)))
 # The C++ attention (decode and extend) inside a real engine's greedy run.
 engine = Engine(["model=tiny-llama", "capture=eager", "attention_backend=cpu", "cache.num_slots=1024"])
 outputs = engine.generate(["hello world, " * 9, "abc"], SamplingParams(max_new_tokens=12, temperature=0.0, logprobs=1))
@@ -72,8 +94,7 @@ torch.save((kernels.isa(), out), sys.argv[1])
 
 @pytest.mark.skipif(not os.environ.get("GRAPHEXEC_TEST_ALL_ISA"), reason="builds every variant (minutes): set GRAPHEXEC_TEST_ALL_ISA=1")
 def test_every_variant_this_cpu_runs_equals_the_portable_one(tmp_path):
-    best = kernels.isa()
-    variants = list(kernels.ISA_FLAGS)[list(kernels.ISA_FLAGS).index(best):]
+    variants = kernels.runnable()
     results = {}
     for variant in variants:
         out = tmp_path / f"{variant}.pt"
@@ -85,5 +106,7 @@ def test_every_variant_this_cpu_runs_equals_the_portable_one(tmp_path):
         reference = results["portable"][1]
         assert out["tokens"] == reference["tokens"], variant
         for key, value in out.items():
-            if key != "tokens":  # the same values; only the vector width changes the summation order
+            if key == "quantize_q8":  # every path rounds the same products: the codes are equal
+                assert all(torch.equal(a, b) for a, b in zip(value, reference[key])), variant
+            elif key != "tokens":  # the same values; only the vector width changes the summation order
                 torch.testing.assert_close(value, reference[key], rtol=1e-5, atol=1e-5, msg=f"{variant} {key}")

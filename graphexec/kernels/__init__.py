@@ -7,7 +7,8 @@ into this process.
 
 What a build may use is chosen by the CPU the process runs on, never by the machine that built
 it: `isa()` reads torch's own detection (`torch.backends.cpu.get_cpu_capability()`, which
-`ATEN_CPU_CAPABILITY` can lower) and picks one of the fixed instruction-set variants of `ISA_FLAGS`;
+`ATEN_CPU_CAPABILITY` can lower, and `torch.cpu.get_capabilities()` for VNNI) and picks one of
+the fixed instruction-set variants of `ISA_FLAGS`;
 `GRAPHEXEC_KERNEL_ISA` picks a lower one by hand.  Each variant builds into its own folder,
 `GRAPHEXEC_KERNEL_DIR` (default `~/.cache/graphexec/kernels/<torch version>/<checkout>`) /
 `<variant>`, so a cache shared by two different CPUs (a cluster home directory, an image built
@@ -36,27 +37,52 @@ _SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
 
 
 # Compiler flags per variant, best first.  "avx512" is what torch's own AVX512 kernels require
-# (F, BW, VL, DQ, with AVX2/FMA); the sources' AVX-512 paths need F only.  "portable" is the
-# compiler's baseline for the target (SSE2 on x86-64): the scalar loops, auto-vectorized.
+# (F, BW, VL, DQ, with AVX2/FMA); the float sources need F only, the 8-bit activation path
+# (qlinear_q8.cpp) BW and VL.  The VNNI variants add the byte dot-product instruction
+# (vpdpbusd) on 512 bits (AVX512-VNNI: Ice Lake server and later, Zen 4) or 256 bits (AVX-VNNI:
+# Alder Lake and later clients, which lack AVX-512).  "portable" is the compiler's baseline for
+# the target (SSE2 on x86-64): the scalar loops, auto-vectorized.
+_AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"]
+_AVX2 = ["-mavx2", "-mfma", "-mf16c"]
 ISA_FLAGS = {
-    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],
-    "avx2": ["-mavx2", "-mfma", "-mf16c"],
+    "avx512vnni": [*_AVX512, "-mavx512vnni"],
+    "avx512": _AVX512,
+    "avxvnni": [*_AVX2, "-mavxvnni"],
+    "avx2": _AVX2,
     "portable": [],
 }
-_FROM_TORCH = {"AVX512": "avx512", "AVX2": "avx2"}  # every other capability (DEFAULT, ARM's) → portable
+# What each variant needs of the running CPU: torch's capability level (which ATEN_CPU_CAPABILITY
+# can lower) and the features torch.cpu.get_capabilities() reports.
+_NEEDS = {
+    "avx512vnni": ("AVX512", "avx512_vnni"),
+    "avx512": ("AVX512", None),
+    "avxvnni": ("AVX2", "avx_vnni"),
+    "avx2": ("AVX2", None),
+    "portable": (None, None),
+}
+_LEVELS = {"AVX512": ("AVX512",), "AVX2": ("AVX512", "AVX2")}  # a level and those above it
+
+
+def runnable() -> list[str]:
+    """The variants this process's CPU runs, best first."""
+    level = torch.backends.cpu.get_cpu_capability()
+    features = torch.cpu.get_capabilities()
+    return [
+        variant for variant, (needs_level, feature) in _NEEDS.items()
+        if (needs_level is None or level in _LEVELS[needs_level]) and (feature is None or features.get(feature, False))
+    ]
 
 
 def isa() -> str:
     """The variant this process builds and loads: the best its CPU runs, or GRAPHEXEC_KERNEL_ISA."""
-    variants = list(ISA_FLAGS)
-    best = _FROM_TORCH.get(torch.backends.cpu.get_cpu_capability(), "portable")
-    chosen = os.environ.get("GRAPHEXEC_KERNEL_ISA") or best
+    variants = runnable()
+    chosen = os.environ.get("GRAPHEXEC_KERNEL_ISA") or variants[0]
     if chosen not in ISA_FLAGS:
-        raise CheckpointError(f"GRAPHEXEC_KERNEL_ISA={chosen!r} is not a kernel variant; choose one of {variants}")
-    if variants.index(chosen) < variants.index(best):
+        raise CheckpointError(f"GRAPHEXEC_KERNEL_ISA={chosen!r} is not a kernel variant; choose one of {list(ISA_FLAGS)}")
+    if chosen not in variants:
         raise CheckpointError(
-            f"GRAPHEXEC_KERNEL_ISA={chosen!r} needs instructions this CPU lacks (it runs {best!r}); "
-            f"choose one of {variants[variants.index(best):]}"
+            f"GRAPHEXEC_KERNEL_ISA={chosen!r} needs instructions this CPU lacks (it runs {variants[0]!r}); "
+            f"choose one of {variants}"
         )
     return chosen
 

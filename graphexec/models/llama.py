@@ -109,14 +109,15 @@ class LlamaForCausalLM(nn.Module):
         return torch.nn.functional.linear(hidden, self.embed_tokens.weight)
 
     @torch.no_grad()
-    def load_weights(self, state_dict: Mapping[str, Weight], dtype: torch.dtype) -> None:
+    def load_weights(self, state_dict: Mapping[str, Weight], dtype: torch.dtype, activations: str = "float") -> None:
         """Take Hugging Face-named weights, fusing q/k/v and gate/up; every parameter must be set.
 
         Weights are assigned, not copied, so the model may be built on the meta device and never
         holds a second copy.  Under tensor parallelism they must already be this rank's part
         (graphexec/models/sharding.py; the loaders cut while reading).  Dense tensors become
         `dtype` parameters; a QuantizedWeight replaces its linear (or the embedding) with the
-        quantized module that reads it.
+        quantized module that reads it, meeting its activations as `activations` says (float | q8:
+        graphexec/quant/layers.py).
         """
         fused = _fuse_hf_names(state_dict, self.config.num_layers)
         if self.lm_head is None:
@@ -134,14 +135,16 @@ class LlamaForCausalLM(nn.Module):
             module_name, _, attr = name.rpartition(".")
             if isinstance(weight, QuantizedWeight):
                 bias = fused.get(f"{module_name}.bias")
-                self.set_submodule(module_name, self._quantized(module_name, weight, bias, dtype))
+                self.set_submodule(module_name, self._quantized(module_name, weight, bias, dtype, activations))
             elif not isinstance(self.get_submodule(module_name), (QuantLinear, QuantEmbedding)):
                 setattr(self.get_submodule(module_name), attr, nn.Parameter(weight.to(dtype), requires_grad=False))
 
-    def _quantized(self, name: str, weight: QuantizedWeight, bias: torch.Tensor | None, dtype: torch.dtype) -> nn.Module:
+    def _quantized(
+        self, name: str, weight: QuantizedWeight, bias: torch.Tensor | None, dtype: torch.dtype, activations: str
+    ) -> nn.Module:
         if name == "embed_tokens":
-            return QuantEmbedding(weight, dtype)
-        return QuantLinear(weight, None if bias is None else bias.to(dtype))
+            return QuantEmbedding(weight, dtype, activations)
+        return QuantLinear(weight, None if bias is None else bias.to(dtype), activations)
 
 
 def _fuse_hf_names(state_dict: Mapping[str, Weight], num_layers: int) -> dict[str, Weight]:

@@ -1,7 +1,9 @@
 """Modules that hold a QuantizedWeight and read it through graphexec::qlinear / qdequantize.
 
 The packed arrays are buffers (they move with `.to(device)`), never parameters: `Module.to(dtype)`
-would cast the float16 scales, so the runner moves quantized modules by device only.
+would cast the float16 scales, so the runner moves quantized modules by device only.  Which op a
+module calls (`activations`: float -> qlinear, q8 -> qlinear_q8) is fixed when it is built, so a
+captured graph holds that op and nothing decides per call.
 """
 
 from __future__ import annotations
@@ -12,22 +14,30 @@ from torch import nn
 from graphexec.quant.formats import QuantizedWeight
 
 
+ACTIVATION_MODES = ("float", "q8")
+
+
 class _Packed(nn.Module):
-    def __init__(self, weight: QuantizedWeight):
+    def __init__(self, weight: QuantizedWeight, activations: str):
         super().__init__()
+        if activations not in ACTIVATION_MODES:
+            raise ValueError(f"activations must be one of {list(ACTIVATION_MODES)}, got {activations!r}")
         self.qtype = weight.qtype
+        self.activations = activations
         self.register_buffer("codes", weight.codes)
         self.register_buffer("scales", weight.scales)
         self.register_buffer("mins", weight.mins)
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
         """x @ W.T for x [..., K]: one opaque op, whatever capture does around it."""
+        if self.activations == "q8":
+            return torch.ops.graphexec.qlinear_q8(x, self.codes, self.scales, self.mins)
         return torch.ops.graphexec.qlinear(x, self.codes, self.scales, self.mins)
 
 
 class QuantLinear(_Packed):
-    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None = None):
-        super().__init__(weight)
+    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None = None, activations: str = "float"):
+        super().__init__(weight, activations)
         self.out_features, self.in_features = weight.shape
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
@@ -36,14 +46,14 @@ class QuantLinear(_Packed):
         return out if self.bias is None else out + self.bias
 
     def extra_repr(self) -> str:
-        return f"{self.in_features}, {self.out_features}, qtype={self.qtype}, bias={self.bias is not None}"
+        return f"{self.in_features}, {self.out_features}, qtype={self.qtype}, activations={self.activations}, bias={self.bias is not None}"
 
 
 class QuantEmbedding(_Packed):
     """Token embedding rows dequantized on lookup; `project` makes it the tied LM head too."""
 
-    def __init__(self, weight: QuantizedWeight, dtype: torch.dtype):
-        super().__init__(weight)
+    def __init__(self, weight: QuantizedWeight, dtype: torch.dtype, activations: str = "float"):
+        super().__init__(weight, activations)
         self.num_embeddings, self.embedding_dim = weight.shape
         self.dtype = dtype
 
@@ -55,4 +65,4 @@ class QuantEmbedding(_Packed):
         return out.view(*input_ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, qtype={self.qtype}"
+        return f"{self.num_embeddings}, {self.embedding_dim}, qtype={self.qtype}, activations={self.activations}"

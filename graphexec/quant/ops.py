@@ -1,4 +1,9 @@
-"""`graphexec::qlinear` and `graphexec::qdequantize`: the ops every quantized weight is read through.
+"""`graphexec::qlinear`, `qlinear_q8` and `qdequantize`: the ops every quantized weight is read through.
+
+`qlinear` takes float activations as they are; `qlinear_q8` (`model.activations=q8`) first
+quantizes each activation row per 32-element block to 8 bits, as llama.cpp does, and computes
+integer block dot products (graphexec/kernels/csrc/qlinear_q8.cpp).  `quantize_q8` is that
+quantization alone: d = max|x| / 127, q = round-half-even(x * 127 / max|x|), s = d * sum(q).
 
 Schemas and fake implementations live here, so Dynamo and inductor see each call as one opaque node
 (never tracing into the dequantization) on any device.  The CPU kernels are C++
@@ -21,6 +26,8 @@ QBLOCK = 32  # elements per GGUF block for every supported type
 _LIB = torch.library.Library("graphexec", "FRAGMENT")  # noqa: the library object keeps the ops alive
 _LIB.define("qlinear(Tensor x, Tensor codes, Tensor scales, Tensor? mins) -> Tensor")
 _LIB.define("qdequantize(Tensor codes, Tensor scales, Tensor? mins, ScalarType dtype) -> Tensor")
+_LIB.define("qlinear_q8(Tensor x, Tensor codes, Tensor scales, Tensor? mins) -> Tensor")
+_LIB.define("quantize_q8(Tensor x) -> (Tensor, Tensor, Tensor)")
 
 
 def in_features(codes: torch.Tensor) -> int:
@@ -30,6 +37,17 @@ def in_features(codes: torch.Tensor) -> int:
 @torch.library.register_fake("graphexec::qlinear")
 def _qlinear_fake(x, codes, scales, mins):
     return x.new_empty((*x.shape[:-1], codes.shape[0]))
+
+
+@torch.library.register_fake("graphexec::qlinear_q8")
+def _qlinear_q8_fake(x, codes, scales, mins):
+    return x.new_empty((*x.shape[:-1], codes.shape[0]))
+
+
+@torch.library.register_fake("graphexec::quantize_q8")
+def _quantize_q8_fake(x):
+    blocks = (*x.shape[:-1], x.shape[-1] // QBLOCK)
+    return x.new_empty(x.shape, dtype=torch.int8), x.new_empty(blocks, dtype=torch.float32), x.new_empty(blocks, dtype=torch.float32)
 
 
 @torch.library.register_fake("graphexec::qdequantize")
@@ -52,6 +70,26 @@ def dequantize_reference(
     return values.reshape(n, -1).to(dtype)
 
 
+def quantize_q8_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per 32-element block of the last dimension: int8 codes q, scale d and d * sum(q), in plain
+    torch ops (any device), computed as the C++ kernel computes them (fp32, ties to even)."""
+    blocks = x.float().reshape(*x.shape[:-1], -1, QBLOCK)
+    amax = blocks.abs().amax(-1)
+    # A true division (a Python number over a tensor would be reciprocal-then-multiply, off by an ulp).
+    inverse = torch.where(amax != 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    q = torch.round(blocks * inverse.unsqueeze(-1))
+    d = amax / 127.0
+    return q.to(torch.int8).reshape(x.shape), d, d * q.sum(-1)
+
+
+def qlinear_q8_reference(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None) -> torch.Tensor:
+    """What qlinear_q8 computes, in float64 torch ops: the quantized activations times the weight."""
+    q, d, _ = quantize_q8_reference(x)
+    dequantized = q.double().reshape(*x.shape[:-1], -1, QBLOCK) * d.double().unsqueeze(-1)
+    weight = dequantize_reference(codes, scales, mins, torch.float64)
+    return (dequantized.reshape(x.shape) @ weight.T).to(x.dtype)
+
+
 def _qlinear_any_device(x, codes, scales, mins):
     # TODO(gpu): a fused dequantize-GEMV kernel; this materializes the weight per call.
     return torch.nn.functional.linear(x, dequantize_reference(codes, scales, mins, x.dtype))
@@ -63,6 +101,9 @@ def _qdequantize_any_device(codes, scales, mins, dtype):
 
 _LIB.impl("qlinear", _qlinear_any_device, "CUDA")
 _LIB.impl("qdequantize", _qdequantize_any_device, "CUDA")
+# TODO(gpu): an integer (dp4a / int8 tensor-core) kernel; this is the float64 reference's math.
+_LIB.impl("qlinear_q8", lambda x, codes, scales, mins: qlinear_q8_reference(x, codes, scales, mins), "CUDA")
+_LIB.impl("quantize_q8", quantize_q8_reference, "CUDA")
 
 
 def ensure_kernels() -> None:

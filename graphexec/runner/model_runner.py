@@ -76,7 +76,7 @@ class ModelRunner:
         # RoPE tables stay fp32 like the reference; the model casts per use.
         with torch.device("meta"):
             model = LlamaForCausalLM(self.model_config, tp)
-        model.load_weights(_rank_state_dict(checkpoint, model.layout), self.dtype)
+        model.load_weights(_rank_state_dict(checkpoint, model.layout), self.dtype, config.model.activations)
         if self.device.type == "cpu" and any(isinstance(m, (QuantLinear, QuantEmbedding)) for m in model.modules()):
             ensure_kernels()
         self.model = model.to(device=self.device).eval()

@@ -1,0 +1,133 @@
+"""8-bit activations (`model.activations=q8`): the activation quantization against its plain-torch
+definition (codes exact, ties to even), graphexec::qlinear_q8 against a float64 computation of the
+same quantized product, the op under torch.compile, and an engine on a tiny quantized GGUF against
+transformers whose every linear quantizes its input the same way (fake quantization)."""
+
+import pytest
+import torch
+
+from graphexec import Engine, SamplingParams
+from graphexec.errors import ConfigError
+from graphexec.loader import load_gguf
+from graphexec.quant import QuantEmbedding, QuantLinear, ensure_kernels
+from graphexec.quant.ops import QBLOCK, qlinear_q8_reference, quantize_q8_reference
+from tests.invariants import assert_no_leak
+from tests.reference import hf_greedy, hf_model_from
+from tests.test_quant import TYPES, _engine, _packed, _prompts, tiny_quantized_gguf  # noqa: F401 (fixture)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels():
+    ensure_kernels()
+
+
+def test_quantization_equals_its_definition_ties_and_zero_blocks_included():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 5 * QBLOCK, generator=gen) * 3
+    x[2, QBLOCK : 2 * QBLOCK] = 0.0  # an all-zero block: d = 0, codes 0
+    # max |x| = 127 makes the scale exactly 1: x.5 values are ties, which round to even.
+    x[4, :QBLOCK] = torch.tensor([127.0, 0.5, 1.5, -2.5, 3.5] + [0.0] * (QBLOCK - 5))
+    q, d, s = torch.ops.graphexec.quantize_q8(x)
+    expected = quantize_q8_reference(x)
+    assert torch.equal(q, expected[0]) and torch.equal(d, expected[1])
+    torch.testing.assert_close(s, expected[2], rtol=1e-6, atol=1e-6)
+    assert q[4, :5].tolist() == [127, 0, 2, -2, 4]
+    assert d[2, 1] == 0 and not q[2, QBLOCK : 2 * QBLOCK].any()
+    # Dequantized, every element is within half a step of the input.
+    steps = d.repeat_interleave(QBLOCK, dim=1)
+    assert ((q.float() * steps - x).abs() <= steps / 2 + 1e-6).all()
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("k", [96, 544, 1536])  # 3 (odd: a lone last block), 17 and 48 blocks
+@pytest.mark.parametrize("rows", [1, 2, 5, 64])
+def test_qlinear_q8_equals_the_quantized_product(qtype, k, rows):
+    weight, dense = _packed(qtype, 37, k, seed=rows)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(k + rows))
+    out = torch.ops.graphexec.qlinear_q8(x, weight.codes, weight.scales, weight.mins)
+    expected = qlinear_q8_reference(x, weight.codes, weight.scales, weight.mins)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+    # And it is a good approximation of the exact float product.
+    exact = x @ dense.T
+    assert (out - exact).norm() / exact.norm() < 0.02
+
+
+def test_qlinear_q8_takes_half_precision_and_any_leading_shape():
+    weight, _ = _packed("Q4_1", 40, 96)
+    x = torch.randn(2, 3, 96)
+    expected = qlinear_q8_reference(x, weight.codes, weight.scales, weight.mins)
+    out = torch.ops.graphexec.qlinear_q8(x, weight.codes, weight.scales, weight.mins)
+    assert out.shape == (2, 3, 40)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    half = torch.ops.graphexec.qlinear_q8(x.bfloat16(), weight.codes, weight.scales, weight.mins)
+    assert half.dtype == torch.bfloat16
+    torch.testing.assert_close(half.float(), qlinear_q8_reference(x.bfloat16().float(), weight.codes, weight.scales, weight.mins), rtol=2e-2, atol=2e-2)
+    with pytest.raises(RuntimeError, match="qlinear_q8: input has 64 features, the weight takes 96"):
+        torch.ops.graphexec.qlinear_q8(torch.randn(1, 64), weight.codes, weight.scales, weight.mins)
+    empty = torch.ops.graphexec.qlinear_q8(torch.randn(0, 96), weight.codes, weight.scales, weight.mins)
+    assert empty.shape == (0, 40)
+
+
+def test_compile_sees_one_opaque_q8_node():
+    weight, _ = _packed("Q4_0", 48, 64)
+    layer = QuantLinear(weight, activations="q8")
+    graphs = []
+
+    def recording_backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    x = torch.randn(4, 64)
+    compiled = torch.compile(lambda v: layer(v) * 2, backend=recording_backend, fullgraph=True)
+    torch.testing.assert_close(compiled(x), qlinear_q8_reference(x, weight.codes, weight.scales, weight.mins) * 2, rtol=1e-5, atol=1e-5)
+    (graph,) = graphs
+    targets = [str(node.target) for node in graph.graph.nodes if node.op == "call_function"]
+    assert targets.count("graphexec.qlinear_q8") == 1 and "graphexec.qlinear" not in targets, targets
+
+
+def _fake_quantized_hf(path):
+    """transformers on the dequantized weights, every linear (the tied LM head too) fed its input
+    quantized per 32-element block and dequantized again: the q8 engine's arithmetic in fp32."""
+    reference = load_gguf(path, name="tiny-q", weights="dequantize")
+    hf = hf_model_from(reference.config, reference.state_dict)
+
+    def quantize_input(module, args):
+        (x,) = args
+        q, d, _ = quantize_q8_reference(x)
+        return ((q.float().reshape(*x.shape[:-1], -1, QBLOCK) * d.unsqueeze(-1)).reshape(x.shape),)
+
+    for module in hf.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.register_forward_pre_hook(quantize_input)
+    return hf
+
+
+def test_q8_engine_equals_fake_quantized_transformers(tiny_quantized_gguf):
+    engine = _engine(tiny_quantized_gguf, "capture=eager", "model.activations=q8")
+    model = engine.runner.model
+    quantized = [m for m in model.modules() if isinstance(m, (QuantLinear, QuantEmbedding))]
+    assert quantized and all(m.activations == "q8" for m in quantized)
+    hf = _fake_quantized_hf(tiny_quantized_gguf)
+    params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    for prompt, out in zip(_prompts(), engine.generate(_prompts(), params)):
+        assert out.token_ids == hf_greedy(hf, prompt, 12)[0]
+    assert_no_leak(engine)
+    engine.shutdown()
+
+
+def test_q8_graphs_equal_q8_eager(tiny_quantized_gguf):
+    params = [SamplingParams(max_new_tokens=8 + i, temperature=0.0, ignore_eos=True) for i in range(5)]
+    small_plan = ["capture=graph_first", "capture.decode.buckets=[1,2,4,8]", "capture.extend.buckets=[32,64]", "capture.extend.max_padding=1.0"]
+    runs = {}
+    for name, extra in {"eager": ["capture=eager"], "graphs": small_plan}.items():
+        engine = _engine(tiny_quantized_gguf, *extra, "model.activations=q8")
+        runs[name] = [o.token_ids for o in engine.generate(_prompts(), params)]
+        engine.shutdown()
+    assert runs["graphs"] == runs["eager"]
+
+
+def test_q8_is_refused_where_no_weight_is_block_quantized():
+    with pytest.raises(ConfigError, match=r"model\.activations=q8 applies to block-quantized weights.*model\.source=random"):
+        Engine(overrides=["model=tiny-llama", "capture=eager", "model.activations=q8"])
+    with pytest.raises(ConfigError, match=r"model\.activations must be one of \['float', 'q8'\], got 'int4'"):
+        Engine(overrides=["model=tiny-llama", "capture=eager", "model.activations=int4"])
