@@ -7,6 +7,8 @@ cache-resident) plus the tied Q8_0 LM head, per activation row count M.
 
 Sides, paired (A B A B ...) in one process (single-threaded Python driving the same OpenMP team):
   qlinear fp32      graphexec::qlinear, fp32 activations (the block-streaming kernel)
+  qlinear q8        graphexec::qlinear_q8 (model.activations=q8): activations quantized per block
+                    to 8 bits, integer dot products on rows interleaved by 16
   qlinear bf16      graphexec::qlinear, bf16 activations (streaming below 48 rows, tile GEMM above)
   deq+mm bf16       dequantize the whole weight to bf16, then at::mm (the tile path's upper bound)
   dense fp32/bf16   F.linear over dense weights of the same shapes (what model.weights=dequantize reads)
@@ -23,7 +25,9 @@ import torch
 
 from bench.tables import header, machine_line, row
 from bench.timing import paired_ms
-from graphexec.quant import ensure_kernels
+from graphexec.quant import QuantizedWeight, ensure_kernels
+from graphexec.quant.ops import QBLOCK
+from graphexec.quant.repack import repack_rows16
 
 LAYERS = 30
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down: [N, K]
@@ -60,7 +64,17 @@ def _sides(rows: int, linears, head, dense: bool) -> dict:
             w = torch.ops.graphexec.qdequantize(codes, scales, mins, torch.bfloat16)
             xs[torch.bfloat16][w.shape[1]] @ w.T
 
-    sides = {"qlinear fp32": run_q(torch.float32), "qlinear bf16": run_q(torch.bfloat16), "deq+mm bf16": run_deq_mm}
+    q8_linears = [_rows16(*w) for w in linears]
+    q8_head = _rows16(*head)
+
+    def run_q8():
+        for packed in q8_linears:
+            torch.ops.graphexec.qlinear_q8(xs[torch.float32][packed[0].shape[1] * QBLOCK], *packed)
+        if with_head:
+            torch.ops.graphexec.qlinear_q8(xs[torch.float32][576], *q8_head)
+
+    sides = {"qlinear fp32": run_q(torch.float32), "qlinear q8": run_q8, "qlinear bf16": run_q(torch.bfloat16),
+             "deq+mm bf16": run_deq_mm}
     if dense:
         for dt, name in ((torch.float32, "dense fp32"), (torch.bfloat16, "dense bf16")):
             ws = [torch.ops.graphexec.qdequantize(c, s, m, dt) for c, s, m in linears]
@@ -76,6 +90,11 @@ def _sides(rows: int, linears, head, dense: bool) -> dict:
                 torch.ops.aten._weight_int4pack_mm_for_cpu(xs[torch.bfloat16][k], w, 32, sz)
         sides["int4pack bf16"] = run_int4
     return sides
+
+
+def _rows16(codes, scales, mins):
+    packed = repack_rows16(QuantizedWeight("bench", codes, scales, mins))
+    return packed.codes, packed.scales, packed.mins, packed.rows
 
 
 def _int4pack(codes, scales, mins):

@@ -72,6 +72,7 @@ import sys
 import torch
 from graphexec import Engine, SamplingParams, kernels
 from graphexec.quant import ensure_kernels
+from graphexec.quant.repack import repack_rows16
 from tests.test_quant import TYPES, _packed
 
 ensure_kernels()
@@ -81,7 +82,8 @@ for qtype in TYPES:
         weight, _ = _packed(qtype, 130, 160, seed=rows)
         x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(rows))
         out[qtype, rows] = torch.ops.graphexec.qlinear(x, weight.codes, weight.scales, weight.mins)
-        out[qtype, rows, "q8"] = torch.ops.graphexec.qlinear_q8(x, weight.codes, weight.scales, weight.mins)
+        packed = repack_rows16(weight)
+        out[qtype, rows, "q8"] = torch.ops.graphexec.qlinear_q8(x, packed.codes, packed.scales, packed.mins, packed.rows)
 out["quantize_q8"] = torch.ops.graphexec.quantize_q8(torch.randn(9, 160, generator=torch.Generator().manual_seed(9)))
 # The C++ attention (decode and extend) inside a real engine's greedy run.
 engine = Engine(["model=tiny-llama", "capture=eager", "attention_backend=cpu", "cache.num_slots=1024"])

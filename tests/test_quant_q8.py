@@ -11,6 +11,7 @@ from graphexec.errors import ConfigError
 from graphexec.loader import load_gguf
 from graphexec.quant import QuantEmbedding, QuantLinear, ensure_kernels
 from graphexec.quant.ops import QBLOCK, qlinear_q8_reference, quantize_q8_reference
+from graphexec.quant.repack import repack_rows16
 from tests.invariants import assert_no_leak
 from tests.reference import hf_greedy, hf_model_from
 from tests.test_quant import TYPES, _engine, _packed, _prompts, tiny_quantized_gguf  # noqa: F401 (fixture)
@@ -19,6 +20,33 @@ from tests.test_quant import TYPES, _engine, _packed, _prompts, tiny_quantized_g
 @pytest.fixture(scope="module", autouse=True)
 def kernels():
     ensure_kernels()
+
+
+def _q8(x, weight):
+    packed = repack_rows16(weight)
+    return torch.ops.graphexec.qlinear_q8(x, packed.codes, packed.scales, packed.mins, packed.rows)
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_rows16_repacking_is_a_lossless_shuffle(qtype):
+    weight, _ = _packed(qtype, 37, 96)  # 37 rows: the third group holds 5 real rows and 11 of padding
+    packed = repack_rows16(weight)
+    assert packed.codes.shape[:2] == (3, 3) and packed.scales.shape == (3, 3, 16)
+    back = packed.row_major()
+    assert all(torch.equal(a, b) for a, b in zip(back.tensors(), weight.tensors()))
+    assert not packed.codes[2, :, :, 5:].any() and not packed.scales[2, :, 5:].any()
+    # Row 16g+r's block b, bytes 4j..4j+3, sit in lane r of group g.
+    row, block, j = 21, 2, 1
+    per_block = weight.codes.shape[1] // 3
+    assert torch.equal(packed.codes[1, block, j, 5], weight.codes[row, block * per_block + 4 * j : block * per_block + 4 * j + 4])
+
+
+def test_embedding_rows_come_back_from_the_interleaved_layout():
+    weight, dense = _packed("Q8_0", 40, 64)
+    ids = torch.tensor([[0, 17, 39], [16, 15, 33]])
+    for activations in ("float", "q8"):
+        embedding = QuantEmbedding(weight, torch.float32, activations)
+        assert torch.equal(embedding(ids), dense[ids]), activations
 
 
 def test_quantization_equals_its_definition_ties_and_zero_blocks_included():
@@ -44,7 +72,7 @@ def test_quantization_equals_its_definition_ties_and_zero_blocks_included():
 def test_qlinear_q8_equals_the_quantized_product(qtype, k, rows):
     weight, dense = _packed(qtype, 37, k, seed=rows)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(k + rows))
-    out = torch.ops.graphexec.qlinear_q8(x, weight.codes, weight.scales, weight.mins)
+    out = _q8(x, weight)
     expected = qlinear_q8_reference(x, weight.codes, weight.scales, weight.mins)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
     # And it is a good approximation of the exact float product.
@@ -56,16 +84,17 @@ def test_qlinear_q8_takes_half_precision_and_any_leading_shape():
     weight, _ = _packed("Q4_1", 40, 96)
     x = torch.randn(2, 3, 96)
     expected = qlinear_q8_reference(x, weight.codes, weight.scales, weight.mins)
-    out = torch.ops.graphexec.qlinear_q8(x, weight.codes, weight.scales, weight.mins)
+    out = _q8(x, weight)
     assert out.shape == (2, 3, 40)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
-    half = torch.ops.graphexec.qlinear_q8(x.bfloat16(), weight.codes, weight.scales, weight.mins)
+    half = _q8(x.bfloat16(), weight)
     assert half.dtype == torch.bfloat16
     torch.testing.assert_close(half.float(), qlinear_q8_reference(x.bfloat16().float(), weight.codes, weight.scales, weight.mins), rtol=2e-2, atol=2e-2)
     with pytest.raises(RuntimeError, match="qlinear_q8: input has 64 features, the weight takes 96"):
-        torch.ops.graphexec.qlinear_q8(torch.randn(1, 64), weight.codes, weight.scales, weight.mins)
-    empty = torch.ops.graphexec.qlinear_q8(torch.randn(0, 96), weight.codes, weight.scales, weight.mins)
-    assert empty.shape == (0, 40)
+        _q8(torch.randn(1, 64), weight)
+    with pytest.raises(RuntimeError, match="qlinear_q8: codes must be contiguous \\[groups, blocks, J, 16, 4\\]"):
+        torch.ops.graphexec.qlinear_q8(x, weight.codes, weight.scales, weight.mins, 40)
+    assert _q8(torch.randn(0, 96), weight).shape == (0, 40)
 
 
 def test_compile_sees_one_opaque_q8_node():

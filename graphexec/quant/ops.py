@@ -2,7 +2,8 @@
 
 `qlinear` takes float activations as they are; `qlinear_q8` (`model.activations=q8`) first
 quantizes each activation row per 32-element block to 8 bits, as llama.cpp does, and computes
-integer block dot products (graphexec/kernels/csrc/qlinear_q8.cpp).  `quantize_q8` is that
+integer block dot products (graphexec/kernels/csrc/qlinear_q8.cpp) on a weight whose rows are
+interleaved in groups of 16 (repack.py; `n` is the real row count).  `quantize_q8` is that
 quantization alone: d = max|x| / 127, q = round-half-even(x * 127 / max|x|), s = d * sum(q).
 
 Schemas and fake implementations live here, so Dynamo and inductor see each call as one opaque node
@@ -26,7 +27,7 @@ QBLOCK = 32  # elements per GGUF block for every supported type
 _LIB = torch.library.Library("graphexec", "FRAGMENT")  # noqa: the library object keeps the ops alive
 _LIB.define("qlinear(Tensor x, Tensor codes, Tensor scales, Tensor? mins) -> Tensor")
 _LIB.define("qdequantize(Tensor codes, Tensor scales, Tensor? mins, ScalarType dtype) -> Tensor")
-_LIB.define("qlinear_q8(Tensor x, Tensor codes, Tensor scales, Tensor? mins) -> Tensor")
+_LIB.define("qlinear_q8(Tensor x, Tensor codes, Tensor scales, Tensor? mins, int n) -> Tensor")
 _LIB.define("quantize_q8(Tensor x) -> (Tensor, Tensor, Tensor)")
 
 
@@ -40,8 +41,8 @@ def _qlinear_fake(x, codes, scales, mins):
 
 
 @torch.library.register_fake("graphexec::qlinear_q8")
-def _qlinear_q8_fake(x, codes, scales, mins):
-    return x.new_empty((*x.shape[:-1], codes.shape[0]))
+def _qlinear_q8_fake(x, codes, scales, mins, n):
+    return x.new_empty((*x.shape[:-1], n))
 
 
 @torch.library.register_fake("graphexec::quantize_q8")
@@ -82,8 +83,21 @@ def quantize_q8_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, 
     return q.to(torch.int8).reshape(x.shape), d, d * q.sum(-1)
 
 
+def rows16_to_row_major(
+    codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, n: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A weight interleaved in groups of 16 rows (repack.py) back in GGUF's row-major arrays."""
+    rows = codes.permute(0, 3, 1, 2, 4).reshape(-1, codes.shape[1] * codes.shape[2] * 4)[:n]
+
+    def per_row(grouped: torch.Tensor) -> torch.Tensor:
+        return grouped.permute(0, 2, 1).reshape(-1, grouped.shape[1])[:n]
+
+    return rows, per_row(scales), None if mins is None else per_row(mins)
+
+
 def qlinear_q8_reference(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None) -> torch.Tensor:
-    """What qlinear_q8 computes, in float64 torch ops: the quantized activations times the weight."""
+    """What qlinear_q8 computes, in float64 torch ops: the quantized activations times the
+    (row-major) weight."""
     q, d, _ = quantize_q8_reference(x)
     dequantized = q.double().reshape(*x.shape[:-1], -1, QBLOCK) * d.double().unsqueeze(-1)
     weight = dequantize_reference(codes, scales, mins, torch.float64)
@@ -102,7 +116,7 @@ def _qdequantize_any_device(codes, scales, mins, dtype):
 _LIB.impl("qlinear", _qlinear_any_device, "CUDA")
 _LIB.impl("qdequantize", _qdequantize_any_device, "CUDA")
 # TODO(gpu): an integer (dp4a / int8 tensor-core) kernel; this is the float64 reference's math.
-_LIB.impl("qlinear_q8", lambda x, codes, scales, mins: qlinear_q8_reference(x, codes, scales, mins), "CUDA")
+_LIB.impl("qlinear_q8", lambda x, codes, scales, mins, n: qlinear_q8_reference(x, *rows16_to_row_major(codes, scales, mins, n)), "CUDA")
 _LIB.impl("quantize_q8", quantize_q8_reference, "CUDA")
 
 

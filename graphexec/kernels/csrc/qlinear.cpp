@@ -1,7 +1,13 @@
 // Block-quantized linear (GGUF Q4_0 / Q4_1 / Q8_0 layouts) on CPU with float activations, for
 // graphexec::qlinear and graphexec::qdequantize (schemas are defined in Python:
-// graphexec/quant/ops.py).  The weight layout is qview.h's; qlinear_q8.cpp is the 8-bit
-// activation twin.
+// graphexec/quant/ops.py).  qlinear_q8.cpp is the 8-bit activation twin, on rows repacked in
+// groups of 16.
+//
+// Weight layout (graphexec/quant/formats.py packs it at load):
+//   4-bit: codes uint8 [N, K/2]; per 32-element block, byte j holds element j (low nibble) and
+//          element j+16 (high nibble), as GGUF stores it.  value = d * q + m.
+//   8-bit: codes int8 [N, K]; value = d * q.
+//   scales (d) and mins (m): float16 [N, K/32]; Q4_0 is packed as m = -8 d (exact in fp16).
 //
 // Each block is dequantized in registers with one fma per lane (d*q is exact in fp32, so the weight
 // equals gguf's fp32 dequantization bit for bit); only the dot product's summation order differs
@@ -15,17 +21,43 @@
 #include <algorithm>
 #include <cstring>
 
-#include "qview.h"
-
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
 namespace {
 
-using graphexec_kernels::kBlock;
-using graphexec_kernels::QView;
-using graphexec_kernels::view_of;
+constexpr int64_t kBlock = 32;
+
+struct QView {
+  const uint8_t* codes;
+  const c10::Half* scales;
+  const c10::Half* mins;  // null: no offset (8-bit)
+  int64_t n, k, blocks, row_bytes;
+  bool four_bit;
+};
+
+QView view_of(const at::Tensor& codes, const at::Tensor& scales, const c10::optional<at::Tensor>& mins) {
+  TORCH_CHECK(codes.dim() == 2 && codes.is_contiguous(), "qlinear: codes must be a contiguous 2-D tensor");
+  TORCH_CHECK(codes.scalar_type() == at::kByte || codes.scalar_type() == at::kChar,
+              "qlinear: codes must be uint8 (4-bit packed) or int8 (8-bit), got ", codes.scalar_type());
+  const bool four_bit = codes.scalar_type() == at::kByte;
+  const int64_t n = codes.size(0);
+  const int64_t k = four_bit ? codes.size(1) * 2 : codes.size(1);
+  TORCH_CHECK(k % kBlock == 0, "qlinear: in_features ", k, " is not a multiple of the block size 32");
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.dim() == 2 &&
+                  scales.size(0) == n && scales.size(1) == k / kBlock,
+              "qlinear: scales must be contiguous float16 [", n, ", ", k / kBlock, "], got ", scales.sizes(),
+              " ", scales.scalar_type());
+  const bool has_mins = mins.has_value() && mins->defined();
+  TORCH_CHECK(four_bit == has_mins, "qlinear: 4-bit codes need mins and 8-bit codes take none");
+  if (has_mins) {
+    TORCH_CHECK(mins->scalar_type() == at::kHalf && mins->is_contiguous() && mins->sizes() == scales.sizes(),
+                "qlinear: mins must be contiguous float16 shaped like scales");
+  }
+  return QView{static_cast<const uint8_t*>(codes.data_ptr()), scales.data_ptr<c10::Half>(),
+               has_mins ? mins->data_ptr<c10::Half>() : nullptr, n, k, k / kBlock, codes.size(1), four_bit};
+}
 
 // Dequantize weight rows [row0, row1) into dst (fp32, row-major, leading dimension k).
 void dequantize_rows(const QView& w, int64_t row0, int64_t row1, float* dst) {
