@@ -328,3 +328,17 @@ def test_smollm2_q4_1_tp3_graphs_match_unsharded_eager(tmp_path):
     # The decode step ran in the captured graph (2 rows, the decode bucket).
     for *_, ran in ranks:
         assert ran["decode"][0] == "full_graph" and ran["decode"][1:] == (1, 0), ran
+
+
+def test_q8_activations_tp2_match_unsharded(tmp_path):
+    """model.activations=q8 on packed weights cut on block boundaries: each rank repacks its own
+    rows, and a column cut hands each rank whole activation blocks, quantized as tp=1 quantizes them."""
+    from tests.test_loader import save_tiny, write_tiny_gguf
+    from tests.test_quant import TINY_TYPES
+
+    model = save_tiny("llama", tmp_path / "hf", hidden_size=64, intermediate_size=128, tie_word_embeddings=True)
+    state = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    write_tiny_gguf(tmp_path / "q.gguf", "llama", state, types=TINY_TYPES, hidden_size=64, intermediate_size=128)
+    overrides = ["model.source=gguf", f"model.path={tmp_path / 'q.gguf'}", "model.name=q", "model.activations=q8",
+                 "cache.num_slots=512", "capture=eager"]
+    _check_sharded(2, overrides, overrides, tmp_path)
