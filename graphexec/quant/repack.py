@@ -43,12 +43,16 @@ def repack_rows16(weight: QuantizedWeight) -> Rows16:
     n, k = weight.shape
     groups, blocks = -(-n // GROUP), k // QBLOCK
     pad = groups * GROUP - n
-    per_block = QBLOCK // 2 if weight.four_bit else QBLOCK  # code bytes of a block
-    codes = F.pad(weight.codes, (0, 0, 0, pad)).view(groups, GROUP, blocks, per_block // 4, 4)
-    codes = codes.permute(0, 2, 3, 1, 4).contiguous()
+    # Each row's 4-byte runs move as one int32: a quarter of the elements to shuffle.
+    words = _pad_rows(weight.codes, pad).contiguous().view(torch.int32).view(groups, GROUP, blocks, -1)
+    codes = words.permute(0, 2, 3, 1).contiguous().view(weight.codes.dtype).view(groups, blocks, -1, GROUP, 4)
 
     def grouped(t: torch.Tensor) -> torch.Tensor:
-        return F.pad(t, (0, 0, 0, pad)).view(groups, GROUP, blocks).permute(0, 2, 1).contiguous()
+        return _pad_rows(t, pad).view(groups, GROUP, blocks).permute(0, 2, 1).contiguous()
 
     mins = None if weight.mins is None else grouped(weight.mins)
     return Rows16(weight.qtype, n, codes, grouped(weight.scales), mins)
+
+
+def _pad_rows(t: torch.Tensor, pad: int) -> torch.Tensor:
+    return F.pad(t, (0, 0, 0, pad)) if pad else t
