@@ -167,24 +167,27 @@ GGUF_NAMES = {
 }
 
 
-def write_tiny_gguf(path, kind: str, state_dict: dict[str, torch.Tensor], types=None) -> None:
+def write_tiny_gguf(path, kind: str, state_dict: dict[str, torch.Tensor], types=None, config=None, quantize=None) -> None:
     """What llama.cpp's converter would write for a tiny model: renamed, llama q/k permuted, embedding in F16.
 
     `types` maps GGUF tensor names (or their suffix after `blk.N.`) to a quantization type to store
-    them in, as llama-quantize would."""
+    them in, as llama-quantize would; `quantize(array, qtype)` makes the blocks (default: the gguf
+    package's, which has no K-quant quantizer).  `config` overrides TINY's fields (save_tiny's)."""
     import gguf
     from tokenizers import pre_tokenizers
 
+    c = {**TINY, **(config or {})}
+    quantize = quantize or gguf.quants.quantize
     writer = gguf.GGUFWriter(path, kind)
-    writer.add_block_count(TINY["num_hidden_layers"])
-    writer.add_context_length(TINY["max_position_embeddings"])
-    writer.add_embedding_length(TINY["hidden_size"])
-    writer.add_feed_forward_length(TINY["intermediate_size"])
-    writer.add_head_count(TINY["num_attention_heads"])
-    writer.add_head_count_kv(TINY["num_key_value_heads"])
-    writer.add_layer_norm_rms_eps(TINY["rms_norm_eps"])
+    writer.add_block_count(c["num_hidden_layers"])
+    writer.add_context_length(c["max_position_embeddings"])
+    writer.add_embedding_length(c["hidden_size"])
+    writer.add_feed_forward_length(c["intermediate_size"])
+    writer.add_head_count(c["num_attention_heads"])
+    writer.add_head_count_kv(c["num_key_value_heads"])
+    writer.add_layer_norm_rms_eps(c["rms_norm_eps"])
     writer.add_rope_freq_base(1e6)
-    writer.add_vocab_size(TINY["vocab_size"])
+    writer.add_vocab_size(c["vocab_size"])
     # Byte-level vocabulary: 256 byte tokens, two merges, then control and user-defined tokens.
     tokens = pre_tokenizers.ByteLevel.alphabet() + ["he", "hel", "<|endoftext|>", "<|eot|>", "<think>"]
     writer.add_tokenizer_model("gpt2")
@@ -206,14 +209,14 @@ def write_tiny_gguf(path, kind: str, state_dict: dict[str, torch.Tensor], types=
         else:
             _, _, layer, rest = key.split(".", 3)
             name = f"blk.{layer}.{GGUF_NAMES[rest]}"
-            heads = TINY["num_attention_heads"] if ".q_proj." in key else TINY["num_key_value_heads"]
+            heads = c["num_attention_heads"] if ".q_proj." in key else c["num_key_value_heads"]
             if kind == "llama" and (".q_proj." in key or ".k_proj." in key):
                 array = llama_cpp_permute(tensor, heads).numpy()
         qtype = (types or {}).get(name, (types or {}).get(name.split(".", 2)[-1]))
         if qtype is None:
             writer.add_tensor(name, array)
         else:
-            writer.add_tensor(name, gguf.quants.quantize(array.astype("float32"), qtype), raw_dtype=qtype)
+            writer.add_tensor(name, quantize(array.astype("float32"), qtype), raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
