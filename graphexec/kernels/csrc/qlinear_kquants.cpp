@@ -20,7 +20,7 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -57,33 +57,60 @@ BView view_of(const at::Tensor& blocks, int64_t qtype, const char* op) {
 inline float half_at(const uint8_t* p) {
   uint16_t bits;
   std::memcpy(&bits, p, 2);  // blocks of 22 or 210 bytes leave fp16 fields unaligned
+#if defined(__F16C__)
+  return _cvtsh_ss(bits);  // one instruction; c10::Half's conversion is a bit-twiddling routine
+#else
   return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+#endif
 }
 
-// A block's per-chunk scale and offset (value = scale * code + offset); returns the chunk count.
 template <int64_t QT>
-inline int chunk_params(const uint8_t* blk, float* scale, float* offset) {
+constexpr int kChunks = QT == kQ5_0 || QT == kQ5_1 ? 2 : 16;  // 16-element chunks a block
+
+// Chunks that share one (scale, offset): a K-quant sub-block of 32 (Q4_K, Q5_K) or 16 (Q6_K);
+// a whole 32-element block for Q5_x.
+template <int64_t QT>
+constexpr int kPerParam = QT == kQ6_K ? 1 : 2;
+
+// A block's scales and offsets (value = scale * code + offset), one per kPerParam chunks.
+template <int64_t QT>
+inline void block_params(const uint8_t* blk, float* scale, float* offset) {
   if constexpr (QT == kQ4_K || QT == kQ5_K) {
+    // 8 six-bit scales and 8 six-bit mins in 12 bytes a, b, c (4 each): scales 0-3 and mins 0-3
+    // are the low 6 bits of a and b; scales 4-7 are c's low nibbles with a's top 2 bits above
+    // them, mins 4-7 c's high nibbles with b's top 2 bits.  Done on 4 bytes at once.
+    uint32_t a, b, c;
+    std::memcpy(&a, blk + 4, 4), std::memcpy(&b, blk + 8, 4), std::memcpy(&c, blk + 12, 4);
+    const uint32_t sc_lo = a & 0x3F3F3F3Fu, m_lo = b & 0x3F3F3F3Fu;
+    const uint32_t sc_hi = (c & 0x0F0F0F0Fu) | ((a >> 2) & 0x30303030u);
+    const uint32_t m_hi = ((c >> 4) & 0x0F0F0F0Fu) | ((b >> 2) & 0x30303030u);
     const float d = half_at(blk), dmin = half_at(blk + 2);
-    const uint8_t* s = blk + 4;  // 8 six-bit scales and 8 six-bit mins in 12 bytes
+#if defined(__AVX512F__)
+    const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, static_cast<int>(sc_hi), static_cast<int>(sc_lo))));
+    const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, static_cast<int>(m_hi), static_cast<int>(m_lo))));
+    _mm256_storeu_ps(scale, _mm256_mul_ps(_mm256_set1_ps(d), sc));
+    // (-dmin) * m is -(dmin * m) exactly (rounding is sign-symmetric), -0.0 included: what gguf subtracts.
+    _mm256_storeu_ps(offset, _mm256_mul_ps(_mm256_set1_ps(-dmin), m));
+#else
+    const uint32_t words[2][2] = {{sc_lo, sc_hi}, {m_lo, m_hi}};
     for (int j = 0; j < 8; ++j) {
-      const int sc = j < 4 ? s[j] & 63 : (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
-      const int m = j < 4 ? s[j + 4] & 63 : (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-      const float ds = d * static_cast<float>(sc), dm = dmin * static_cast<float>(m);
-      scale[2 * j] = scale[2 * j + 1] = ds;
-      offset[2 * j] = offset[2 * j + 1] = -dm;
+      const int sc = (words[0][j / 4] >> (8 * (j % 4))) & 0xFF, m = (words[1][j / 4] >> (8 * (j % 4))) & 0xFF;
+      scale[j] = d * static_cast<float>(sc);
+      offset[j] = -(dmin * static_cast<float>(m));
     }
-    return 16;
+#endif
   } else if constexpr (QT == kQ6_K) {
     const float d = half_at(blk + 208);
     const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
-    for (int c = 0; c < 16; ++c) scale[c] = d * static_cast<float>(sc[c]), offset[c] = 0.0f;
-    return 16;
+#if defined(__AVX512F__)
+    const __m512 s = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc))));
+    _mm512_storeu_ps(scale, _mm512_mul_ps(_mm512_set1_ps(d), s));
+#else
+    for (int c = 0; c < 16; ++c) scale[c] = d * static_cast<float>(sc[c]);
+#endif
   } else {
-    const float d = half_at(blk), m = QT == kQ5_1 ? half_at(blk + 2) : 0.0f;
-    scale[0] = scale[1] = d;
-    offset[0] = offset[1] = m;
-    return 2;
+    scale[0] = half_at(blk);
+    offset[0] = QT == kQ5_1 ? half_at(blk + 2) : 0.0f;
   }
 }
 
@@ -161,19 +188,20 @@ inline __m512 decode_chunk(const uint8_t* blk, int c, float scale, float offset)
 
 template <int64_t QT>
 void dequantize_rows(const BView& w, int64_t row0, int64_t row1, float* dst) {
-  float scale[16], offset[16];
+  float scale[16], offset[16] = {};  // Q6_K has no offsets
   for (int64_t r = row0; r < row1; ++r) {
     const uint8_t* row = w.data + r * w.row_bytes;
     float* out = dst + (r - row0) * w.k;
     for (int64_t b = 0; b < w.blocks; ++b) {
       const uint8_t* blk = row + b * w.block_bytes;
-      const int chunks = chunk_params<QT>(blk, scale, offset);
-      for (int c = 0; c < chunks; ++c) {
+      block_params<QT>(blk, scale, offset);
+      for (int c = 0; c < kChunks<QT>; ++c) {
         float* o = out + b * w.block_elems + c * kChunk;
+        const float sc = scale[c / kPerParam<QT>], off = offset[c / kPerParam<QT>];
 #if defined(__AVX512F__)
-        _mm512_storeu_ps(o, decode_chunk<QT>(blk, c, scale[c], offset[c]));
+        _mm512_storeu_ps(o, decode_chunk<QT>(blk, c, sc, off));
 #else
-        decode_chunk_scalar<QT>(blk, c, scale[c], offset[c], o);
+        decode_chunk_scalar<QT>(blk, c, sc, off, o);
 #endif
       }
     }
@@ -182,24 +210,32 @@ void dequantize_rows(const BView& w, int64_t row0, int64_t row1, float* dst) {
 
 #if defined(__AVX512F__)
 // out[i, r] for MT rows of x and weight rows [r0, r1): each chunk is decoded once into a register
-// and used by all MT rows; two accumulators a row (even / odd chunks) keep the fmas independent.
+// and used by all MT rows.  Chunks go in pairs with an accumulator each, so the fmas of a row are
+// two independent chains; the pair is explicit (an index c & 1 into the accumulators would keep
+// them in memory, a store and a load on every fma's critical path).
 template <int64_t QT, int MT>
 void rows_tile(const BView& w, int64_t r0, int64_t r1, const float* x, int64_t ldx, float* out, int64_t ldo) {
-  float scale[16], offset[16];
+  float scale[16], offset[16] = {};  // Q6_K has no offsets
   for (int64_t r = r0; r < r1; ++r) {
-    __m512 acc[MT][2];
-    for (int i = 0; i < MT; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+    __m512 even[MT], odd[MT];
+    for (int i = 0; i < MT; ++i) even[i] = odd[i] = _mm512_setzero_ps();
     const uint8_t* row = w.data + r * w.row_bytes;
     for (int64_t b = 0; b < w.blocks; ++b) {
       const uint8_t* blk = row + b * w.block_bytes;
-      const int chunks = chunk_params<QT>(blk, scale, offset);
+      block_params<QT>(blk, scale, offset);
       const float* xb = x + b * w.block_elems;
-      for (int c = 0; c < chunks; ++c) {
-        const __m512 v = decode_chunk<QT>(blk, c, scale[c], offset[c]);
-        for (int i = 0; i < MT; ++i) acc[i][c & 1] = _mm512_fmadd_ps(_mm512_loadu_ps(xb + i * ldx + c * kChunk), v, acc[i][c & 1]);
+#pragma GCC unroll 8
+      for (int c = 0; c < kChunks<QT>; c += 2) {
+        constexpr int per = kPerParam<QT>;
+        const __m512 v0 = decode_chunk<QT>(blk, c, scale[c / per], offset[c / per]);
+        const __m512 v1 = decode_chunk<QT>(blk, c + 1, scale[(c + 1) / per], offset[(c + 1) / per]);
+        for (int i = 0; i < MT; ++i) {
+          even[i] = _mm512_fmadd_ps(_mm512_loadu_ps(xb + i * ldx + c * kChunk), v0, even[i]);
+          odd[i] = _mm512_fmadd_ps(_mm512_loadu_ps(xb + i * ldx + (c + 1) * kChunk), v1, odd[i]);
+        }
       }
     }
-    for (int i = 0; i < MT; ++i) out[i * ldo + r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[i][0], acc[i][1]));
+    for (int i = 0; i < MT; ++i) out[i * ldo + r] = _mm512_reduce_add_ps(_mm512_add_ps(even[i], odd[i]));
   }
 }
 #else
