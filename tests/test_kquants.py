@@ -77,7 +77,7 @@ def test_dequantization_equals_gguf_bit_for_bit(qtype, n, blocks):
 
 
 @pytest.mark.parametrize("qtype", TYPES)
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 17, 64])  # 16 and up: the dequantized-tile GEMM path
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 17, 64])  # 24 and up: the dequantized-tile GEMM path
 def test_qlinear_blocks_equals_dense_fp32_matmul(qtype, rows):
     k = _k(qtype, 2 if qtype.endswith("K") else 5)
     weight, dense = _weight(qtype, 37, k, seed=rows)
