@@ -61,6 +61,14 @@ for qtype in TYPES:
         weight, _ = _packed(qtype, 130, 160, seed=rows)
         x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(rows))
         out[qtype, rows] = torch.ops.graphexec.qlinear(x, weight.codes, weight.scales, weight.mins)
+# GGUF's own blocks (K-quants, Q5_x): dequantized bit for bit, and streamed (1, 5) or tiled (48).
+from tests.test_kquants import TYPES as BLOCK_TYPES, _weight
+for qtype in BLOCK_TYPES:
+    weight, _ = _weight(qtype, 40, 512)
+    out[qtype, "dequantize"] = torch.ops.graphexec.qdequantize_blocks(weight.blocks, weight.format.type_id, torch.float32)
+    for rows in (1, 5, 48):
+        x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
+        out[qtype, rows] = torch.ops.graphexec.qlinear_blocks(x, weight.blocks, weight.format.type_id)
 # The C++ attention (decode and extend) inside a real engine's greedy run.
 engine = Engine(["model=tiny-llama", "capture=eager", "attention_backend=cpu", "cache.num_slots=1024"])
 outputs = engine.generate(["hello world, " * 9, "abc"], SamplingParams(max_new_tokens=12, temperature=0.0, logprobs=1))
@@ -85,5 +93,7 @@ def test_every_variant_this_cpu_runs_equals_the_portable_one(tmp_path):
         reference = results["portable"][1]
         assert out["tokens"] == reference["tokens"], variant
         for key, value in out.items():
+            if key != "tokens" and key[-1] == "dequantize":  # gguf's fp32 values on every variant
+                assert torch.equal(value.view(torch.int32), reference[key].view(torch.int32)), f"{variant} {key}"
             if key != "tokens":  # the same values; only the vector width changes the summation order
                 torch.testing.assert_close(value, reference[key], rtol=1e-5, atol=1e-5, msg=f"{variant} {key}")
