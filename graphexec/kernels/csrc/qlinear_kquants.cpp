@@ -5,9 +5,11 @@
 // Weight layout: uint8 [N, row_bytes], each row the GGUF blocks of one output row, untouched.
 // Every block is read as 16-element chunks, each `scale * code + offset` with an integer code and
 // two fp32 numbers per chunk (K-quants: d * sub-block scale and dmin * sub-block min, computed
-// once per super-block).  d * sc * q is exact in fp32 for every type here (an fp16 mantissa times
-// at most 8 + 6 bits of integers), so one fma gives the same single rounding as gguf's
-// `d * q - dm`, and the weight equals gguf's fp32 dequantization bit for bit.
+// once per super-block, in fp32 as gguf computes them).  (d * sc) * q is exact in fp32 for every
+// type here: an 11-bit fp16 mantissa times a sub-block scale (at most 7 significant bits, Q6_K's
+// int8) and a code (at most 5, Q5_K's / Q6_K's) needs at most 23 of fp32's 24 bits.  So one fma
+// gives the same single rounding as gguf's `(d * sc) * q - dmin * m`, and the weight equals
+// gguf's fp32 dequantization bit for bit (tests/test_kquants.py checks the bit patterns).
 //
 // Small M (decode rows) streams the blocks once per tile of M rows, decoding each chunk into a
 // register; large M (prefill) dequantizes a tile of weight rows and hands it to at::mm.
