@@ -128,10 +128,15 @@ def _k_scales_mins(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return scales.float(), mins.float()
 
 
+def _shifts(count: int, step: int, device: torch.device) -> torch.Tensor:
+    # arange, not torch.tensor([...]): no host-to-device copy, so CUDA graph capture may record it.
+    return torch.arange(count, device=device, dtype=torch.int32) * step
+
+
 def _nibbles(qs: torch.Tensor, group: int) -> torch.Tensor:
     """[B, bytes] -> [B, bytes / group, 2, group]: each group of bytes, low nibbles then high."""
     q = qs.int().reshape(qs.shape[0], -1, 1, group)
-    return (q >> torch.tensor([0, 4], device=qs.device).reshape(1, 1, 2, 1)) & 15
+    return (q >> _shifts(2, 4, qs.device).reshape(1, 1, 2, 1)) & 15
 
 
 def dequantize_blocks_reference(blocks: torch.Tensor, type_id: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -147,12 +152,12 @@ def dequantize_blocks_reference(blocks: torch.Tensor, type_id: int, dtype: torch
         qs_at = 16 if qtype == "Q4_K" else 48
         q = _nibbles(b[:, qs_at : qs_at + 128], 32).reshape(count, 8, 32)
         if qtype == "Q5_K":
-            qh = b[:, 16:48].int().reshape(count, 1, 32) >> torch.arange(8, device=b.device).reshape(1, 8, 1)
+            qh = b[:, 16:48].int().reshape(count, 1, 32) >> _shifts(8, 1, b.device).reshape(1, 8, 1)
             q = q | ((qh & 1) << 4)
         values = (d * scales).unsqueeze(-1) * q.float() - (dmin * mins).unsqueeze(-1)
     elif qtype == "Q6_K":
         low = _nibbles(b[:, :128], 64).reshape(count, 8, 32)
-        qh = b[:, 128:192].int().reshape(count, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], device=b.device).reshape(1, 1, 4, 1)
+        qh = b[:, 128:192].int().reshape(count, 2, 1, 32) >> _shifts(4, 2, b.device).reshape(1, 1, 4, 1)
         q = (low | ((qh & 3) << 4).reshape(count, 8, 32)) - 32
         scales = b[:, 192:208].clone(memory_format=torch.contiguous_format).view(torch.int8).float()
         values = (_half(b, 208) * scales).unsqueeze(-1) * q.float().reshape(count, 16, 16)
@@ -160,7 +165,7 @@ def dequantize_blocks_reference(blocks: torch.Tensor, type_id: int, dtype: torch
         has_min = qtype == "Q5_1"
         qh_at = 4 if has_min else 2
         qh = b[:, qh_at : qh_at + 4].clone(memory_format=torch.contiguous_format).view(torch.int32)
-        high = (qh >> torch.arange(32, device=b.device)) & 1
+        high = (qh >> _shifts(32, 1, b.device)) & 1
         q = _nibbles(b[:, qh_at + 4 : qh_at + 20], 16).reshape(count, 32) | (high << 4)
         values = _half(b, 0) * q.float() + _half(b, 2) if has_min else _half(b, 0) * (q - 16).float()
     return values.reshape(n, -1).to(dtype)
