@@ -254,7 +254,7 @@ inline void dot_tile(const BView& w, int64_t r, const float* x, int64_t ldx, flo
 
 // Weight rows per tile for MT activation rows: with fewer activation rows, more weight rows.
 template <int MT>
-constexpr int kTileRows = MT >= 4 ? 1 : (MT == 2 ? 2 : 4);
+constexpr int kTileRows = MT >= 8 ? 1 : (MT == 4 ? 2 : 4);
 
 template <int64_t QT, int MT>
 void rows_tile(const BView& w, int64_t r0, int64_t r1, const float* x, int64_t ldx, float* out, int64_t ldo) {
