@@ -38,6 +38,7 @@ COMMANDS = {
     "lm_eval_check": "bench.lm_eval_check",
     "overload": "bench.overload",
     "penalties": "bench.penalties",
+    "kquant_kernels": "bench.kquant_kernels",
     "quant_kernels": "bench.quant_kernels",
     "startup": "bench.startup",
     "step_message": "bench.step_message",

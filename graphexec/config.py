@@ -75,14 +75,16 @@ class ModelSourceConfig:
     # Weights, activations and (unless cache.dtype says otherwise) the KV cache: float32 | bfloat16
     # | float16 (fp32 | bf16 | fp16 accepted).  Packed quantized weights keep their own encoding.
     dtype: str = "float32"
-    # gguf only.  native: Q4_0/Q4_1/Q8_0 tensors stay block-quantized and run through
-    # graphexec::qlinear; dequantize: every tensor becomes a dense `dtype` tensor (the reference).
+    # gguf only.  native: Q4_0/Q4_1/Q8_0, Q5_0/Q5_1 and the K-quants Q4_K/Q5_K/Q6_K stay
+    # block-quantized and run through graphexec's kernels (graphexec/quant/); dequantize: every
+    # tensor becomes a dense `dtype` tensor (the reference).
     weights: str = "native"
     # How native quantized weights meet their activations.  float: as they are (the exact path;
     # only summation order differs from a dense matmul).  q8: each activation row is quantized
     # per 32-element block to 8 bits first and the block dot products are integer, as llama.cpp
     # computes (graphexec/kernels/csrc/qlinear_q8.cpp): faster, and close to llama.cpp's own
-    # numerics rather than the fp32 reference's.
+    # numerics rather than the fp32 reference's.  Applies to Q4_0/Q4_1/Q8_0 weights; the other
+    # native types keep float activations for now.
     activations: str = "float"
 
     @property

@@ -85,6 +85,14 @@ for qtype in TYPES:
         packed = repack_rows16(weight)
         out[qtype, rows, "q8"] = torch.ops.graphexec.qlinear_q8(x, packed.codes, packed.scales, packed.mins, packed.rows)
 out["quantize_q8"] = torch.ops.graphexec.quantize_q8(torch.randn(9, 160, generator=torch.Generator().manual_seed(9)))
+# GGUF's own blocks (K-quants, Q5_x): dequantized bit for bit, and streamed (1, 5) or tiled (48).
+from tests.test_kquants import TYPES as BLOCK_TYPES, _weight
+for qtype in BLOCK_TYPES:
+    weight, _ = _weight(qtype, 40, 512)
+    out[qtype, "dequantize"] = torch.ops.graphexec.qdequantize_blocks(weight.blocks, weight.format.type_id, torch.float32)
+    for rows in (1, 5, 48):
+        x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
+        out[qtype, rows] = torch.ops.graphexec.qlinear_blocks(x, weight.blocks, weight.format.type_id)
 # The C++ attention (decode and extend) inside a real engine's greedy run.
 engine = Engine(["model=tiny-llama", "capture=eager", "attention_backend=cpu", "cache.num_slots=1024"])
 outputs = engine.generate(["hello world, " * 9, "abc"], SamplingParams(max_new_tokens=12, temperature=0.0, logprobs=1))
@@ -110,5 +118,8 @@ def test_every_variant_this_cpu_runs_equals_the_portable_one(tmp_path):
         for key, value in out.items():
             if key == "quantize_q8":  # every path rounds the same products: the codes are equal
                 assert all(torch.equal(a, b) for a, b in zip(value, reference[key])), variant
-            elif key != "tokens":  # the same values; only the vector width changes the summation order
+                continue
+            if key != "tokens" and key[-1] == "dequantize":  # gguf's fp32 values on every variant
+                assert torch.equal(value.view(torch.int32), reference[key].view(torch.int32)), f"{variant} {key}"
+            if key != "tokens":  # the same values; only the vector width changes the summation order
                 torch.testing.assert_close(value, reference[key], rtol=1e-5, atol=1e-5, msg=f"{variant} {key}")

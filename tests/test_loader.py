@@ -167,15 +167,17 @@ GGUF_NAMES = {
 }
 
 
-def write_tiny_gguf(path, kind: str, state_dict: dict[str, torch.Tensor], types=None, **shape) -> None:
+def write_tiny_gguf(path, kind: str, state_dict: dict[str, torch.Tensor], types=None, config=None, quantize=None) -> None:
     """What llama.cpp's converter would write for a tiny model: renamed, llama q/k permuted, embedding in F16.
 
     `types` maps GGUF tensor names (or their suffix after `blk.N.`) to a quantization type to store
-    them in, as llama-quantize would; `shape` overrides TINY's sizes (as save_tiny's overrides)."""
+    them in, as llama-quantize would; `quantize(array, qtype)` makes the blocks (default: the gguf
+    package's, which has no K-quant quantizer).  `config` overrides TINY's fields (save_tiny's)."""
     import gguf
     from tokenizers import pre_tokenizers
 
-    c = {**TINY, **shape}
+    c = {**TINY, **(config or {})}
+    quantize = quantize or gguf.quants.quantize
     writer = gguf.GGUFWriter(path, kind)
     writer.add_block_count(c["num_hidden_layers"])
     writer.add_context_length(c["max_position_embeddings"])
@@ -214,7 +216,7 @@ def write_tiny_gguf(path, kind: str, state_dict: dict[str, torch.Tensor], types=
         if qtype is None:
             writer.add_tensor(name, array)
         else:
-            writer.add_tensor(name, gguf.quants.quantize(array.astype("float32"), qtype), raw_dtype=qtype)
+            writer.add_tensor(name, quantize(array.astype("float32"), qtype), raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

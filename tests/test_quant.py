@@ -10,7 +10,7 @@ import torch
 from graphexec import Engine, SamplingParams
 from graphexec.errors import CheckpointError
 from graphexec.loader import load_gguf
-from graphexec.quant import QuantEmbedding, QuantLinear, dequantize_reference, ensure_kernels, from_gguf_blocks
+from graphexec.quant import PartsLinear, QuantEmbedding, QuantLinear, dequantize_reference, ensure_kernels, from_gguf_blocks
 from tests.invariants import assert_no_leak
 from tests.reference import hf_greedy, hf_model_from
 from tests.test_loader import TINY, save_tiny, write_tiny_gguf
@@ -181,17 +181,23 @@ def test_native_graph_first_equals_eager_and_dequantize(tiny_quantized_gguf):
 def test_unsupported_type_names_tensor_type_and_way_out(tmp_path):
     model = save_tiny("llama", tmp_path / "hf", tie_word_embeddings=True)
     state = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
-    path = tmp_path / "q5.gguf"
-    write_tiny_gguf(path, "llama", state, types={"ffn_down.weight": Q.Q5_0})
-    with pytest.raises(CheckpointError, match=r"blk\.0\.ffn_down\.weight is Q5_0.*model\.weights=dequantize"):
-        load_gguf(path, name="q5", weights="native")
-    assert load_gguf(path, name="q5", weights="dequantize").state_dict["model.layers.0.mlp.down_proj.weight"].dtype == torch.float32
+    path = tmp_path / "mxfp4.gguf"
+    # MXFP4: a type gguf writes but model.weights=native does not keep (Q5_0 and the K-quants it does).
+    write_tiny_gguf(path, "llama", state, types={"ffn_down.weight": Q.MXFP4})
+    with pytest.raises(CheckpointError, match=r"blk\.0\.ffn_down\.weight is MXFP4.*Q4_K.*model\.weights=dequantize"):
+        load_gguf(path, name="mxfp4", weights="native")
+    assert load_gguf(path, name="mxfp4", weights="dequantize").state_dict["model.layers.0.mlp.down_proj.weight"].dtype == torch.float32
 
 
-def test_mixed_fused_types_name_the_way_out(tmp_path):
+def test_mixed_fused_types_run_each_part_and_equal_dequantize(tmp_path):
+    """q in Q4_1, k in Q8_0, v dense: the fused qkv runs each part's op (graphexec/quant/row_parts.py)."""
     model = save_tiny("llama", tmp_path / "hf", tie_word_embeddings=True)
     state = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
     path = tmp_path / "mixed.gguf"
     write_tiny_gguf(path, "llama", state, types={"attn_q.weight": Q.Q4_1, "attn_k.weight": Q.Q8_0})
-    with pytest.raises(CheckpointError, match=r"qkv_proj.*model\.weights=dequantize"):
-        _engine(path, "capture=eager")
+    native = _engine(path, "capture=eager")
+    qkv = native.runner.model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, PartsLinear) and qkv.qtype == "Q4_1+Q8_0+dense"
+    params = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    dequantized = _engine(path, "capture=eager", "model.weights=dequantize")
+    assert [o.token_ids for o in native.generate(_prompts(), params)] == [o.token_ids for o in dequantized.generate(_prompts(), params)]

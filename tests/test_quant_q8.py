@@ -163,3 +163,39 @@ def test_q8_is_refused_where_no_weight_is_block_quantized():
         Engine(overrides=["model=tiny-llama", "capture=eager", "model.activations=q8"])
     with pytest.raises(ConfigError, match=r"model\.activations must be one of \['float', 'q8'\], got 'int4'"):
         Engine(overrides=["model=tiny-llama", "capture=eager", "model.activations=int4"])
+
+
+def test_q8_reaches_the_q4_q8_parts_and_k_quants_keep_float(tmp_path):
+    """A fused linear of a Q4_0 part and a Q4_K part under q8: the Q4_0 part reads 8-bit
+    activations, the K-quant part float ones (TODO(issue 23) in quant/row_parts.py), and the engine
+    equals transformers fed the same mix (fake quantization only where the Q4_0 part reads)."""
+    from graphexec.quant import BlockLinear, PartsLinear
+    from tests.test_kquants import _write
+
+    from gguf import GGMLQuantizationType as Q
+    path = _write(tmp_path / "mix.gguf", {"attn_q.weight": Q.Q4_0, "attn_k.weight": Q.Q4_0, "attn_v.weight": Q.Q4_K,
+                                          "ffn_gate.weight": Q.Q8_0, "ffn_up.weight": Q.Q8_0, "ffn_down.weight": Q.Q6_K})
+    engine = Engine(overrides=["model.source=gguf", f"model.path={path}", "model.name=mix", "cache.num_slots=1024",
+                               "capture=eager", "model.activations=q8"])
+    layer = engine.runner.model.layers[0]
+    qkv = layer.self_attn.qkv_proj
+    assert isinstance(qkv, PartsLinear) and [type(p).__name__ for p in qkv.parts] == ["QuantLinear", "BlockLinear"]
+    assert qkv.parts[0].activations == "q8" and isinstance(layer.mlp.down_proj, BlockLinear)
+    assert layer.mlp.gate_up_proj.activations == "q8"
+
+    reference = load_gguf(path, name="mix", weights="dequantize")
+    hf = hf_model_from(reference.config, reference.state_dict)
+    q_rows = reference.config.q_size + reference.config.kv_size  # q and k: the Q4_0 part
+
+    def quantize_input(x):
+        q, d, _ = quantize_q8_reference(x)
+        return (q.float().reshape(*x.shape[:-1], -1, QBLOCK) * d.unsqueeze(-1)).reshape(x.shape)
+
+    for hf_layer in hf.model.layers:
+        for proj in (hf_layer.self_attn.q_proj, hf_layer.self_attn.k_proj, hf_layer.mlp.gate_proj, hf_layer.mlp.up_proj):
+            proj.register_forward_pre_hook(lambda module, args: (quantize_input(args[0]),))
+    assert q_rows == qkv.parts[0].rows
+    params = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)
+    for prompt, out in zip(_prompts()[:3], engine.generate(_prompts()[:3], params)):
+        assert out.token_ids == hf_greedy(hf, prompt, 10)[0]
+    engine.shutdown()

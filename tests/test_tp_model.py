@@ -338,7 +338,7 @@ def test_q8_activations_tp2_match_unsharded(tmp_path):
 
     model = save_tiny("llama", tmp_path / "hf", hidden_size=64, intermediate_size=128, tie_word_embeddings=True)
     state = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
-    write_tiny_gguf(tmp_path / "q.gguf", "llama", state, types=TINY_TYPES, hidden_size=64, intermediate_size=128)
+    write_tiny_gguf(tmp_path / "q.gguf", "llama", state, types=TINY_TYPES, config=dict(hidden_size=64, intermediate_size=128))
     overrides = ["model.source=gguf", f"model.path={tmp_path / 'q.gguf'}", "model.name=q", "model.activations=q8",
                  "cache.num_slots=512", "capture=eager"]
     _check_sharded(2, overrides, overrides, tmp_path)

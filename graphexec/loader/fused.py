@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 
 from graphexec.models.config import ModelConfig
-from graphexec.quant import QuantizedWeight
+from graphexec.quant import BlockWeight, QuantizedWeight
 
-Weight = torch.Tensor | QuantizedWeight
+Weight = torch.Tensor | QuantizedWeight | BlockWeight
 
 FUSED_SUFFIXES = ("self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight")
 
@@ -38,6 +38,6 @@ def split_fused(name: str, weight: Weight, config: ModelConfig) -> dict[str, Wei
 
 
 def _rows(weight: Weight, start: int, stop: int) -> Weight:
-    if isinstance(weight, QuantizedWeight):
+    if isinstance(weight, (QuantizedWeight, BlockWeight)):
         return weight.map_rows(lambda t: t[start:stop].clone())
     return weight[start:stop].clone()

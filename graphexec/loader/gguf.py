@@ -1,8 +1,10 @@
 """Load a llama.cpp GGUF file (Llama, Mistral, Qwen2, Qwen3, Phi-3: graphexec/loader/gguf_config.py)
 into Hugging Face-named tensors.
 
-`weights="native"` keeps Q4_0 / Q4_1 / Q8_0 tensors block-quantized (graphexec.quant); every other
-tensor type is dequantized to float only under `weights="dequantize"` (the fp32 reference path).
+`weights="native"` keeps Q4_0 / Q4_1 / Q8_0 tensors block-quantized (graphexec.quant's packed
+arrays) and Q4_K / Q5_K / Q6_K / Q5_0 / Q5_1 tensors as the file's own block bytes (BlockWeight):
+every type a Q4_K_M / Q5_K_M / Q6_K file holds.  Any other quantized type is dequantized to float
+only under `weights="dequantize"` (the fp32 reference path).
 """
 
 from __future__ import annotations
@@ -21,8 +23,14 @@ from graphexec.loader.gguf_file import GGUFFile, GGUFTensor, read_gguf
 from graphexec.models.config import ModelConfig
 from graphexec.models.sharding import Cut, check_block_cut, cut_for, cut_weight
 from graphexec.models.tp_layout import TPLayout
-from graphexec.quant import SUPPORTED_GGUF_TYPES, QuantizedWeight, from_gguf_blocks
-from graphexec.quant.ops import QBLOCK
+from graphexec.quant import (
+    NATIVE_GGUF_TYPES,
+    SUPPORTED_GGUF_TYPES,
+    BlockWeight,
+    QuantizedWeight,
+    block_elements,
+    from_gguf_blocks,
+)
 from graphexec.text.tokenizer import Tokenizer
 
 WEIGHT_MODES = ("native", "dequantize")
@@ -76,7 +84,7 @@ def unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 def _state_dict(file: GGUFFile, config: ModelConfig, gguf_arch: str, dtype: torch.dtype, weights: str, path: Path,
                 layout: TPLayout):
-    state_dict: dict[str, torch.Tensor | QuantizedWeight] = {}
+    state_dict: dict[str, torch.Tensor | QuantizedWeight | BlockWeight] = {}
     for tensor in file.tensors:
         if tensor.name in ROPE_TENSORS:
             continue  # read into the config (gguf_config.py)
@@ -87,13 +95,17 @@ def _state_dict(file: GGUFFile, config: ModelConfig, gguf_arch: str, dtype: torc
         # A fused tensor is read whole, split per projection, then each part cut.
         fused = is_fused(hf_name)
         cut = None if fused else cut_for(hf_name, layout)
-        if weights == "native" and qtype in SUPPORTED_GGUF_TYPES:
+        weight: torch.Tensor | QuantizedWeight | BlockWeight
+        if weights == "native" and qtype in NATIVE_GGUF_TYPES:
             raw, part_shape = _cut_blocks(hf_name, tensor.data, qtype, shape, cut)
-            weight: torch.Tensor | QuantizedWeight = from_gguf_blocks(raw, qtype, part_shape)
+            if qtype in SUPPORTED_GGUF_TYPES:
+                weight = from_gguf_blocks(raw, qtype, part_shape)
+            else:
+                weight = BlockWeight.from_gguf(raw, qtype, part_shape)
         elif weights == "native" and qtype not in _DENSE_TYPES:
             raise CheckpointError(
                 f"{path}: tensor {tensor.name} is {qtype}, which model.weights=native cannot keep quantized "
-                f"(supported: {', '.join(SUPPORTED_GGUF_TYPES)}); load it with model.weights=dequantize"
+                f"(supported: {', '.join(NATIVE_GGUF_TYPES)}); load it with model.weights=dequantize"
             )
         else:
             weight = _dequantized(tensor, shape, path, cut).to(dtype)
@@ -118,8 +130,9 @@ def _cut_blocks(name: str, raw: np.ndarray, qtype: str, shape: tuple[int, int], 
     if cut.dim == 0:
         return rows[cut.start : cut.stop], cut.shape(shape)
     check_block_cut(name, cut, qtype)
-    blocks = rows.reshape(shape[0], shape[1] // QBLOCK, -1)
-    return blocks[:, cut.start // QBLOCK : cut.stop // QBLOCK], cut.shape(shape)
+    block = block_elements(qtype)
+    blocks = rows.reshape(shape[0], shape[1] // block, -1)
+    return blocks[:, cut.start // block : cut.stop // block], cut.shape(shape)
 
 
 def _dequantized(tensor: GGUFTensor, shape: tuple[int, ...], path: Path, cut: Cut | None = None) -> torch.Tensor:
@@ -141,9 +154,9 @@ def _dequantized(tensor: GGUFTensor, shape: tuple[int, ...], path: Path, cut: Cu
     return weight
 
 
-def _unpermute(weight: torch.Tensor | QuantizedWeight, num_heads: int) -> torch.Tensor | QuantizedWeight:
+def _unpermute(weight: torch.Tensor | QuantizedWeight | BlockWeight, num_heads: int) -> torch.Tensor | QuantizedWeight | BlockWeight:
     # Blocks run along the input dimension, so a quantized weight's rows permute like a dense one's.
-    if isinstance(weight, QuantizedWeight):
+    if isinstance(weight, (QuantizedWeight, BlockWeight)):
         return weight.map_rows(lambda rows: unpermute_rotary_rows(rows, num_heads))
     return unpermute_rotary_rows(weight, num_heads)
 

@@ -20,16 +20,25 @@ import torch
 from torch import nn
 
 from graphexec.attention.op import unified_attention
-from graphexec.errors import CheckpointError
 from graphexec.models.config import ModelConfig
 from graphexec.models.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, SwiGLU
 from graphexec.models.parallel_layers import embed, gather_logits
 from graphexec.models.rope import inverse_frequencies
 from graphexec.models.tp_layout import TPLayout
 from graphexec.parallel.group import SINGLE, TPGroup
-from graphexec.quant import QuantEmbedding, QuantizedWeight, QuantLinear, concat_rows
+from graphexec.quant import (
+    EMBEDDINGS,
+    PACKED_MODULES,
+    PACKED_WEIGHTS,
+    BlockWeight,
+    QuantizedWeight,
+    RowParts,
+    fuse_rows,
+    packed_embedding,
+    packed_linear,
+)
 
-Weight = torch.Tensor | QuantizedWeight
+Weight = torch.Tensor | QuantizedWeight | BlockWeight | RowParts
 
 
 class LlamaAttention(nn.Module):
@@ -104,7 +113,7 @@ class LlamaForCausalLM(nn.Module):
     def _local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is not None:
             return self.lm_head(hidden)
-        if isinstance(self.embed_tokens, QuantEmbedding):
+        if isinstance(self.embed_tokens, EMBEDDINGS):
             return self.embed_tokens.project(hidden)  # the tied head reads the packed rows
         return torch.nn.functional.linear(hidden, self.embed_tokens.weight)
 
@@ -115,9 +124,9 @@ class LlamaForCausalLM(nn.Module):
         Weights are assigned, not copied, so the model may be built on the meta device and never
         holds a second copy.  Under tensor parallelism they must already be this rank's part
         (graphexec/models/sharding.py; the loaders cut while reading).  Dense tensors become
-        `dtype` parameters; a QuantizedWeight replaces its linear (or the embedding) with the
-        quantized module that reads it, meeting its activations as `activations` says (float | q8:
-        graphexec/quant/layers.py).
+        `dtype` parameters; a packed weight (QuantizedWeight, BlockWeight, or RowParts for fused
+        parts in different formats) replaces its linear (or the embedding) with the module that
+        reads it, meeting its activations as `activations` says (float | q8: graphexec/quant/layers.py).
         """
         fused = _fuse_hf_names(state_dict, self.config.num_layers)
         if self.lm_head is None:
@@ -133,18 +142,18 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"{name}: checkpoint shape {tuple(weight.shape)} != model {tuple(params[name].shape)}")
         for name, weight in fused.items():
             module_name, _, attr = name.rpartition(".")
-            if isinstance(weight, QuantizedWeight):
+            if isinstance(weight, PACKED_WEIGHTS):
                 bias = fused.get(f"{module_name}.bias")
                 self.set_submodule(module_name, self._quantized(module_name, weight, bias, dtype, activations))
-            elif not isinstance(self.get_submodule(module_name), (QuantLinear, QuantEmbedding)):
+            elif not isinstance(self.get_submodule(module_name), PACKED_MODULES):
                 setattr(self.get_submodule(module_name), attr, nn.Parameter(weight.to(dtype), requires_grad=False))
 
     def _quantized(
-        self, name: str, weight: QuantizedWeight, bias: torch.Tensor | None, dtype: torch.dtype, activations: str
+        self, name: str, weight: Weight, bias: torch.Tensor | None, dtype: torch.dtype, activations: str
     ) -> nn.Module:
         if name == "embed_tokens":
-            return QuantEmbedding(weight, dtype, activations)
-        return QuantLinear(weight, None if bias is None else bias.to(dtype), activations)
+            return packed_embedding(weight, dtype, activations)
+        return packed_linear(weight, None if bias is None else bias.to(dtype), dtype, activations)
 
 
 def _fuse_hf_names(state_dict: Mapping[str, Weight], num_layers: int) -> dict[str, Weight]:
@@ -152,19 +161,11 @@ def _fuse_hf_names(state_dict: Mapping[str, Weight], num_layers: int) -> dict[st
     fused: dict[str, Weight] = {}
     for i in range(num_layers):
         attn, mlp = f"layers.{i}.self_attn", f"layers.{i}.mlp"
-        fused[f"{attn}.qkv_proj.weight"] = _cat([sd.pop(f"{attn}.{p}_proj.weight") for p in "qkv"], f"{attn}.qkv_proj")
+        fused[f"{attn}.qkv_proj.weight"] = fuse_rows([sd.pop(f"{attn}.{p}_proj.weight") for p in "qkv"], f"{attn}.qkv_proj")
         if f"{attn}.q_proj.bias" in sd:
             fused[f"{attn}.qkv_proj.bias"] = torch.cat([sd.pop(f"{attn}.{p}_proj.bias") for p in "qkv"])
         gate_up = [sd.pop(f"{mlp}.gate_proj.weight"), sd.pop(f"{mlp}.up_proj.weight")]
-        fused[f"{mlp}.gate_up_proj.weight"] = _cat(gate_up, f"{mlp}.gate_up_proj")
+        fused[f"{mlp}.gate_up_proj.weight"] = fuse_rows(gate_up, f"{mlp}.gate_up_proj")
     fused.update(sd)
     return fused
 
-
-def _cat(parts: list[Weight], name: str) -> Weight:
-    quantized = [isinstance(p, QuantizedWeight) for p in parts]
-    if all(quantized):
-        return concat_rows(parts, name)
-    if any(quantized):
-        raise CheckpointError(f"{name}: some fused parts are quantized and some dense; load with model.weights=dequantize")
-    return torch.cat(parts)

@@ -1,5 +1,5 @@
 """Cutting one Hugging Face-named tensor down to a tensor-parallel rank's part (before q/k/v and
-gate/up are fused), for dense tensors and packed QuantizedWeights alike.
+gate/up are fused), for dense tensors, packed QuantizedWeights and GGUF BlockWeights alike.
 
 Every cut is one contiguous span of one dimension (graphexec/models/tp_layout.py): output rows
 for the column-parallel q/k/v (per head), gate/up and the vocabulary (embedding, LM head); input
@@ -16,10 +16,10 @@ import torch
 
 from graphexec.errors import ConfigError
 from graphexec.models.tp_layout import TPLayout
-from graphexec.quant import QuantizedWeight
+from graphexec.quant import BlockWeight, QuantizedWeight, block_elements
 from graphexec.quant.ops import QBLOCK
 
-Weight = torch.Tensor | QuantizedWeight
+Weight = torch.Tensor | QuantizedWeight | BlockWeight
 
 
 @dataclass(frozen=True)
@@ -65,15 +65,22 @@ def cut_weight(name: str, weight: Weight, cut: Cut | None) -> Weight:
         return weight
     if isinstance(weight, QuantizedWeight):
         return _cut_quantized(name, weight, cut)
+    if isinstance(weight, BlockWeight):
+        if cut.dim == 0:
+            return weight.map_rows(lambda t: t[cut.start : cut.stop].clone())
+        check_block_cut(name, cut, weight.qtype)
+        return weight.columns(cut.start, cut.stop)
     return weight.narrow(cut.dim, cut.start, cut.stop - cut.start).clone()
 
 
 def check_block_cut(name: str, cut: Cut, qtype: str) -> None:
-    """A packed weight's input dimension can be cut only between 32-element blocks."""
-    if cut.dim == 1 and (cut.start % QBLOCK or cut.stop % QBLOCK):
+    """A packed weight's input dimension can be cut only between its type's blocks (32 elements,
+    256 for K-quant super-blocks)."""
+    block = block_elements(qtype)
+    if cut.dim == 1 and (cut.start % block or cut.stop % block):
         raise ConfigError(
             f"{name}: parallel.tp_size cuts its input columns at [{cut.start}, {cut.stop}), inside a "
-            f"{QBLOCK}-element {qtype} block; load with model.weights=dequantize or pick another tp_size"
+            f"{block}-element {qtype} block; load with model.weights=dequantize or pick another tp_size"
         )
 
 

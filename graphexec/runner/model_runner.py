@@ -35,7 +35,7 @@ from graphexec.models.sharding import shard_state_dict
 from graphexec.models.tp_layout import TPLayout
 from graphexec.parallel.group import SINGLE, TPGroup
 from graphexec.parallel.step_channel import NO_PEERS, StepChannel
-from graphexec.quant import QuantEmbedding, QuantLinear, ensure_kernels
+from graphexec.quant import PACKED_MODULES, ensure_kernels
 from graphexec.runner.capture_key import capture_key
 from graphexec.runner.logits_processor import LogitsProcessor
 from graphexec.sampling.sampler import Sampler, SamplerOutput
@@ -77,7 +77,7 @@ class ModelRunner:
         with torch.device("meta"):
             model = LlamaForCausalLM(self.model_config, tp)
         model.load_weights(_rank_state_dict(checkpoint, model.layout), self.dtype, config.model.activations)
-        if self.device.type == "cpu" and any(isinstance(m, (QuantLinear, QuantEmbedding)) for m in model.modules()):
+        if self.device.type == "cpu" and any(isinstance(m, PACKED_MODULES) for m in model.modules()):
             ensure_kernels()
         self.model = model.to(device=self.device).eval()
 
