@@ -58,6 +58,11 @@ namespace {
 
 constexpr int64_t kBlock = 32;
 constexpr int64_t kGroup = 16;  // rows interleaved
+// A group's codes are one contiguous stream; asking for them this far ahead of the hardware
+// prefetcher made a forward's linears 1.3x faster at 1 row and 1.4x at 8 (2 threads; 1024-16384
+// bytes measured, `graphexec-bench quant_kernels`).  Past the end it only hints at unmapped memory,
+// which a prefetch never faults on.
+constexpr int64_t kPrefetchBytes = 4096;
 
 struct RView {
   const uint8_t* codes;
@@ -191,6 +196,7 @@ void group_tile(const RView& w, int64_t g, const Q8Rows& a, int64_t i0, float* o
   const c10::Half* mins = w.mins ? w.mins + g * w.blocks * kGroup : nullptr;
   for (int64_t b = 0; b < w.blocks; ++b) {
     const uint8_t* cb = codes + b * J * 64;
+    for (int j = 0; j < J; ++j) _mm_prefetch(reinterpret_cast<const char*>(cb + kPrefetchBytes + j * 64), _MM_HINT_T0);
     const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + b * kGroup)));
     __m512 mw = _mm512_setzero_ps();
     if constexpr (FOUR) mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mins + b * kGroup)));
@@ -252,6 +258,7 @@ void group_tile(const RView& w, int64_t g, const Q8Rows& a, int64_t i0, float* o
   const c10::Half* mins = w.mins ? w.mins + g * w.blocks * kGroup : nullptr;
   for (int64_t b = 0; b < w.blocks; ++b) {
     const uint8_t* cb = codes + b * J * 64;
+    for (int j = 0; j < J; ++j) _mm_prefetch(reinterpret_cast<const char*>(cb + kPrefetchBytes + j * 64), _MM_HINT_T0);
     for (int h = 0; h < 2; ++h) {
       const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + b * kGroup + 8 * h)));
       __m256 mw = _mm256_setzero_ps();
