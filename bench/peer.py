@@ -9,8 +9,8 @@ With bench.requantize it first has llama.cpp re-quantize the GGUF (a worker proc
 and every side reads that file.  The measuring itself is bench/peer_worker.py's.
 
 Sides never share a process: two live OpenMP teams in one process slow both (docs/STATUS.md,
-"Threads").  Without llama_cpp, or with a model that is not a GGUF file, the graphexec side still
-runs and the peer is recorded as unavailable with the reason; a worker that fails is recorded as
+"Threads").  Without llama_cpp, or with a model that is not a GGUF file, the graphexec sides still
+run and the peer is recorded as unavailable with the reason; a worker that fails is recorded as
 that round's error, not raised.
 """
 
@@ -85,11 +85,6 @@ def run(cfg, ctx) -> dict[str, Any]:
     return assemble(opts, spec, peer, source, ctx.overrides, raw, sequence) | {"requantized": requantized}
 
 
-def side_name(mode: str) -> str:
-    """A graphexec side per model.activations mode; float keeps the name the suite always had."""
-    return "graphexec" if mode == "float" else f"graphexec_{mode}"
-
-
 def side_mode(side: str) -> str:
     return "float" if side == "graphexec" else side.removeprefix("graphexec_")
 
@@ -120,7 +115,7 @@ def graphexec_sides(activations: list[str] | None, source) -> list[str]:
     if not set(modes) <= set(runnable):
         raise ValueError(f"bench.activations={modes} includes q8, which needs model.source=gguf with model.weights=native "
                          f"(got model.source={source.source}, model.weights={source.weights})")
-    return [side_name(m) for m in modes]
+    return ["graphexec" if m == "float" else f"graphexec_{m}" for m in modes]  # float keeps the suite's old side name
 
 
 def options(bench_cfg) -> dict[str, Any]:
