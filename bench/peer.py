@@ -199,6 +199,8 @@ def requantize(opts: dict[str, Any], gguf: Path | None) -> dict[str, Any]:
     if not reused:
         dst.parent.mkdir(parents=True, exist_ok=True)
         tmp = dst.with_name(f"{dst.name}.{os.getpid()}.tmp")  # renamed when complete: no half file is ever reused
+        if opts["progress"]:
+            print(f"peer suite: re-quantizing {gguf.name} to {kind} (llama.cpp, once) ...", file=sys.stderr, flush=True)
         out = run_command("peer_worker", ["--quantize", kind, str(gguf), str(tmp), "--threads", str(opts["threads"])],
                           opts["worker_timeout_s"], label="quantize worker", option="bench.worker_timeout_s")
         if out.get("error"):

@@ -292,9 +292,11 @@ def test_suite_with_three_sides_reports_each_graphexec_side_against_llamacpp(tmp
 
 def _fake_quantizer(monkeypatch, returncode=0):
     """workers.subprocess.run standing in for the quantize worker: writes DST, prints its JSON line."""
-    seen = []
+    seen, real_run = [], subprocess.run
 
-    def fake_run(cmd, env, **kwargs):
+    def fake_run(cmd, *args, **kwargs):
+        if "--quantize" not in cmd:  # platform.processor() (the report's machine facts) runs `uname -p`
+            return real_run(cmd, *args, **kwargs)
         seen.append(cmd)
         if returncode:
             return subprocess.CompletedProcess(cmd, returncode, "", "quantize worker failed: ValueError: bad type\n")
