@@ -207,7 +207,18 @@ def requantize(opts: dict[str, Any], gguf: Path | None) -> dict[str, Any]:
             tmp.unlink(missing_ok=True)
             raise RuntimeError(f"bench.requantize={kind}: {out['error']}")
         tmp.replace(dst)
-    return {"type": kind, "source": str(gguf), "file": str(dst), "reused": reused, "mib": dst.stat().st_size / 2**20}
+    return {"type": kind, "source": str(gguf), "file": str(dst), "reused": reused, "mib": dst.stat().st_size / 2**20,
+            "tensor_types": tensor_types(dst)}
+
+
+def tensor_types(gguf: Path) -> dict[str, int]:
+    """Tensors per type, most first: a K-quant "file type" is a mix (llama.cpp falls back to other
+    types for rows that are not whole 256-element super-blocks, as most of SmolLM2-135M's are)."""
+    from collections import Counter
+
+    from graphexec.loader.gguf_file import read_gguf
+
+    return dict(Counter(t.qtype.name for t in read_gguf(gguf).tensors).most_common())
 
 
 def requantized_path(gguf: Path, kind: str, cache_dir: str | None) -> Path:
@@ -458,7 +469,8 @@ def _setup_line(result: dict[str, Any]) -> str:
     m, engine, q = result["model"], result["engine"] or {}, result.get("requantized")
     gguf = f"`{Path(m['gguf']).name}`" if m["gguf"] else f"{m['name']} (model.source={m['source']}, no GGUF)"
     if q:
-        gguf += (f" ({q['type']}, {q['mib']:.1f} MiB: `{Path(q['source']).name}` re-quantized by llama.cpp, "
+        mix = ", ".join(f"{kind} ×{n}" for kind, n in q["tensor_types"].items())
+        gguf += (f" ({q['type']}, {q['mib']:.1f} MiB, tensors {mix}: `{Path(q['source']).name}` re-quantized by llama.cpp, "
                  f"{'reused from' if q['reused'] else 'written to'} {Path(q['file']).parent})")
     ours = ", ".join(f"{k}={engine[k]}" for k in ENGINE_FACTS if k in engine)
     overrides = " ".join(result["engine_overrides"]) or "none"
@@ -491,7 +503,7 @@ def _notes(result: dict[str, Any], engine: dict[str, Any], w: dict[str, Any]) ->
                              "agree before the first difference" for s, a in agree.items())
         notes.append(f"- Greedy B=1 tokens against llama.cpp's (last round, {w['decode_new_tokens']} tokens): {per_side} "
                      "(a sanity check, not a fidelity test: llama.cpp quantizes activations to 8 bits for its quantized dot "
-                     "products, as the q8 side does, so near-ties can go either way).")
+                     "products, as model.activations=q8 does, so near-ties can go either way).")
     internal = [r.get("internal_decode_ms_per_token") for wk in result["raw"].get(PEER, []) if not wk.get("error")
                 for r in wk["decode"]]
     internal = [v for v in internal if v is not None]

@@ -7,6 +7,7 @@ where the peer is recorded as unavailable.  No timed assertions."""
 import ctypes
 import json
 import os
+import struct
 import subprocess
 import sys
 import types
@@ -301,7 +302,7 @@ def _fake_quantizer(monkeypatch, returncode=0):
         if returncode:
             return subprocess.CompletedProcess(cmd, returncode, "", "quantize worker failed: ValueError: bad type\n")
         dst = cmd[cmd.index("--quantize") + 3]
-        open(dst, "wb").write(b"GGUF" + bytes(60))
+        Path(dst).write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 0))  # a valid GGUF: version 3, no tensors, no keys
         return subprocess.CompletedProcess(cmd, 0, json.dumps({"type": cmd[cmd.index("--quantize") + 1], "bytes": 64}) + "\n", "")
 
     monkeypatch.setattr(workers.subprocess, "run", fake_run)
@@ -322,6 +323,7 @@ def test_requantize_runs_the_worker_once_then_reuses_its_cached_file(tmp_path, m
     final = tmp_path / "cache" / Path(first["file"]).name
     assert Path(first["file"]) == final and final.name.startswith("model.Q4_1.") and final.name.endswith(".Q4_K_M.gguf")
     assert not first["reused"] and first["type"] == "Q4_K_M" and not Path(tmp_file).exists() and Path(tmp_file).parent == final.parent
+    assert first["tensor_types"] == {}
 
     again = peer.requantize(opts, src)
     assert again["reused"] and again["file"] == first["file"] and len(seen) == 1  # no second quantize
@@ -351,6 +353,7 @@ def test_requantize_errors_name_the_option_and_leave_no_file(tmp_path, monkeypat
 def test_requantized_file_reaches_both_sides_and_the_setup_line(tmp_path, monkeypatch):
     (tmp_path / "m.gguf").write_bytes(b"GGUF" + bytes(100))
     _fake_quantizer(monkeypatch)
+    monkeypatch.setattr(peer, "tensor_types", lambda path: {"Q5_0": 3, "Q4_K": 1})
     cfg = _gguf_cfg("bench.rounds=1", "bench.activations=[float]", "bench.requantize=Q4_K_M", f"bench.requantize_dir={tmp_path / 'c'}")
     canned = {"graphexec": [_fake_worker("graphexec", 2)], "llamacpp": [_fake_worker("llamacpp", 1)]}
     payload, calls = _fake_suite(tmp_path, monkeypatch, cfg, canned, ())
@@ -359,7 +362,7 @@ def test_requantized_file_reaches_both_sides_and_the_setup_line(tmp_path, monkey
     file = result["requantized"]["file"]
     assert result["model"]["gguf"] == file and json.loads((tmp_path / peer.SPEC_FILE).read_text())["llamacpp"]["gguf"] == file
     assert calls[0][1] == [f"model.path='{file}'", "model.activations=float"]
-    assert f"Model `{Path(file).name}` (Q4_K_M, 0.0 MiB: `m.gguf` re-quantized by llama.cpp, written to" in (tmp_path / "report.md").read_text()
+    assert f"Model `{Path(file).name}` (Q4_K_M, 0.0 MiB, tensors Q5_0 ×3, Q4_K ×1: `m.gguf` re-quantized by llama.cpp, written to" in (tmp_path / "report.md").read_text()
 
 
 def test_quantize_worker_sets_llamacpps_params_and_lists_the_types(monkeypatch, tmp_path):
