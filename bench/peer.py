@@ -288,10 +288,10 @@ def run_worker(side: str, spec_path: Path, overrides: Sequence[str], threads: in
     """One side in a fresh process; its JSON, or {"error": ...}: a failure is this round's, not the suite's."""
     # Both sides' OpenMP runtimes read these at start: the same team size whatever the machine.
     env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
-    worker_side, engine_overrides = (PEER, []) if side == PEER else ("graphexec", list(overrides))
+    worker_side, extra = (PEER, []) if side == PEER else ("graphexec", list(overrides))  # one graphexec worker, any mode
     # On a shared machine other work competing for the cores is the main noise: record it.
     facts: dict[str, Any] = {"busy_cores_before": busy_cores(), "error": None}
-    return facts | run_command("peer_worker", ["--side", worker_side, "--spec", str(spec_path), *engine_overrides], timeout_s,
+    return facts | run_command("peer_worker", ["--side", worker_side, "--spec", str(spec_path), *extra], timeout_s,
                                env=env, option="bench.worker_timeout_s")
 
 
