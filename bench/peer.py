@@ -2,18 +2,21 @@
 
 Boundary: this module orchestrates and reports.  It builds the prompts once (token ids, so both
 sides read exactly the same ones), writes them into a spec file, runs each side as a fresh
-`graphexec-bench peer_worker` process per round, alternating graphexec and llama.cpp (A B A B ...)
-so machine noise lands on both alike, and turns the workers' JSON into min / median / max over
-rounds, ratios, a Markdown table and plots.  The measuring itself is bench/peer_worker.py's.
+`graphexec-bench peer_worker` process per round, alternating the graphexec sides (one per
+bench.activations mode) and llama.cpp (A B C A B C ...) so machine noise lands on all alike, and
+turns the workers' JSON into min / median / max over rounds, ratios, a Markdown table and plots.
+With bench.requantize it first has llama.cpp re-quantize the GGUF (a worker process, cached file)
+and every side reads that file.  The measuring itself is bench/peer_worker.py's.
 
 Sides never share a process: two live OpenMP teams in one process slow both (docs/STATUS.md,
-"Threads").  Without llama_cpp, or with a model that is not a GGUF file, the graphexec side still
-runs and the peer is recorded as unavailable with the reason; a worker that fails is recorded as
+"Threads").  Without llama_cpp, or with a model that is not a GGUF file, the graphexec sides still
+run and the peer is recorded as unavailable with the reason; a worker that fails is recorded as
 that round's error, not raised.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
 import importlib.util
 import json
@@ -31,8 +34,8 @@ from bench.tables import spread_cell, table
 from bench.workers import run_command
 
 COMPARE_UNIT = "tok/s"  # which summary numbers a multirun comparison plots
-SIDES = ("graphexec", "llamacpp")
-LABELS = {"graphexec": "graphexec", "llamacpp": "llama.cpp"}
+PEER = "llamacpp"
+ACTIVATIONS = ("float", "q8")  # model.activations modes, in side order
 SPEC_FILE = "peer_spec.json"
 # What the report says of the graphexec side's configuration (the worker's "engine" facts).
 ENGINE_FACTS = ("weights", "dtype", "capture_plan", "attention_backend", "max_prefill_tokens", "kv_slots")
@@ -58,24 +61,61 @@ def run(cfg, ctx) -> dict[str, Any]:
 
     opts = options(cfg.bench)
     source = EngineConfig.from_dictconfig(cfg).model
+    ours = graphexec_sides(opts["activations"], source)
     gguf = gguf_path(source)
     peer = peer_status(opts, gguf, source)
+    requantized = requantize(opts, gguf) if opts["requantize"] is not None else None
+    gguf = Path(requantized["file"]) if requantized else gguf
     spec = build_spec(tokenizer_of(source, gguf), opts, gguf)
     ctx.out_dir.mkdir(parents=True, exist_ok=True)
     spec_path = ctx.out_dir / SPEC_FILE
     spec_path.write_text(json.dumps(spec))
-    sides = ["graphexec", "llamacpp"] if peer["available"] else ["graphexec"]
+    sides = [*ours, PEER] if peer["available"] else ours
 
     def one(side: str, round_index: int) -> dict[str, Any]:
         if ctx.progress:
-            print(f"peer suite: round {round_index + 1}/{opts['rounds']}, {LABELS[side]} (fresh process) ...", file=sys.stderr, flush=True)
-        result = run_worker(side, spec_path, ctx.overrides, opts["threads"], opts["worker_timeout_s"])
+            print(f"peer suite: round {round_index + 1}/{opts['rounds']}, {label(side)} (fresh process) ...", file=sys.stderr, flush=True)
+        overrides = engine_overrides(side, ctx.overrides, gguf if requantized else None)
+        result = run_worker(side, spec_path, overrides, opts["threads"], opts["worker_timeout_s"])
         if ctx.progress:
-            print(f"peer suite: {LABELS[side]} done: {result['error'] or 'ok'} ({result['process_seconds']:.0f} s)", file=sys.stderr, flush=True)
+            print(f"peer suite: {label(side)} done: {result['error'] or 'ok'} ({result['process_seconds']:.0f} s)", file=sys.stderr, flush=True)
         return result
 
     raw, sequence = alternate(sides, opts["rounds"], one)
-    return assemble(opts, spec, peer, source, ctx.overrides, raw, sequence)
+    return assemble(opts, spec, peer, source, ctx.overrides, raw, sequence) | {"requantized": requantized}
+
+
+def side_mode(side: str) -> str:
+    return "float" if side == "graphexec" else side.removeprefix("graphexec_")
+
+
+def label(side: str) -> str:
+    return "llama.cpp" if side == PEER else f"graphexec ({side_mode(side)})"
+
+
+def engine_overrides(side: str, overrides: Sequence[str], requantized: Path | None) -> list[str]:
+    """A side's engine overrides: none for llama.cpp; for a graphexec side the command line's, then
+    the re-quantized file and the side's activations mode (later overrides win)."""
+    if side == PEER:
+        return []
+    return [*overrides, *([f"model.path='{requantized}'"] if requantized else []), f"model.activations={side_mode(side)}"]
+
+
+def graphexec_sides(activations: list[str] | None, source) -> list[str]:
+    """bench.activations as side names.  null: every mode the model runs (q8 needs a GGUF with
+    native weights, so float alone otherwise)."""
+    if source.activations != "float":
+        raise ValueError(f"model.activations={source.activations} is this suite's axis: give "
+                         f"bench.activations=[{source.activations}] instead")
+    runnable = list(ACTIVATIONS) if source.source == "gguf" and source.weights == "native" else ["float"]
+    modes = runnable if activations is None else activations
+    if (not isinstance(modes, list) or not modes or not all(isinstance(m, str) for m in modes)
+            or len(set(modes)) < len(modes) or not set(modes) <= set(ACTIVATIONS)):
+        raise ValueError(f"bench.activations={modes!r} must be null or a non-empty list of distinct modes from {list(ACTIVATIONS)}")
+    if not set(modes) <= set(runnable):
+        raise ValueError(f"bench.activations={modes} includes q8, which needs model.source=gguf with model.weights=native "
+                         f"(got model.source={source.source}, model.weights={source.weights})")
+    return ["graphexec" if m == "float" else f"graphexec_{m}" for m in modes]  # float keeps the suite's old side name
 
 
 def options(bench_cfg) -> dict[str, Any]:
@@ -93,6 +133,8 @@ def options(bench_cfg) -> dict[str, Any]:
             raise ValueError(f"bench.{key}={values!r} must be a list of integers >= 1")
     if not o["prefill"]["lengths"]:
         raise ValueError("bench.prefill.lengths is empty: give at least one prompt length")
+    if o["requantize"] is not None and not (isinstance(o["requantize"], str) and o["requantize"].isidentifier()):
+        raise ValueError(f"bench.requantize={o['requantize']!r} must be null or a llama.cpp file type such as Q4_K_M")
     return o
 
 
@@ -142,6 +184,50 @@ def _llamacpp_version() -> str | None:
         return importlib.metadata.version("llama-cpp-python")
     except importlib.metadata.PackageNotFoundError:
         return None
+
+
+def requantize(opts: dict[str, Any], gguf: Path | None) -> dict[str, Any]:
+    """bench.requantize: the GGUF re-quantized by llama.cpp, in a worker process (the orchestrator
+    never loads llama.cpp's OpenMP runtime), once per source file: a cached file is reused."""
+    kind = opts["requantize"]
+    if gguf is None:
+        raise ValueError(f"bench.requantize={kind} needs a GGUF model (model.source=gguf)")
+    if not llamacpp_importable():
+        raise ValueError(f"bench.requantize={kind} needs llama_cpp to quantize; {INSTALL_HINT}")
+    dst = requantized_path(gguf, kind, opts["requantize_dir"])
+    reused = dst.is_file()
+    if not reused:
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dst.with_name(f"{dst.name}.{os.getpid()}.tmp")  # renamed when complete: no half file is ever reused
+        if opts["progress"]:
+            print(f"peer suite: re-quantizing {gguf.name} to {kind} (llama.cpp, once) ...", file=sys.stderr, flush=True)
+        out = run_command("peer_worker", ["--quantize", kind, str(gguf), str(tmp), "--threads", str(opts["threads"])],
+                          opts["worker_timeout_s"], label="quantize worker", option="bench.worker_timeout_s")
+        if out.get("error"):
+            tmp.unlink(missing_ok=True)
+            raise RuntimeError(f"bench.requantize={kind}: {out['error']}")
+        tmp.replace(dst)
+    return {"type": kind, "source": str(gguf), "file": str(dst), "reused": reused, "mib": dst.stat().st_size / 2**20,
+            "tensor_types": tensor_types(dst)}
+
+
+def tensor_types(gguf: Path) -> dict[str, int]:
+    """Tensors per type, most first: a K-quant "file type" is a mix (llama.cpp falls back to other
+    types for rows that are not whole 256-element super-blocks, as most of SmolLM2-135M's are)."""
+    from collections import Counter
+
+    from graphexec.loader.gguf_file import read_gguf
+
+    return dict(Counter(t.qtype.name for t in read_gguf(gguf).tensors).most_common())
+
+
+def requantized_path(gguf: Path, kind: str, cache_dir: str | None) -> Path:
+    """<cache>/<stem>.<key>.<kind>.gguf; the key hashes the source's path, size and mtime, so a
+    changed source is re-quantized rather than served stale."""
+    st = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:12]
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "graphexec" / "peer"
+    return (Path(cache_dir).expanduser() if cache_dir else root) / f"{gguf.stem}.{key}.{kind}.gguf"
 
 
 def tokenizer_of(source, gguf: Path | None):
@@ -202,10 +288,10 @@ def run_worker(side: str, spec_path: Path, overrides: Sequence[str], threads: in
     """One side in a fresh process; its JSON, or {"error": ...}: a failure is this round's, not the suite's."""
     # Both sides' OpenMP runtimes read these at start: the same team size whatever the machine.
     env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
-    engine_overrides = list(overrides) if side == "graphexec" else []
+    worker_side, extra = (PEER, []) if side == PEER else ("graphexec", list(overrides))  # one graphexec worker, any mode
     # On a shared machine other work competing for the cores is the main noise: record it.
     facts: dict[str, Any] = {"busy_cores_before": busy_cores(), "error": None}
-    return facts | run_command("peer_worker", ["--side", side, "--spec", str(spec_path), *engine_overrides], timeout_s,
+    return facts | run_command("peer_worker", ["--side", worker_side, "--spec", str(spec_path), *extra], timeout_s,
                                env=env, option="bench.worker_timeout_s")
 
 
@@ -229,7 +315,7 @@ def busy_cores(window_s: float = 0.5) -> float | None:
 
 
 def alternate(sides: Sequence[str], rounds: int, run_one: Callable[[str, int], dict[str, Any]]):
-    """A B A B ...: every round runs each side once, in order; returns each side's rounds and the
+    """A B C A B C ...: every round runs each side once, in order; returns each side's rounds and the
     order things ran in."""
     raw: dict[str, list[dict[str, Any]]] = {side: [] for side in sides}
     sequence = []
@@ -283,14 +369,20 @@ def row_specs(prefill_lengths: Sequence[int], batch_sizes: Sequence[int], decode
     return [{"key": r[0], "label": r[1], "peer_key": r[2] if len(r) > 2 else r[0]} for r in rows]
 
 
-def table_rows(specs: list[dict[str, Any]], per_side: dict[str, list[dict[str, float]]]) -> list[dict[str, Any]]:
+def table_rows(specs: list[dict[str, Any]], per_side: dict[str, list[dict[str, float]]], ours: Sequence[str]) -> list[dict[str, Any]]:
+    """A spread per side (graphexec sides `ours`, and llama.cpp), and each graphexec side's ratio
+    to llama.cpp in `ratios`."""
     rows = []
     for spec in specs:
-        ours = spread([m[spec["key"]] for m in per_side.get("graphexec", []) if spec["key"] in m])
-        theirs = spread([m[spec["peer_key"]] for m in per_side.get("llamacpp", []) if spec["peer_key"] in m])
-        ratio = ours["median"] / theirs["median"] if ours and theirs and theirs["median"] else None
-        rows.append(spec | {"graphexec": ours, "llamacpp": theirs, "ratio": ratio})
+        cells = {side: spread([m[spec["key"]] for m in per_side.get(side, []) if spec["key"] in m]) for side in ours}
+        theirs = spread([m[spec["peer_key"]] for m in per_side.get(PEER, []) if spec["peer_key"] in m])
+        ratios = {side: c["median"] / theirs["median"] if c and theirs and theirs["median"] else None for side, c in cells.items()}
+        rows.append(spec | cells | {PEER: theirs, "ratios": ratios})
     return rows
+
+
+def graphexec_of(result: dict[str, Any]) -> list[str]:
+    return [side for side in result["sides"] if side != PEER]
 
 
 def assemble(opts, spec, peer, source, overrides, raw, sequence) -> dict[str, Any]:
@@ -298,11 +390,14 @@ def assemble(opts, spec, peer, source, overrides, raw, sequence) -> dict[str, An
 
     per_side = {side: [round_metrics(w) for w in rounds] for side, rounds in raw.items()}
     ok = {side: [w for w in rounds if not w.get("error")] for side, rounds in raw.items()}
-    engine = ok["graphexec"][0]["engine"] if ok["graphexec"] else None
-    agree = None
-    if ok.get("graphexec") and ok.get("llamacpp"):
-        agree = agreement([ok["graphexec"][-1]["decode"][0]["token_ids"]], [ok["llamacpp"][-1]["decode"][0]["token_ids"]])
+    ours = [side for side in raw if side != PEER]
+    # The engine facts the setup line states are the same on every graphexec side but activations.
+    engine = next((w["engine"] for side in ours for w in ok[side]), None)
+    last_tokens = {side: ok[side][-1]["decode"][0]["token_ids"] for side in raw if ok[side]}
+    agree = {side: agreement([last_tokens[side]], [last_tokens[PEER]]) if side in last_tokens and PEER in last_tokens else None
+             for side in ours}
     return {
+        "sides": list(raw),
         "rounds": opts["rounds"],
         "repeats": opts["repeats"],
         "threads": opts["threads"],
@@ -320,9 +415,9 @@ def assemble(opts, spec, peer, source, overrides, raw, sequence) -> dict[str, An
             "batch_new_tokens": spec["batch"]["new_tokens"],
         },
         "sequence": sequence,
-        "rows": table_rows(row_specs(spec_lengths(spec), spec["batch"]["sizes"], opts["decode"]), per_side),
+        "rows": table_rows(row_specs(spec_lengths(spec), spec["batch"]["sizes"], opts["decode"]), per_side, ours),
         "greedy_agreement": agree,
-        "batch_details": _batch_details(ok["graphexec"]),
+        "batch_details": _batch_details([w for side in ours for w in ok[side]]),
         "errors": [{"round": r, "side": side, "error": w["error"]}
                    for side, rounds in raw.items() for r, w in enumerate(rounds) if w.get("error")],
         "raw": raw,
@@ -351,17 +446,19 @@ def _batch_details(rounds: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
 
 def markdown(result: dict[str, Any]) -> str:
     peer, engine, w = result["peer"], result["engine"] or {}, result["workload"]
+    ours = graphexec_of(result)
     lines = [_setup_line(result), ""]
     if not peer["available"]:
-        lines += [f"**llama.cpp unavailable**: {peer['reason']}. Only the graphexec side ran.", ""]
+        lines += [f"**llama.cpp unavailable**: {peer['reason']}. Only the graphexec sides ran.", ""]
     lines += [
-        f"Cells: median (min–max) over {result['rounds']} rounds, each side a fresh process per round, "
-        f"alternated graphexec → llama.cpp; ratio = graphexec median / llama.cpp median (↓ lower is better, ↑ higher).",
+        f"Cells: median (min–max) over {result['rounds']} rounds, each side a fresh process per round, alternated "
+        f"{' → '.join(label(s) for s in [*ours, PEER])}; ratio (mode) = that graphexec side's median / llama.cpp's "
+        "median (↓ lower is better, ↑ higher).",
         "",
-        table(["metric", "graphexec", "llama.cpp", "ratio"],
-              [[row["label"], spread_cell(row["graphexec"]), spread_cell(row["llamacpp"]),
-                "—" if row["ratio"] is None else f"{row['ratio']:.2f}×"]
-               for row in result["rows"] if row["graphexec"] is not None or row["llamacpp"] is not None]),
+        table(["metric", *map(label, ours), label(PEER), *(f"ratio ({side_mode(s)})" for s in ours)],
+              [[row["label"], *(spread_cell(row[s]) for s in [*ours, PEER]),
+                *("—" if row["ratios"][s] is None else f"{row['ratios'][s]:.2f}×" for s in ours)]
+               for row in result["rows"] if any(row[s] is not None for s in [*ours, PEER])]),
         "",
         *_notes(result, engine, w),
     ]
@@ -369,8 +466,12 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 def _setup_line(result: dict[str, Any]) -> str:
-    m, engine = result["model"], result["engine"] or {}
+    m, engine, q = result["model"], result["engine"] or {}, result.get("requantized")
     gguf = f"`{Path(m['gguf']).name}`" if m["gguf"] else f"{m['name']} (model.source={m['source']}, no GGUF)"
+    if q:
+        mix = ", ".join(f"{kind} ×{n}" for kind, n in q["tensor_types"].items())
+        gguf += (f" ({q['type']}, {q['mib']:.1f} MiB, tensors {mix}: `{Path(q['source']).name}` re-quantized by llama.cpp, "
+                 f"{'reused from' if q['reused'] else 'written to'} {Path(q['file']).parent})")
     ours = ", ".join(f"{k}={engine[k]}" for k in ENGINE_FACTS if k in engine)
     overrides = " ".join(result["engine_overrides"]) or "none"
     theirs = ", ".join(f"{k}={v}" for k, v in result["llamacpp_options"].items())
@@ -396,13 +497,14 @@ def _notes(result: dict[str, Any], engine: dict[str, Any], w: dict[str, Any]) ->
                  f"resident) at start; llama.cpp's is n_ctx={result['llamacpp_options']['n_ctx']} tokens of f16 K and V "
                  "(from the GGUF's shape). Override cache.num_slots to compare peak RSS at equal KV capacity. "
                  "Peak RSS counts llama.cpp's mmapped weights as they are touched.")
-    if result["greedy_agreement"]:
-        a = result["greedy_agreement"]
-        notes.append(f"- Greedy B=1 tokens (last round): {'identical' if a['identical_requests'] else 'differ'}; "
-                     f"{a['mean_prefix_fraction']:.0%} of the {w['decode_new_tokens']} tokens agree before the first difference "
+    agree = {side: a for side, a in result["greedy_agreement"].items() if a}
+    if agree:
+        per_side = "; ".join(f"{label(s)} {'identical' if a['identical_requests'] else 'differs'}, {a['mean_prefix_fraction']:.0%} "
+                             "agree before the first difference" for s, a in agree.items())
+        notes.append(f"- Greedy B=1 tokens against llama.cpp's (last round, {w['decode_new_tokens']} tokens): {per_side} "
                      "(a sanity check, not a fidelity test: llama.cpp quantizes activations to 8 bits for its quantized dot "
-                     "products, so near-ties can go either way).")
-    internal = [r.get("internal_decode_ms_per_token") for wk in result["raw"].get("llamacpp", []) if not wk.get("error")
+                     "products, as model.activations=q8 does, so near-ties can go either way).")
+    internal = [r.get("internal_decode_ms_per_token") for wk in result["raw"].get(PEER, []) if not wk.get("error")
                 for r in wk["decode"]]
     internal = [v for v in internal if v is not None]
     if internal:
@@ -410,18 +512,18 @@ def _notes(result: dict[str, Any], engine: dict[str, Any], w: dict[str, Any]) ->
                      "number is wall clock between yielded tokens, Python included, as for graphexec).")
     busy = {side: [w.get("busy_cores_before") for w in rounds] for side, rounds in result["raw"].items()}
     if any(v is not None for values in busy.values() for v in values):
-        per_side = "; ".join(f"{LABELS[s]} " + ", ".join("—" if v is None else f"{v:.1f}" for v in values)
+        per_side = "; ".join(f"{label(s)} " + ", ".join("—" if v is None else f"{v:.1f}" for v in values)
                              for s, values in busy.items())
         notes.append(f"- Cores busy with other work just before each round's worker started: {per_side}. Where that "
                      "is well above 0, the worker shared its cores and that round's numbers are inflated.")
     for side, rounds in result["raw"].items():
         for r, w in enumerate(rounds):
             if w.get("exit_error"):
-                notes.append(f"- {LABELS[side]} round {r + 1}: the worker printed its results, then exited with code "
+                notes.append(f"- {label(side)} round {r + 1}: the worker printed its results, then exited with code "
                              f"{w['exit_code']} ({w['exit_error']}); its numbers are kept.")
     for e in result["errors"]:
-        notes.append(f"- **{LABELS[e['side']]} round {e['round'] + 1} failed**: {e['error']}")
-    notes.append("- Order run: " + " → ".join(f"{LABELS[s['side']]}" for s in result["sequence"]) + ".")
+        notes.append(f"- **{label(e['side'])} round {e['round'] + 1} failed**: {e['error']}")
+    notes.append("- Order run: " + " → ".join(label(s["side"]) for s in result["sequence"]) + ".")
     return notes
 
 
@@ -439,20 +541,21 @@ def _medians(result: dict[str, Any], keys: Sequence[str], side: str) -> list[flo
 
 
 def plots(result: dict[str, Any], out_dir: Path) -> list[str]:
-    w = result["workload"]
+    w, ours = result["workload"], graphexec_of(result)
     rate_keys = [*(f"pp_tok_s@{n}" for n in w["prefill_lengths"]), "decode_tok_s", *(f"batch_tok_s@{b}" for b in w["batch_sizes"])]
     rate_groups = [*(f"prefill {n}" for n in w["prefill_lengths"]), "decode B=1", *(f"decode B={b}\n(graphexec only)" for b in w["batch_sizes"])]
     # llama.cpp's bars only where it measured that very thing (not its B=1 rate under a B=8 group).
-    peer_rates = [(v if not k.startswith("batch") else None) for k, v in zip(rate_keys, _medians(result, rate_keys, "llamacpp"))]
+    peer_rates = [(v if not k.startswith("batch") else None) for k, v in zip(rate_keys, _medians(result, rate_keys, PEER))]
+    rates = {label(s): _medians(result, rate_keys, s) for s in ours} | {label(PEER): peer_rates}
     files = [grouped_bars(out_dir / "peer_throughput.png", "tokens per second (median over rounds)", "tokens/s",
-                          rate_groups, {"graphexec": _medians(result, rate_keys, "graphexec"), "llama.cpp": peer_rates}, log_y=True)]
+                          rate_groups, rates, log_y=True)]
     latency_keys = ["decode_ms", "request_ms"]
     files.append(grouped_bars(out_dir / "peer_latency.png", "B=1 ms per token (median over rounds)", "ms/token",
                               ["decode only", "whole request"],
-                              {LABELS[s]: _medians(result, latency_keys, s) for s in SIDES}))
+                              {label(s): _medians(result, latency_keys, s) for s in [*ours, PEER]}))
     memory_keys = ["peak_rss_mib", "weight_mib", "kv_mib"]
     files.append(grouped_bars(out_dir / "peer_memory.png", "memory (median over rounds)", "MiB",
-                              ["peak RSS", "weights", "KV cache"], {LABELS[s]: _medians(result, memory_keys, s) for s in SIDES}))
+                              ["peak RSS", "weights", "KV cache"], {label(s): _medians(result, memory_keys, s) for s in [*ours, PEER]}))
     return files
 
 
@@ -460,6 +563,7 @@ def summary(result: dict[str, Any]) -> dict[str, float]:
     names = {"decode_tok_s": "decode B=1 tok/s", "decode_ms": "decode B=1 ms/token", "peak_rss_mib": "peak RSS MiB",
              "start_s": "start-up s"}
     out: dict[str, float] = {}
+    ours = graphexec_of(result)
     for row in result["rows"]:
         key = row["key"]
         if key.startswith("pp_tok_s@"):
@@ -470,9 +574,10 @@ def summary(result: dict[str, Any]) -> dict[str, float]:
             name = names[key]
         else:
             continue
-        for side in SIDES:
-            if row[side] is not None and not (side == "llamacpp" and key.startswith("batch")):
-                out[f"{LABELS[side]} {name}"] = row[side]["median"]
-        if row["ratio"] is not None and (key in ("decode_tok_s", "decode_ms") or key.startswith("pp_tok_s@")):
-            out[f"graphexec/llama.cpp {name} ×"] = row["ratio"]
+        for side in [*ours, PEER]:
+            if row[side] is not None and not (side == PEER and key.startswith("batch")):
+                out[f"{label(side)} {name}"] = row[side]["median"]
+        for side in ours:
+            if row["ratios"][side] is not None and (key in ("decode_tok_s", "decode_ms") or key.startswith("pp_tok_s@")):
+                out[f"{label(side)}/llama.cpp {name} ×"] = row["ratios"][side]
     return out

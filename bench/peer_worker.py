@@ -4,6 +4,7 @@ wrote.  Prints its measurements as one JSON line on stdout.
 
     graphexec-bench peer_worker --side graphexec --spec peer_spec.json model=tiny-llama capture=eager
     graphexec-bench peer_worker --side llamacpp --spec peer_spec.json
+    graphexec-bench peer_worker --quantize Q4_K_M SRC.gguf DST.gguf --threads 2   # bench.requantize's file
 
 Boundary: this module measures one side and reports raw per-repeat numbers; it does not compare,
 aggregate over rounds or render anything (bench/peer.py does).  Each side runs alone in its
@@ -140,6 +141,7 @@ def _engine_facts(engine) -> dict[str, Any]:
     return {
         "model": cfg.model.name,
         "weights": getattr(cfg.model, "weights", None),
+        "activations": cfg.model.activations,
         "dtype": str(cfg.torch_dtype).removeprefix("torch."),
         "capture_plan": cfg.capture.name,
         "attention_backend": resolve_attention_backend(cfg.attention_backend, torch.device(cfg.device)),  # not "auto"
@@ -274,15 +276,42 @@ def _llamacpp_memory(llama_cpp, llama, n_ctx: int) -> dict[str, Any]:
             "kv_bytes": kv_bytes}
 
 
+def quantize(kind: str, src: str, dst: str, threads: int) -> dict[str, Any]:
+    """bench.requantize's file: `src` re-quantized by llama.cpp to `kind` (a LLAMA_FTYPE_MOSTLY_*
+    name), from an already quantized file too (allow_requantize)."""
+    import ctypes
+
+    import llama_cpp
+
+    ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{kind}", None)
+    if ftype is None:
+        kinds = sorted(n.removeprefix("LLAMA_FTYPE_MOSTLY_") for n in dir(llama_cpp) if n.startswith("LLAMA_FTYPE_MOSTLY_"))
+        raise ValueError(f"bench.requantize={kind} is not a llama.cpp file type; choose one of {kinds}")
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype, params.allow_requantize, params.nthread = ftype, True, threads
+    status = llama_cpp.llama_model_quantize(src.encode(), dst.encode(), ctypes.byref(params))
+    if status != 0:
+        raise RuntimeError(f"llama_model_quantize({src}, {kind}) returned {status}")
+    return {"type": kind, "bytes": Path(dst).stat().st_size}
+
+
 # ---------------------------------------------------------------------------------------------
 
 
 def main(argv: Sequence[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--side", choices=SIDES, required=True)
-    parser.add_argument("--spec", type=Path, required=True, help="the JSON spec bench/peer.py wrote")
+    job = parser.add_mutually_exclusive_group(required=True)
+    job.add_argument("--side", choices=SIDES)
+    job.add_argument("--quantize", nargs=3, metavar=("TYPE", "SRC", "DST"), help="write SRC re-quantized to TYPE into DST")
+    parser.add_argument("--spec", type=Path, help="the JSON spec bench/peer.py wrote (--side)")
+    parser.add_argument("--threads", type=int, default=1, help="quantizing threads (--quantize)")
     parser.add_argument("overrides", nargs="*", help="graphexec engine overrides (graphexec side only)")
     args = parser.parse_args(argv)
+    if args.quantize:
+        emit("quantize worker", lambda: quantize(*args.quantize, args.threads))
+        return
+    if args.spec is None:
+        parser.error("--side needs --spec")
 
     def measure():
         spec = json.loads(args.spec.read_text())

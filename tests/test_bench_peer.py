@@ -1,12 +1,17 @@
 """The peer suite (graphexec vs llama.cpp) without llama.cpp: its orchestration with fake workers
-(alternation, result shape, ratios, report and plots), the llama.cpp side's timing logic on a fake
+(the bench.activations sides, alternation, result shape, ratios, report and plots), the
+bench.requantize cache with a fake quantize worker, the llama.cpp side's timing logic on a fake
 `Llama`, and the graphexec side for real on the tiny model through `graphexec-bench bench=peer`,
 where the peer is recorded as unavailable.  No timed assertions."""
 
+import ctypes
 import json
+import os
+import struct
 import subprocess
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -41,7 +46,8 @@ def test_alternation_runs_each_side_once_per_round_in_order():
     "override, named",
     [("bench.rounds=0", "bench.rounds"), ("bench.threads=-1", "bench.threads"), ("bench.decode.new_tokens=1", "bench.decode.new_tokens"),
      ("bench.prefill.lengths=[]", "bench.prefill.lengths"), ("bench.batch.sizes=[0]", "bench.batch.sizes"),
-     ("bench.llamacpp.n_batch=0", "bench.llamacpp.n_batch")],
+     ("bench.llamacpp.n_batch=0", "bench.llamacpp.n_batch"), ("bench.requantize=4.5", "bench.requantize"),
+     ("bench.requantize='Q4 K'", "bench.requantize")],
 )
 def test_bad_options_name_the_option(override, named):
     with pytest.raises(ValueError, match=named):
@@ -165,41 +171,215 @@ def _fake_worker(side, scale, error=None):
 
 def test_suite_with_both_sides_alternates_aggregates_and_reports(tmp_path, monkeypatch):
     cfg = _cfg("bench.prefill.lengths=[32]", "bench.batch.sizes=[2]")
-    calls = []
     canned = {"graphexec": [_fake_worker("graphexec", 2), _fake_worker("graphexec", 4)],
               "llamacpp": [_fake_worker("llamacpp", 1), _fake_worker("llamacpp", 1, error="llamacpp worker failed: boom")]}
+    payload, calls = _fake_suite(tmp_path, monkeypatch, cfg, canned, ("model=tiny-llama",))
+
+    assert payload["status"] == "ok", payload.get("traceback")
+    assert [side for side, _ in calls] == ["graphexec", "llamacpp", "graphexec", "llamacpp"]
+    assert calls[0][1] == ["model=tiny-llama", "model.activations=float"]  # tiny-llama is no GGUF: float only
+    result = payload["result"]
+    assert result["peer"]["available"] and result["errors"] == [{"round": 1, "side": "llamacpp", "error": "llamacpp worker failed: boom"}]
+    rows = {r["key"]: r for r in result["rows"]}
+    assert rows["decode_ms"]["graphexec"] | {"values": None} == {"min": 4.0, "median": 6.0, "max": 8.0, "rounds": 2, "values": None}
+    assert rows["decode_ms"]["llamacpp"]["rounds"] == 1 and rows["decode_ms"]["ratios"] == {"graphexec": pytest.approx(3.0)}
+    assert rows["batch_tok_s@2"]["llamacpp"]["median"] == pytest.approx(500.0)  # llama.cpp's B=1 rate beside it
+    assert rows["rope_mib"]["llamacpp"] is None and rows["rope_mib"]["graphexec"]["median"] == 1.0
+    assert result["greedy_agreement"]["graphexec"]["mean_prefix_fraction"] == pytest.approx(7 / 8)
+    assert payload["summary"]["graphexec (float)/llama.cpp decode B=1 tok/s ×"] == pytest.approx((1000 / 4 + 1000 / 8) / 2 / 500)  # median of the rounds' rates
+
+    report = (tmp_path / "report.md").read_text()
+    assert "| metric | graphexec (float) | llama.cpp | ratio (float) |" in report
+    assert "| B=1 decode ms/token (8 new tokens, prefill excluded) ↓ | 6 (4–8) | 2 | 3.00× |" in report
+    assert "llama.cpp round 2 failed**: llamacpp worker failed: boom" in report
+    for png in payload["plots"]:
+        assert (tmp_path / png).read_bytes()[:8] == PNG_MAGIC
+
+
+def _fake_suite(tmp_path, monkeypatch, cfg, canned, overrides):
+    """peer.run through run_suite with canned workers per side (in call order); returns the payload
+    and each call's (side, engine overrides)."""
+    calls = []
 
     def fake_run_worker(side, spec_path, overrides, threads, timeout_s):
-        calls.append(side)
+        calls.append((side, list(overrides)))
         assert json.loads(spec_path.read_text())["threads"] == threads == 2
-        assert list(overrides) == ["model=tiny-llama"]
-        return canned[side][sum(c == side for c in calls) - 1]
+        return canned[side][sum(c == side for c, _ in calls) - 1]
 
     monkeypatch.setattr(peer, "gguf_path", lambda source: tmp_path / "m.gguf")
     monkeypatch.setattr(peer, "llamacpp_importable", lambda: True)
     monkeypatch.setattr(peer, "tokenizer_of", lambda source, gguf: ByteTokenizer(320))
     monkeypatch.setattr(peer, "run_worker", fake_run_worker)
-    ctx = SuiteContext(out_dir=tmp_path, overrides=("model=tiny-llama",), progress=False)
-    payload = run_suite(peer, "peer", lambda: peer.run(cfg, ctx), tmp_path, {}, "fake")
+    ctx = SuiteContext(out_dir=tmp_path, overrides=overrides, progress=False)
+    return run_suite(peer, "peer", lambda: peer.run(cfg, ctx), tmp_path, {}, "fake"), calls
+
+
+def _gguf_cfg(*extra):
+    """The default model (a GGUF, native weights: both activations modes run) with the small workload."""
+    return compose([o for o in SMALL if not o.startswith("model=")] + ["bench.prefill.lengths=[32]", "bench.batch.sizes=[2]", *extra],
+                   config_name="bench")
+
+
+def _source(source="gguf", weights="native", activations="float"):
+    return types.SimpleNamespace(name="m", source=source, weights=weights, activations=activations)
+
+
+def test_activations_default_to_every_runnable_mode_and_name_their_sides():
+    assert peer.graphexec_sides(None, _source()) == ["graphexec", "graphexec_q8"]
+    assert peer.graphexec_sides(None, _source(weights="dequantize")) == ["graphexec"]
+    assert peer.graphexec_sides(None, _source(source="random")) == ["graphexec"]
+    assert peer.graphexec_sides(["q8", "float"], _source()) == ["graphexec_q8", "graphexec"]
+    assert [peer.label(s) for s in ("graphexec", "graphexec_q8", "llamacpp")] == ["graphexec (float)", "graphexec (q8)", "llama.cpp"]
+    assert peer.options(_gguf_cfg("bench.activations=[q8]").bench)["activations"] == ["q8"]
+
+
+@pytest.mark.parametrize(
+    "activations, source, message",
+    [([], _source(), r"bench.activations=\[\] must be"), (["int8"], _source(), "bench.activations"),
+     (["float", "float"], _source(), "distinct"), ("q8", _source(), "bench.activations='q8'"),
+     (["q8"], _source(weights="dequantize"), "model.weights=dequantize"), (["q8"], _source(source="random"), "bench.activations"),
+     (None, _source(activations="q8"), r"give bench.activations=\[q8\] instead")],
+)
+def test_bad_activations_name_the_option(activations, source, message):
+    with pytest.raises(ValueError, match=message):
+        peer.graphexec_sides(activations, source)
+
+
+def test_alternation_with_three_sides():
+    raw, sequence = peer.alternate(["graphexec", "graphexec_q8", "llamacpp"], 2, lambda side, r: {"r": r})
+    assert [(s["round"], s["side"]) for s in sequence] == [
+        (0, "graphexec"), (0, "graphexec_q8"), (0, "llamacpp"), (1, "graphexec"), (1, "graphexec_q8"), (1, "llamacpp")]
+    assert list(raw) == ["graphexec", "graphexec_q8", "llamacpp"]
+
+
+def test_q8_reaches_only_the_q8_sides_overrides(tmp_path):
+    base = ("capture=eager",)
+    assert peer.engine_overrides("graphexec", base, None) == ["capture=eager", "model.activations=float"]
+    assert peer.engine_overrides("graphexec_q8", base, None) == ["capture=eager", "model.activations=q8"]
+    assert peer.engine_overrides("llamacpp", base, None) == []
+    q = tmp_path / "m.Q4_K_M.gguf"
+    assert peer.engine_overrides("graphexec_q8", base, q) == ["capture=eager", f"model.path='{q}'", "model.activations=q8"]
+    # What the worker composes from them: the side's mode, the re-quantized file.
+    composed = compose(["model=smollm2-135m", *peer.engine_overrides("graphexec_q8", base, q)])
+    assert composed.model.activations == "q8" and composed.model.path == str(q)
+
+
+def test_suite_with_three_sides_reports_each_graphexec_side_against_llamacpp(tmp_path, monkeypatch):
+    q8 = _fake_worker("graphexec", 1) | {"decode": [_fake_worker("graphexec", 1)["decode"][0] | {"token_ids": [1, 2, 3, 4, 5, 6, 7, 9]}]}
+    canned = {"graphexec": [_fake_worker("graphexec", 2)], "graphexec_q8": [q8], "llamacpp": [_fake_worker("llamacpp", 1)]}
+    payload, calls = _fake_suite(tmp_path, monkeypatch, _gguf_cfg("bench.rounds=1"), canned, ("capture=eager",))
 
     assert payload["status"] == "ok", payload.get("traceback")
-    assert calls == ["graphexec", "llamacpp", "graphexec", "llamacpp"]
+    assert [side for side, _ in calls] == ["graphexec", "graphexec_q8", "llamacpp"]
+    assert [o for _, overrides in calls for o in overrides if o.startswith("model.activations")] == [
+        "model.activations=float", "model.activations=q8"]
     result = payload["result"]
-    assert result["peer"]["available"] and result["errors"] == [{"round": 1, "side": "llamacpp", "error": "llamacpp worker failed: boom"}]
-    rows = {r["key"]: r for r in result["rows"]}
-    assert rows["decode_ms"]["graphexec"] | {"values": None} == {"min": 4.0, "median": 6.0, "max": 8.0, "rounds": 2, "values": None}
-    assert rows["decode_ms"]["llamacpp"]["rounds"] == 1 and rows["decode_ms"]["ratio"] == pytest.approx(3.0)
-    assert rows["batch_tok_s@2"]["llamacpp"]["median"] == pytest.approx(500.0)  # llama.cpp's B=1 rate beside it
-    assert rows["rope_mib"]["llamacpp"] is None and rows["rope_mib"]["graphexec"]["median"] == 1.0
-    assert result["greedy_agreement"]["mean_prefix_fraction"] == pytest.approx(7 / 8)
-    assert payload["summary"]["graphexec/llama.cpp decode B=1 tok/s ×"] == pytest.approx((1000 / 4 + 1000 / 8) / 2 / 500)  # median of the rounds' rates
+    assert result["sides"] == ["graphexec", "graphexec_q8", "llamacpp"] and result["requantized"] is None
+    decode = next(r for r in result["rows"] if r["key"] == "decode_ms")
+    assert decode["ratios"] == {"graphexec": pytest.approx(2.0), "graphexec_q8": pytest.approx(1.0)}
+    assert result["greedy_agreement"]["graphexec"]["mean_prefix_fraction"] == pytest.approx(7 / 8)
+    assert result["greedy_agreement"]["graphexec_q8"]["identical_requests"] == 1
+    summary = payload["summary"]
+    assert summary["graphexec (q8)/llama.cpp decode B=1 ms/token ×"] == pytest.approx(1.0)
+    assert summary["graphexec (float) decode B=1 ms/token"] == pytest.approx(4.0) and "llama.cpp decode B=2 tok/s" not in summary
 
     report = (tmp_path / "report.md").read_text()
-    assert "| metric | graphexec | llama.cpp | ratio |" in report
-    assert "| B=1 decode ms/token (8 new tokens, prefill excluded) ↓ | 6 (4–8) | 2 | 3.00× |" in report
-    assert "llama.cpp round 2 failed**: llamacpp worker failed: boom" in report
-    for png in payload["plots"]:
-        assert (tmp_path / png).read_bytes()[:8] == PNG_MAGIC
+    assert "| metric | graphexec (float) | graphexec (q8) | llama.cpp | ratio (float) | ratio (q8) |" in report
+    assert "| B=1 decode ms/token (8 new tokens, prefill excluded) ↓ | 4 | 2 | 2 | 2.00× | 1.00× |" in report
+    assert "graphexec (float) differs, 88% agree" in report and "graphexec (q8) identical, 100% agree" in report
+    assert "Order run: graphexec (float) → graphexec (q8) → llama.cpp." in report
+    assert len(payload["plots"]) == 3
+
+
+def _fake_quantizer(monkeypatch, returncode=0):
+    """workers.subprocess.run standing in for the quantize worker: writes DST, prints its JSON line."""
+    seen, real_run = [], subprocess.run
+
+    def fake_run(cmd, *args, **kwargs):
+        if "--quantize" not in cmd:  # platform.processor() (the report's machine facts) runs `uname -p`
+            return real_run(cmd, *args, **kwargs)
+        seen.append(cmd)
+        if returncode:
+            return subprocess.CompletedProcess(cmd, returncode, "", "quantize worker failed: ValueError: bad type\n")
+        dst = cmd[cmd.index("--quantize") + 3]
+        Path(dst).write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 0))  # a valid GGUF: version 3, no tensors, no keys
+        return subprocess.CompletedProcess(cmd, 0, json.dumps({"type": cmd[cmd.index("--quantize") + 1], "bytes": 64}) + "\n", "")
+
+    monkeypatch.setattr(workers.subprocess, "run", fake_run)
+    monkeypatch.setattr(peer, "llamacpp_importable", lambda: True)
+    return seen
+
+
+def test_requantize_runs_the_worker_once_then_reuses_its_cached_file(tmp_path, monkeypatch):
+    src = tmp_path / "model.Q4_1.gguf"
+    src.write_bytes(b"GGUF" + bytes(100))
+    opts = peer.options(_gguf_cfg("bench.requantize=Q4_K_M", f"bench.requantize_dir={tmp_path / 'cache'}").bench)
+    seen = _fake_quantizer(monkeypatch)
+
+    first = peer.requantize(opts, src)
+    (cmd,) = seen
+    tmp_file = cmd[cmd.index("--quantize") + 3]
+    assert cmd[1:] == ["-m", "bench.cli", "peer_worker", "--quantize", "Q4_K_M", str(src), tmp_file, "--threads", "2"]
+    final = tmp_path / "cache" / Path(first["file"]).name
+    assert Path(first["file"]) == final and final.name.startswith("model.Q4_1.") and final.name.endswith(".Q4_K_M.gguf")
+    assert not first["reused"] and first["type"] == "Q4_K_M" and not Path(tmp_file).exists() and Path(tmp_file).parent == final.parent
+    assert first["tensor_types"] == {}
+
+    again = peer.requantize(opts, src)
+    assert again["reused"] and again["file"] == first["file"] and len(seen) == 1  # no second quantize
+
+    # A changed source (size, mtime) is another key: re-quantized, not served stale.
+    src.write_bytes(b"GGUF" + bytes(200))
+    os.utime(src, ns=(1, 1))
+    changed = peer.requantize(opts, src)
+    assert changed["file"] != first["file"] and not changed["reused"] and len(seen) == 2
+
+
+def test_requantize_errors_name_the_option_and_leave_no_file(tmp_path, monkeypatch):
+    src = tmp_path / "m.gguf"
+    src.write_bytes(b"GGUF")
+    opts = peer.options(_gguf_cfg("bench.requantize=Q4_K_X", f"bench.requantize_dir={tmp_path / 'cache'}").bench)
+    _fake_quantizer(monkeypatch, returncode=1)
+    with pytest.raises(RuntimeError, match="bench.requantize=Q4_K_X: quantize worker failed: ValueError: bad type"):
+        peer.requantize(opts, src)
+    assert list((tmp_path / "cache").iterdir()) == []
+    with pytest.raises(ValueError, match="bench.requantize=Q4_K_X needs a GGUF"):
+        peer.requantize(opts, None)
+    monkeypatch.setattr(peer, "llamacpp_importable", lambda: False)
+    with pytest.raises(ValueError, match="bench.requantize=Q4_K_X needs llama_cpp"):
+        peer.requantize(opts, src)
+
+
+def test_requantized_file_reaches_both_sides_and_the_setup_line(tmp_path, monkeypatch):
+    (tmp_path / "m.gguf").write_bytes(b"GGUF" + bytes(100))
+    _fake_quantizer(monkeypatch)
+    monkeypatch.setattr(peer, "tensor_types", lambda path: {"Q5_0": 3, "Q4_K": 1})
+    cfg = _gguf_cfg("bench.rounds=1", "bench.activations=[float]", "bench.requantize=Q4_K_M", f"bench.requantize_dir={tmp_path / 'c'}")
+    canned = {"graphexec": [_fake_worker("graphexec", 2)], "llamacpp": [_fake_worker("llamacpp", 1)]}
+    payload, calls = _fake_suite(tmp_path, monkeypatch, cfg, canned, ())
+    assert payload["status"] == "ok", payload.get("traceback")
+    result = payload["result"]
+    file = result["requantized"]["file"]
+    assert result["model"]["gguf"] == file and json.loads((tmp_path / peer.SPEC_FILE).read_text())["llamacpp"]["gguf"] == file
+    assert calls[0][1] == [f"model.path='{file}'", "model.activations=float"]
+    assert f"Model `{Path(file).name}` (Q4_K_M, 0.0 MiB, tensors Q5_0 ×3, Q4_K ×1: `m.gguf` re-quantized by llama.cpp, written to" in (tmp_path / "report.md").read_text()
+
+
+def test_quantize_worker_sets_llamacpps_params_and_lists_the_types(monkeypatch, tmp_path):
+    class Params(ctypes.Structure):  # the fields of llama_model_quantize_params the worker sets
+        _fields_ = [("nthread", ctypes.c_int32), ("ftype", ctypes.c_int), ("allow_requantize", ctypes.c_bool)]
+
+    calls = []
+    params = Params()
+    fake = types.SimpleNamespace(
+        LLAMA_FTYPE_MOSTLY_Q4_K_M=15, LLAMA_FTYPE_MOSTLY_Q8_0=7, llama_model_quantize_default_params=lambda: params,
+        llama_model_quantize=lambda src, dst, p: calls.append((src, dst)) or open(dst, "wb").write(b"GGUF") and 0)
+    monkeypatch.setitem(sys.modules, "llama_cpp", fake)
+    dst = tmp_path / "out.gguf"
+    assert peer_worker.quantize("Q4_K_M", "/src.gguf", str(dst), 3) == {"type": "Q4_K_M", "bytes": 4}
+    assert (params.ftype, params.allow_requantize, params.nthread) == (15, True, 3) and calls == [(b"/src.gguf", str(dst).encode())]
+    with pytest.raises(ValueError, match=r"bench.requantize=Q4_X is not a llama.cpp file type; choose one of \['Q4_K_M', 'Q8_0'\]"):
+        peer_worker.quantize("Q4_X", "/src.gguf", str(dst), 3)
 
 
 def test_graphexec_side_runs_for_real_and_the_peer_is_recorded_unavailable(tmp_path):
