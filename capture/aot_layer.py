@@ -107,26 +107,33 @@ class AotLayer:
                 self._isa.remember()
                 self._stats.artifacts_loaded += 1
                 self._stats.origins[bucket] = "artifact"
-                self._use(bucket, fn)
+                self._use(bucket, fn, args[0])
                 return out
         fn = self._compile(bucket, args)
         if fn is None:
             self._ready[bucket] = self._fallback
             return self._fallback(*args)
         self._unsaved.add(bucket)
-        self._use(bucket, fn)
+        self._use(bucket, fn, args[0])
         return self._ready[bucket](*args)
 
-    def _use(self, bucket: int, fn) -> None:
+    def _use(self, bucket: int, fn, compiled_layer) -> None:
         """fn for `bucket`, its guards checked on every call until `trust`: a layer whose input
         they reject (a tensor subclass out of a tensor-parallel all-reduce, where Dynamo would
-        compile a second graph) hands this bucket and every later one to Dynamo."""
+        compile a second graph), or whose modules differ from the layer it was compiled on (the
+        module guards are filtered out of an artifact; a K-quant file mixes weight types between
+        layers), hands this bucket and every later one to Dynamo."""
         self._aot[bucket] = fn
+        structure = layer_structure(compiled_layer)
 
         def checked(*args):
-            if fn.guard_check(*args):
+            if layer_structure(args[0]) != structure:
+                why = f"layer {args[-1]}'s modules differ from those of the layer it was compiled on"
+            elif not fn.guard_check(*args):
+                why = f"its guards reject layer {args[-1]}'s inputs"
+            else:
                 return fn(*args)
-            self._give_up(f"its guards reject layer {args[-1]}'s inputs")
+            self._give_up(why)
             self._aot.pop(bucket)
             self._unsaved.discard(bucket)
             self._stats.origins[bucket] = "dynamo"
@@ -200,6 +207,21 @@ class AotLayer:
             _log.warning("could not write compiled artifact %s: %r", self._store.path(name), error)
             return
         self._stats.artifacts_saved += 1
+
+
+def layer_structure(layer: torch.nn.Module) -> tuple:
+    """What one compiled graph assumes of a layer beyond its inputs' guards: every submodule's
+    type, its tensors' names, shapes and dtypes, and its plain settings (an op choice such as
+    `activations`, a row count)."""
+    def settings(module):
+        return tuple(sorted((k, v) for k, v in vars(module).items()
+                            if not k.startswith("_") and isinstance(v, (bool, int, float, str))))
+
+    return tuple(
+        (name, type(module).__qualname__, settings(module),
+         tuple((k, tuple(t.shape), t.dtype) for k, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]))
+        for name, module in layer.named_modules()
+    )
 
 
 def _serializable_guards(keep_first: Callable | None) -> Callable:

@@ -26,7 +26,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from capture.aot_layer import AotLayer
+from capture.aot_layer import AotLayer, layer_structure
 from capture.backend import CaptureEnv
 from capture.batch import BucketableBatch, Phase
 from capture.bucketed import BucketedBackend, BucketRunner
@@ -46,7 +46,7 @@ class FullGraphBackend(BucketedBackend):
     def __init__(self, env: CaptureEnv, options: FullGraphOptions | Mapping[str, Any], config_path: str = "capture.decode"):
         super().__init__(env, options, config_path)
         self._compiled: Callable | None = None
-        self._aot: AotLayer | None = None
+        self._aots: list[AotLayer] = []  # one per distinct layer structure
 
     def _bucket_forward(self) -> BucketRunner:
         # `compile.enabled` is a cuda_graph option: the tape records aten calls, which compiled
@@ -94,22 +94,42 @@ class FullGraphBackend(BucketedBackend):
         # functional call over stacked per-layer weights would let one subgraph serve every layer
         # inside one whole-forward graph.
         dynamic = compile_kwargs.pop("dynamic")
-        compiled_layer = torch.compile(own_code(_call_layer), dynamic=True if dynamic else None, **compile_kwargs)
         model = self.env.model
+        # One compiled layer per layer structure: a file may mix weight types between layers (a
+        # K-quant file's attn_v and ffn_down in some layers only), and with module guards skipped
+        # a graph traced on one structure must never be handed a layer of another.
+        by_structure: dict[tuple, Callable] = {}
+        runners: dict[int, Callable] = {}  # id(layer) -> its structure's runner: a dict hit a call
 
         def run_layer(layer, positions, x, rotary, layer_id):
+            run = runners.get(id(layer))
+            if run is None:
+                structure = layer_structure(layer)
+                if structure not in by_structure:
+                    by_structure[structure] = self._layer_runner(len(by_structure), dynamic, compile_kwargs)
+                run = runners[id(layer)] = by_structure[structure]
+            return run(layer, positions, x, rotary, layer_id)
+
+        return lambda ids, pos: model(ids, pos, layer_runner=run_layer)
+
+    def _layer_runner(self, index: int, dynamic: bool, compile_kwargs: dict[str, Any]) -> Callable:
+        """The compiled layer for the index-th distinct layer structure (its own code object, so
+        its own Dynamo cache; its own artifact)."""
+        compiled_layer = torch.compile(own_code(_call_layer), dynamic=True if dynamic else None, **compile_kwargs)
+
+        def run(layer, positions, x, rotary, layer_id):
             if not dynamic:
                 torch._dynamo.mark_static(x, 0)
                 torch._dynamo.mark_static(positions, 0)
             return compiled_layer(layer, positions, x, rotary, layer_id)
 
-        if self._uses_aot():
-            self._aot = AotLayer(
-                own_code(_call_layer), compile_kwargs.get("options", {}), self.artifacts,
-                f"{self.config_path}.layer", self.stats, fallback=run_layer, option=f"{self.config_path}.compile.aot",
-            )
-            run_layer = self._aot
-        return lambda ids, pos: model(ids, pos, layer_runner=run_layer)
+        if not self._uses_aot():
+            return run
+        name = f"{self.config_path}.layer" + (f".s{index}" if index else "")
+        aot = AotLayer(own_code(_call_layer), compile_kwargs.get("options", {}), self.artifacts, name, self.stats,
+                       fallback=run, option=f"{self.config_path}.compile.aot")
+        self._aots.append(aot)
+        return aot
 
     def _whole_forward(self, compile_kwargs: dict[str, Any]) -> Callable:
         return torch.compile(own_forward(self.env.model), **compile_kwargs)
@@ -123,8 +143,8 @@ class FullGraphBackend(BucketedBackend):
         # A bucket is compiled (or its artifact loaded) on its first call, here.
         with inductor_cache_dir(self.options.compile.cache_dir):
             runner = super()._make_runner(bucket, batch)
-        if self._aot is not None:
-            self._aot.trust(bucket)
+        for aot in self._aots:
+            aot.trust(bucket)
         return runner
 
 

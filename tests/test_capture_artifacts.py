@@ -236,8 +236,32 @@ def test_a_layer_whose_guards_reject_a_later_layer_hands_the_bucket_to_dynamo(tm
     layer = aot_layer.AotLayer(lambda *a: None, {}, ArtifactStore(tmp_path, "k"), "capture.decode.layer", stats,
                                fallback=lambda *args: "dynamo")
     x = torch.zeros(1, 4)
+    same = torch.nn.Identity()
     with caplog.at_level(logging.WARNING, logger="capture.aot_layer"):
-        assert [layer(None, x, x, None, i) for i in (0, 1, 2)] == ["aot", "dynamo", "dynamo"]
+        assert [layer(same, x, x, None, i) for i in (0, 1, 2)] == ["aot", "dynamo", "dynamo"]
         layer.trust(1)
     assert stats.origins[1] == "dynamo" and not list(tmp_path.iterdir())
     assert len([r for r in caplog.records if "guards reject layer 1" in r.getMessage()]) == 1
+
+
+def test_a_later_layer_built_differently_hands_the_bucket_to_dynamo(tmp_path, caplog, monkeypatch):
+    """An artifact carries no module guards: a layer whose modules differ from the one it was
+    compiled on (another weight type, another op choice) must not run it, even with its guards holding."""
+    from capture import aot_layer
+    from capture.backend import BackendStats
+
+    class Compiled:
+        def guard_check(self, *args):
+            return True
+
+        def __call__(self, *args):
+            return "aot"
+
+    monkeypatch.setattr(aot_layer.AotLayer, "_compile", lambda self, bucket, args: Compiled())
+    layer = aot_layer.AotLayer(lambda *a: None, {}, ArtifactStore(tmp_path, "k"), "capture.decode.layer", BackendStats(),
+                               fallback=lambda *args: "dynamo")
+    x = torch.zeros(1, 4)
+    layers = [torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 8)]
+    with caplog.at_level(logging.WARNING, logger="capture.aot_layer"):
+        assert [layer(m, x, x, None, i) for i, m in enumerate(layers)] == ["aot", "aot", "dynamo"]
+    assert len([r for r in caplog.records if "layer 2's modules differ" in r.getMessage()]) == 1

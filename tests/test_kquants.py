@@ -332,3 +332,24 @@ def test_every_packed_module_equals_its_dequantized_twin(tiny_k_gguf):
             torch.testing.assert_close(module(inputs), dense[name](inputs), rtol=1e-5, atol=5e-5, msg=name)
             checked += 1
     assert checked == 2 * 4
+
+
+def test_default_plan_compiles_one_layer_per_layer_structure(tiny_k_gguf, tmp_path):
+    """Layer 0 and layer 1 of this file are built differently (PartsLinear vs BlockLinear): the
+    default plan's ahead-of-time layer (module guards filtered out) must not hand one layer's graph
+    to the other (it raised KeyError 'blocks' on a real Q4_K_M file): one compiled layer per
+    structure, each its own artifact, tokens equal eager's, and a second engine loads them all."""
+    params = [SamplingParams(max_new_tokens=6 + i, temperature=0.0, ignore_eos=True) for i in range(3)]
+    auto = ["capture=auto", "capture.background=false", "capture.decode.buckets=[1,2]", "capture.decode.keep=all",
+            f"capture.cache_dir={tmp_path / 'plans'}"]
+    eager = [o.token_ids for o in _engine(tiny_k_gguf, "capture=eager").generate(_prompts()[:3], params)]
+    for expected_origin in ("compiled", "artifact"):
+        engine = _engine(tiny_k_gguf, *auto)
+        assert [o.token_ids for o in engine.generate(_prompts()[:3], params)] == eager
+        stats = engine.runner.backend_stats()["decode"]
+        assert {b["origin"] for b in stats["buckets"].values()} == {expected_origin}, stats["buckets"]
+        if expected_origin == "compiled":
+            assert stats["aot_compiles"] == 4 and stats["artifacts_saved"] == 4  # 2 structures x 2 buckets
+        else:
+            assert stats["artifacts_loaded"] == 4 and stats["aot_compiles"] == 0
+        engine.shutdown()

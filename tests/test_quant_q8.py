@@ -199,3 +199,12 @@ def test_q8_reaches_the_q4_q8_parts_and_k_quants_keep_float(tmp_path):
     for prompt, out in zip(_prompts()[:3], engine.generate(_prompts()[:3], params)):
         assert out.token_ids == hf_greedy(hf, prompt, 10)[0]
     engine.shutdown()
+
+
+def test_layer_structure_tells_the_activation_paths_apart():
+    """What keeps one compiled layer from serving a differently built one (capture/aot_layer.py)."""
+    from capture.aot_layer import layer_structure
+
+    weight, _ = _packed("Q4_1", 48, 64)
+    same = [layer_structure(torch.nn.Sequential(QuantLinear(weight, activations=a))) for a in ("float", "float", "q8")]
+    assert same[0] == same[1] and same[0] != same[2]
