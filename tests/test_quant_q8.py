@@ -165,16 +165,17 @@ def test_q8_is_refused_where_no_weight_is_block_quantized():
         Engine(overrides=["model=tiny-llama", "capture=eager", "model.activations=int4"])
 
 
-def test_q8_reaches_the_q4_q8_parts_and_k_quants_keep_float(tmp_path):
+def test_q8_reaches_the_q4_and_q5_weights_and_k_quants_keep_float(tmp_path):
     """A fused linear of a Q4_0 part and a Q4_K part under q8: the Q4_0 part reads 8-bit
-    activations, the K-quant part float ones (TODO(issue 23) in quant/row_parts.py), and the engine
-    equals transformers fed the same mix (fake quantization only where the Q4_0 part reads)."""
+    activations, the K-quant part float ones (TODO(issue 23) in quant/row_parts.py); the Q5_1
+    gate/up runs unpacked on the integer path.  The engine equals transformers fed the same mix
+    (fake quantization only where a q8 weight reads)."""
     from graphexec.quant import BlockLinear, PartsLinear
     from tests.test_kquants import _write
 
     from gguf import GGMLQuantizationType as Q
     path = _write(tmp_path / "mix.gguf", {"attn_q.weight": Q.Q4_0, "attn_k.weight": Q.Q4_0, "attn_v.weight": Q.Q4_K,
-                                          "ffn_gate.weight": Q.Q8_0, "ffn_up.weight": Q.Q8_0, "ffn_down.weight": Q.Q6_K})
+                                          "ffn_gate.weight": Q.Q5_1, "ffn_up.weight": Q.Q5_1, "ffn_down.weight": Q.Q6_K})
     engine = Engine(overrides=["model.source=gguf", f"model.path={path}", "model.name=mix", "cache.num_slots=1024",
                                "capture=eager", "model.activations=q8"])
     layer = engine.runner.model.layers[0]
@@ -208,3 +209,23 @@ def test_layer_structure_tells_the_activation_paths_apart():
     weight, _ = _packed("Q4_1", 48, 64)
     same = [layer_structure(torch.nn.Sequential(QuantLinear(weight, activations=a))) for a in ("float", "float", "q8")]
     assert same[0] == same[1] and same[0] != same[2]
+
+
+@pytest.mark.parametrize("qtype", ["Q5_0", "Q5_1"])
+def test_q5_weights_unpacked_to_bytes_run_the_integer_path(qtype):
+    """Q5_0 / Q5_1 unpacked to one code a byte (repack.unpacked_q5_rows16): exactly the file's
+    values, and qlinear_q8 over them equals the quantized activations times those values."""
+    from graphexec.quant.repack import unpacked_q5_rows16
+    from tests.test_kquants import _weight
+
+    weight, dense = _weight(qtype, 37, 96)
+    packed = unpacked_q5_rows16(weight)
+    assert packed.codes.dtype == torch.uint8 and packed.codes.shape[2] == 8 and int(packed.codes.max()) <= 31
+    back = packed.row_major()
+    values = back.codes.float().view(37, -1, QBLOCK) * back.scales.float().unsqueeze(-1) + back.mins.float().unsqueeze(-1)
+    assert torch.equal(values.reshape(37, 96), weight.dequantize())
+    x = torch.randn(5, 96, generator=torch.Generator().manual_seed(1))
+    q, d, _ = quantize_q8_reference(x)
+    expected = ((q.double().view(5, -1, QBLOCK) * d.double().unsqueeze(-1)).view(5, 96) @ weight.dequantize().double().T).float()
+    out = torch.ops.graphexec.qlinear_q8(x, packed.codes, packed.scales, packed.mins, packed.rows)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())

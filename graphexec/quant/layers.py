@@ -13,21 +13,26 @@ import torch
 from torch import nn
 
 from graphexec.quant.formats import QuantizedWeight
-from graphexec.quant.repack import GROUP, repack_rows16
+from graphexec.quant.repack import GROUP, Rows16, repack_rows16
 
 
 ACTIVATION_MODES = ("float", "q8")
 
 
 class _Packed(nn.Module):
-    def __init__(self, weight: QuantizedWeight, activations: str):
+    """`weight` row-major (a QuantizedWeight), or already interleaved (Rows16, q8 only: how an
+    unpacked 5-bit weight arrives, repack.unpacked_q5_rows16)."""
+
+    def __init__(self, weight: QuantizedWeight | Rows16, activations: str):
         super().__init__()
         if activations not in ACTIVATION_MODES:
             raise ValueError(f"activations must be one of {list(ACTIVATION_MODES)}, got {activations!r}")
+        if isinstance(weight, Rows16) and activations != "q8":
+            raise ValueError(f"an interleaved {weight.qtype} weight is read by qlinear_q8 only (activations=q8)")
         self.qtype = weight.qtype
         self.activations = activations
         self.rows = weight.shape[0]
-        arrays = repack_rows16(weight) if activations == "q8" else weight
+        arrays = repack_rows16(weight) if activations == "q8" and isinstance(weight, QuantizedWeight) else weight
         self.register_buffer("codes", arrays.codes)
         self.register_buffer("scales", arrays.scales)
         self.register_buffer("mins", arrays.mins)
@@ -51,7 +56,7 @@ class _Packed(nn.Module):
 
 
 class QuantLinear(_Packed):
-    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None = None, activations: str = "float"):
+    def __init__(self, weight: QuantizedWeight | Rows16, bias: torch.Tensor | None = None, activations: str = "float"):
         super().__init__(weight, activations)
         self.out_features, self.in_features = weight.shape
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)

@@ -21,6 +21,7 @@ from graphexec.quant.block_layers import BlockEmbedding, BlockLinear
 from graphexec.quant.formats import QuantizedWeight, concat_rows
 from graphexec.quant.kquants import BlockWeight, concat_blocks
 from graphexec.quant.layers import QuantEmbedding, QuantLinear
+from graphexec.quant.repack import Q5_TYPES, unpacked_q5_rows16
 
 Part = torch.Tensor | QuantizedWeight | BlockWeight
 
@@ -113,8 +114,9 @@ PACKED_MODULES = (QuantLinear, QuantEmbedding, BlockLinear, BlockEmbedding, Part
 EMBEDDINGS = (QuantEmbedding, BlockEmbedding)  # each has `project`: the tied LM head
 
 
-# TODO(issue 23): 8-bit activation kernels for the K-quant and 5-bit block formats; until then
-# `model.activations=q8` applies to Q4_0/Q4_1/Q8_0 weights and the others keep float activations.
+# TODO(issue 23): 8-bit activation kernels for the K-quant formats; until then
+# `model.activations=q8` applies to Q4_0/Q4_1/Q8_0 and (unpacked to bytes) Q5_0/Q5_1 weights, and
+# K-quant ones keep float activations.
 
 
 def packed_linear(
@@ -124,6 +126,8 @@ def packed_linear(
     if isinstance(weight, QuantizedWeight):
         return QuantLinear(weight, bias, activations)
     if isinstance(weight, BlockWeight):
+        if activations == "q8" and weight.qtype in Q5_TYPES:
+            return QuantLinear(unpacked_q5_rows16(weight), bias, activations)
         return BlockLinear(weight, bias)
     return PartsLinear(weight, bias, dtype, activations)
 

@@ -13,8 +13,8 @@
 // so one 512-bit register holds 4 consecutive codes of 16 output rows, one per 32-bit lane:
 //   codes  [G, B, J, 16, 4]: codes[g, b, j, r, :] are row 16g+r's block-b bytes 4j..4j+3
 //          4-bit (uint8, J = 4): byte t holds element 4j+t (low nibble) and 16+4j+t (high);
-//          8-bit (int8, J = 8): element 4j+t
-//   scales, mins [G, B, 16] float16: row 16g+r's block-b d and m (4-bit only: value = d*q + m)
+//          8-bit (int8, J = 8): element 4j+t; 8-bit unsigned (uint8, J = 8; Q5_x's 0..31): the same
+//   scales, mins [G, B, 16] float16: row 16g+r's block-b d and m (unsigned kinds: value = d*q + m)
 // A block of 16 rows is then 8 dot-product instructions against broadcast activation bytes, whose
 // 16 lanes are the 16 rows' integer block sums: one convert and one fma scale all 16, and nothing
 // is reduced across lanes.  (ik_llama.cpp's _R4/_R8 types and llama.cpp's Q4_0_8_8 interleave
@@ -64,22 +64,27 @@ constexpr int64_t kGroup = 16;  // rows interleaved
 // which a prefetch never faults on.
 constexpr int64_t kPrefetchBytes = 4096;
 
+// The three code kinds: 4-bit unsigned (two a byte; Q4_0/Q4_1), 8-bit signed (Q8_0) and 8-bit
+// unsigned (Q5_0/Q5_1 unpacked at load: codes 0..31).  Unsigned kinds carry mins (value = d*q + m).
+enum class Kind { U4, S8, U8 };
+
 struct RView {
   const uint8_t* codes;
   const c10::Half* scales;
-  const c10::Half* mins;  // null: 8-bit
+  const c10::Half* mins;  // null: signed 8-bit
   int64_t n, k, groups, blocks, group_bytes;
-  bool four_bit;
+  Kind kind;
 };
 
 RView view_of(const at::Tensor& codes, const at::Tensor& scales, const c10::optional<at::Tensor>& mins, int64_t n) {
   TORCH_CHECK(codes.dim() == 5 && codes.is_contiguous() && codes.size(3) == kGroup && codes.size(4) == 4,
               "qlinear_q8: codes must be contiguous [groups, blocks, J, 16, 4] (graphexec/quant/repack.py), got ",
               codes.sizes());
-  const bool four_bit = codes.scalar_type() == at::kByte;
-  TORCH_CHECK(four_bit || codes.scalar_type() == at::kChar, "qlinear_q8: codes must be uint8 (4-bit) or int8 (8-bit)");
-  TORCH_CHECK(codes.size(2) == (four_bit ? 4 : 8), "qlinear_q8: ", four_bit ? "4" : "8", "-bit codes take J = ",
-              four_bit ? 4 : 8, " groups of 4 bytes per block, got ", codes.size(2));
+  TORCH_CHECK(codes.scalar_type() == at::kByte || codes.scalar_type() == at::kChar,
+              "qlinear_q8: codes must be uint8 (4-bit with J = 4, 8-bit unsigned with J = 8) or int8 (J = 8)");
+  TORCH_CHECK(codes.size(2) == 4 || codes.size(2) == 8, "qlinear_q8: J must be 4 or 8, got ", codes.size(2));
+  const Kind kind = codes.scalar_type() == at::kChar ? Kind::S8 : codes.size(2) == 4 ? Kind::U4 : Kind::U8;
+  TORCH_CHECK(kind != Kind::S8 || codes.size(2) == 8, "qlinear_q8: int8 codes take J = 8");
   const int64_t groups = codes.size(0), blocks = codes.size(1);
   TORCH_CHECK(n > (groups - 1) * kGroup && n <= groups * kGroup, "qlinear_q8: ", n, " output rows do not fill ", groups,
               " groups of 16");
@@ -87,14 +92,14 @@ RView view_of(const at::Tensor& codes, const at::Tensor& scales, const c10::opti
                   scales.sizes() == at::IntArrayRef({groups, blocks, kGroup}),
               "qlinear_q8: scales must be contiguous float16 [", groups, ", ", blocks, ", 16], got ", scales.sizes());
   const bool has_mins = mins.has_value() && mins->defined();
-  TORCH_CHECK(four_bit == has_mins, "qlinear_q8: 4-bit codes need mins and 8-bit codes take none");
+  TORCH_CHECK((kind != Kind::S8) == has_mins, "qlinear_q8: unsigned codes need mins and signed codes take none");
   if (has_mins) {
     TORCH_CHECK(mins->scalar_type() == at::kHalf && mins->is_contiguous() && mins->sizes() == scales.sizes(),
                 "qlinear_q8: mins must be contiguous float16 shaped like scales");
   }
   return RView{static_cast<const uint8_t*>(codes.data_ptr()), scales.data_ptr<c10::Half>(),
                has_mins ? mins->data_ptr<c10::Half>() : nullptr, n, blocks * kBlock, groups, blocks,
-               blocks * codes.size(2) * kGroup * 4, four_bit};
+               blocks * codes.size(2) * kGroup * 4, kind};
 }
 
 // Quantized activation rows, each block in natural order.
@@ -153,14 +158,14 @@ Q8Rows quantize(const float* x, int64_t m, int64_t k) {
   return rows;
 }
 
-// Whether the block offsets mw * s enter the sum: 4-bit always, 8-bit only when its codes are
-// offset to unsigned for the VNNI instruction.
-template <bool FOUR>
+// Whether the block offsets mw * s enter the sum: unsigned codes always (their mins), signed
+// 8-bit codes only when offset to unsigned for the VNNI instruction.
+template <Kind K>
 constexpr bool kHasOffset =
 #if defined(GX_Q8_VNNI)
     true;
 #else
-    FOUR;
+    K != Kind::S8;
 #endif
 
 inline int32_t load_i32(const int8_t* p) {
@@ -171,14 +176,14 @@ inline int32_t load_i32(const int8_t* p) {
 
 #if defined(GX_Q8_ZMM)
 // z + the 16 lanes' dot products of 4 weight bytes with the same 4 activation bytes.
-template <bool FOUR>
+template <Kind K>
 inline __m512i dot4(__m512i z, __m512i w, int32_t x4) {
   const __m512i x = _mm512_set1_epi32(x4);
 #if defined(GX_Q8_VNNI)
   return _mm512_dpbusd_epi32(z, w, x);
 #else
   const __m512i ones = _mm512_set1_epi16(1);
-  if constexpr (FOUR) return _mm512_add_epi32(z, _mm512_madd_epi16(_mm512_maddubs_epi16(w, x), ones));
+  if constexpr (K != Kind::S8) return _mm512_add_epi32(z, _mm512_madd_epi16(_mm512_maddubs_epi16(w, x), ones));
   // |w| times x with w's sign: the pair sums stay within int16 (2 * 128 * 127).
   const __m512i signed_x = _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x);
   return _mm512_add_epi32(z, _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_abs_epi8(w), signed_x), ones));
@@ -186,9 +191,9 @@ inline __m512i dot4(__m512i z, __m512i w, int32_t x4) {
 }
 
 // out[i0 + i, 16g .. 16g + 16) for MT activation rows.
-template <bool FOUR, int MT>
+template <Kind K, int MT>
 void group_tile(const RView& w, int64_t g, const Q8Rows& a, int64_t i0, float* out) {
-  constexpr int J = FOUR ? 4 : 8;
+  constexpr int J = K == Kind::U4 ? 4 : 8;
   __m512 acc[MT];
   for (int i = 0; i < MT; ++i) acc[i] = _mm512_setzero_ps();
   const uint8_t* codes = w.codes + g * w.group_bytes;
@@ -199,11 +204,11 @@ void group_tile(const RView& w, int64_t g, const Q8Rows& a, int64_t i0, float* o
     for (int j = 0; j < J; ++j) _mm_prefetch(reinterpret_cast<const char*>(cb + kPrefetchBytes + j * 64), _MM_HINT_T0);
     const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + b * kGroup)));
     __m512 mw = _mm512_setzero_ps();
-    if constexpr (FOUR) mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mins + b * kGroup)));
-    else if constexpr (kHasOffset<FOUR>) mw = _mm512_mul_ps(dw, _mm512_set1_ps(-128.0f));
+    if constexpr (K != Kind::S8) mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mins + b * kGroup)));
+    else if constexpr (kHasOffset<K>) mw = _mm512_mul_ps(dw, _mm512_set1_ps(-128.0f));
     // Element order of wv[]: 4-bit wv[2j] = elements 4j.., wv[2j+1] = 16+4j..; 8-bit wv[j] = 4j..
     __m512i wv[8];
-    if constexpr (FOUR) {
+    if constexpr (K == Kind::U4) {
       const __m512i mask = _mm512_set1_epi8(0x0F);
       for (int j = 0; j < 4; ++j) {
         const __m512i raw = _mm512_loadu_si512(cb + j * 64);
@@ -214,7 +219,7 @@ void group_tile(const RView& w, int64_t g, const Q8Rows& a, int64_t i0, float* o
       for (int j = 0; j < 8; ++j) {
         wv[j] = _mm512_loadu_si512(cb + j * 64);
 #if defined(GX_Q8_VNNI)
-        wv[j] = _mm512_xor_si512(wv[j], _mm512_set1_epi8(static_cast<char>(0x80)));
+        if constexpr (K == Kind::S8) wv[j] = _mm512_xor_si512(wv[j], _mm512_set1_epi8(static_cast<char>(0x80)));
 #endif
       }
     }
@@ -222,11 +227,11 @@ void group_tile(const RView& w, int64_t g, const Q8Rows& a, int64_t i0, float* o
       const int8_t* xb = a.q_row(i0 + i) + b * kBlock;
       __m512i z = _mm512_setzero_si512();
       for (int j = 0; j < 4; ++j) {
-        z = dot4<FOUR>(z, wv[FOUR ? 2 * j : j], load_i32(xb + 4 * j));
-        z = dot4<FOUR>(z, wv[FOUR ? 2 * j + 1 : j + 4], load_i32(xb + 16 + 4 * j));
+        z = dot4<K>(z, wv[K == Kind::U4 ? 2 * j : j], load_i32(xb + 4 * j));
+        z = dot4<K>(z, wv[K == Kind::U4 ? 2 * j + 1 : j + 4], load_i32(xb + 16 + 4 * j));
       }
       acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(z), _mm512_mul_ps(dw, _mm512_set1_ps(a.d_row(i0 + i)[b])), acc[i]);
-      if constexpr (kHasOffset<FOUR>) acc[i] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.s_row(i0 + i)[b]), acc[i]);
+      if constexpr (kHasOffset<K>) acc[i] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.s_row(i0 + i)[b]), acc[i]);
     }
   }
   const int64_t valid = std::min<int64_t>(kGroup, w.n - g * kGroup);
@@ -236,21 +241,21 @@ void group_tile(const RView& w, int64_t g, const Q8Rows& a, int64_t i0, float* o
 
 #elif defined(GX_Q8_YMM)
 // The 16 rows of a group as two halves of 8 lanes.
-template <bool FOUR>
+template <Kind K>
 inline __m256i dot4(__m256i z, __m256i w, int32_t x4) {
   const __m256i x = _mm256_set1_epi32(x4);
 #if defined(GX_Q8_VNNI)
   return _mm256_dpbusd_avx_epi32(z, w, x);
 #else
   const __m256i ones = _mm256_set1_epi16(1);
-  if constexpr (FOUR) return _mm256_add_epi32(z, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones));
+  if constexpr (K != Kind::S8) return _mm256_add_epi32(z, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones));
   return _mm256_add_epi32(z, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w)), ones));
 #endif
 }
 
-template <bool FOUR, int MT>
+template <Kind K, int MT>
 void group_tile(const RView& w, int64_t g, const Q8Rows& a, int64_t i0, float* out) {
-  constexpr int J = FOUR ? 4 : 8;
+  constexpr int J = K == Kind::U4 ? 4 : 8;
   __m256 acc[MT][2];
   for (int i = 0; i < MT; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
   const uint8_t* codes = w.codes + g * w.group_bytes;
@@ -262,10 +267,10 @@ void group_tile(const RView& w, int64_t g, const Q8Rows& a, int64_t i0, float* o
     for (int h = 0; h < 2; ++h) {
       const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + b * kGroup + 8 * h)));
       __m256 mw = _mm256_setzero_ps();
-      if constexpr (FOUR) mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mins + b * kGroup + 8 * h)));
-      else if constexpr (kHasOffset<FOUR>) mw = _mm256_mul_ps(dw, _mm256_set1_ps(-128.0f));
+      if constexpr (K != Kind::S8) mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mins + b * kGroup + 8 * h)));
+      else if constexpr (kHasOffset<K>) mw = _mm256_mul_ps(dw, _mm256_set1_ps(-128.0f));
       __m256i wv[8];
-      if constexpr (FOUR) {
+      if constexpr (K == Kind::U4) {
         const __m256i mask = _mm256_set1_epi8(0x0F);
         for (int j = 0; j < 4; ++j) {
           const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cb + j * 64 + 32 * h));
@@ -276,7 +281,7 @@ void group_tile(const RView& w, int64_t g, const Q8Rows& a, int64_t i0, float* o
         for (int j = 0; j < 8; ++j) {
           wv[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cb + j * 64 + 32 * h));
 #if defined(GX_Q8_VNNI)
-          wv[j] = _mm256_xor_si256(wv[j], _mm256_set1_epi8(static_cast<char>(0x80)));
+          if constexpr (K == Kind::S8) wv[j] = _mm256_xor_si256(wv[j], _mm256_set1_epi8(static_cast<char>(0x80)));
 #endif
         }
       }
@@ -284,11 +289,11 @@ void group_tile(const RView& w, int64_t g, const Q8Rows& a, int64_t i0, float* o
         const int8_t* xb = a.q_row(i0 + i) + b * kBlock;
         __m256i z = _mm256_setzero_si256();
         for (int j = 0; j < 4; ++j) {
-          z = dot4<FOUR>(z, wv[FOUR ? 2 * j : j], load_i32(xb + 4 * j));
-          z = dot4<FOUR>(z, wv[FOUR ? 2 * j + 1 : j + 4], load_i32(xb + 16 + 4 * j));
+          z = dot4<K>(z, wv[K == Kind::U4 ? 2 * j : j], load_i32(xb + 4 * j));
+          z = dot4<K>(z, wv[K == Kind::U4 ? 2 * j + 1 : j + 4], load_i32(xb + 16 + 4 * j));
         }
         acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(z), _mm256_mul_ps(dw, _mm256_set1_ps(a.d_row(i0 + i)[b])), acc[i][h]);
-        if constexpr (kHasOffset<FOUR>) acc[i][h] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a.s_row(i0 + i)[b]), acc[i][h]);
+        if constexpr (kHasOffset<K>) acc[i][h] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a.s_row(i0 + i)[b]), acc[i][h]);
       }
     }
   }
@@ -302,9 +307,9 @@ void group_tile(const RView& w, int64_t g, const Q8Rows& a, int64_t i0, float* o
 }
 
 #else
-template <bool FOUR, int MT>
+template <Kind K, int MT>
 void group_tile(const RView& w, int64_t g, const Q8Rows& a, int64_t i0, float* out) {
-  constexpr int J = FOUR ? 4 : 8;
+  constexpr int J = K == Kind::U4 ? 4 : 8;
   const int64_t valid = std::min<int64_t>(kGroup, w.n - g * kGroup);
   for (int i = 0; i < MT; ++i) {
     float acc[kGroup] = {};
@@ -317,12 +322,13 @@ void group_tile(const RView& w, int64_t g, const Q8Rows& a, int64_t i0, float* o
         for (int j = 0; j < J; ++j)
           for (int t = 0; t < 4; ++t) {
             const uint8_t byte = cb[(j * kGroup + r) * 4 + t];
-            if constexpr (FOUR) sum += (byte & 0x0F) * xb[4 * j + t] + (byte >> 4) * xb[16 + 4 * j + t];
-            else sum += static_cast<int8_t>(byte) * xb[4 * j + t];
+            if constexpr (K == Kind::U4) sum += (byte & 0x0F) * xb[4 * j + t] + (byte >> 4) * xb[16 + 4 * j + t];
+            else if constexpr (K == Kind::S8) sum += static_cast<int8_t>(byte) * xb[4 * j + t];
+            else sum += byte * xb[4 * j + t];
           }
         const int64_t at = (g * w.blocks + b) * kGroup + r;
         acc[r] = std::fma(static_cast<float>(w.scales[at]) * dx, static_cast<float>(sum), acc[r]);
-        if constexpr (FOUR) acc[r] = std::fma(static_cast<float>(w.mins[at]), sx, acc[r]);
+        if constexpr (K != Kind::S8) acc[r] = std::fma(static_cast<float>(w.mins[at]), sx, acc[r]);
       }
     }
     std::copy(acc, acc + valid, out + (i0 + i) * w.n + g * kGroup);
@@ -330,14 +336,14 @@ void group_tile(const RView& w, int64_t g, const Q8Rows& a, int64_t i0, float* o
 }
 #endif
 
-template <bool FOUR>
+template <Kind K>
 void stream(const RView& w, const Q8Rows& a, float* out) {
   at::parallel_for(0, w.groups, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       int64_t i = 0;
-      for (; i + 4 <= a.m; i += 4) group_tile<FOUR, 4>(w, g, a, i, out);
-      for (; i + 2 <= a.m; i += 2) group_tile<FOUR, 2>(w, g, a, i, out);
-      for (; i < a.m; ++i) group_tile<FOUR, 1>(w, g, a, i, out);
+      for (; i + 4 <= a.m; i += 4) group_tile<K, 4>(w, g, a, i, out);
+      for (; i + 2 <= a.m; i += 2) group_tile<K, 2>(w, g, a, i, out);
+      for (; i < a.m; ++i) group_tile<K, 1>(w, g, a, i, out);
     }
   });
 }
@@ -355,8 +361,11 @@ at::Tensor qlinear_q8_cpu(const at::Tensor& x, const at::Tensor& codes, const at
   at::Tensor out = at::empty({m, n}, x32.options());
   if (m > 0) {
     const Q8Rows a = quantize(x32.data_ptr<float>(), m, w.k);
-    if (w.four_bit) stream<true>(w, a, out.data_ptr<float>());
-    else stream<false>(w, a, out.data_ptr<float>());
+    switch (w.kind) {
+      case Kind::U4: stream<Kind::U4>(w, a, out.data_ptr<float>()); break;
+      case Kind::S8: stream<Kind::S8>(w, a, out.data_ptr<float>()); break;
+      case Kind::U8: stream<Kind::U8>(w, a, out.data_ptr<float>()); break;
+    }
   }
   return out.to(x.scalar_type()).view(out_shape);
 }
