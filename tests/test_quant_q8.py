@@ -10,7 +10,7 @@ from graphexec import Engine, SamplingParams
 from graphexec.errors import ConfigError
 from graphexec.loader import load_gguf
 from graphexec.quant import QuantEmbedding, QuantLinear, ensure_kernels
-from graphexec.quant.ops import QBLOCK, qlinear_q8_reference, quantize_q8_reference
+from graphexec.quant.ops import QBLOCK, qlinear_q8_reference, qlinear_q8_rows16_reference, quantize_q8_reference
 from graphexec.quant.repack import repack_rows16
 from tests.invariants import assert_no_leak
 from tests.reference import hf_greedy, hf_model_from
@@ -75,6 +75,8 @@ def test_qlinear_q8_equals_the_quantized_product(qtype, k, rows):
     out = _q8(x, weight)
     expected = qlinear_q8_reference(x, weight.codes, weight.scales, weight.mins)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+    packed = repack_rows16(weight)  # what a device without the C++ kernel runs, from the op's arguments
+    assert torch.equal(qlinear_q8_rows16_reference(x, packed.codes, packed.scales, packed.mins, packed.rows), expected)
     # And it is a good approximation of the exact float product.
     exact = x @ dense.T
     assert (out - exact).norm() / exact.norm() < 0.02
@@ -229,3 +231,6 @@ def test_q5_weights_unpacked_to_bytes_run_the_integer_path(qtype):
     expected = ((q.double().view(5, -1, QBLOCK) * d.double().unsqueeze(-1)).view(5, 96) @ weight.dequantize().double().T).float()
     out = torch.ops.graphexec.qlinear_q8(x, packed.codes, packed.scales, packed.mins, packed.rows)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+    # What a device without the C++ kernel runs, from the op's own arguments.
+    other = qlinear_q8_rows16_reference(x, packed.codes, packed.scales, packed.mins, packed.rows)
+    torch.testing.assert_close(other, expected, rtol=1e-6, atol=1e-6 * expected.abs().max().item())

@@ -104,6 +104,20 @@ def qlinear_q8_reference(x: torch.Tensor, codes: torch.Tensor, scales: torch.Ten
     return (dequantized.reshape(x.shape) @ weight.T).to(x.dtype)
 
 
+def qlinear_q8_rows16_reference(
+    x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, n: int
+) -> torch.Tensor:
+    """qlinear_q8's arguments as the op takes them (interleaved by 16; any code kind), in float64
+    torch ops: what other devices run."""
+    rows, row_scales, row_mins = rows16_to_row_major(codes, scales, mins, n)
+    if codes.dtype == torch.uint8 and codes.shape[2] == 8:  # unpacked 5-bit: one code a byte
+        values = rows.double().view(n, -1, QBLOCK) * row_scales.double().unsqueeze(-1) + row_mins.double().unsqueeze(-1)
+        q, d, _ = quantize_q8_reference(x)
+        dequantized = q.double().reshape(*x.shape[:-1], -1, QBLOCK) * d.double().unsqueeze(-1)
+        return (dequantized.reshape(x.shape) @ values.reshape(n, -1).T).to(x.dtype)
+    return qlinear_q8_reference(x, rows, row_scales, row_mins)
+
+
 def _qlinear_any_device(x, codes, scales, mins):
     # TODO(gpu): a fused dequantize-GEMV kernel; this materializes the weight per call.
     return torch.nn.functional.linear(x, dequantize_reference(codes, scales, mins, x.dtype))
@@ -116,7 +130,7 @@ def _qdequantize_any_device(codes, scales, mins, dtype):
 _LIB.impl("qlinear", _qlinear_any_device, "CUDA")
 _LIB.impl("qdequantize", _qdequantize_any_device, "CUDA")
 # TODO(gpu): an integer (dp4a / int8 tensor-core) kernel; this is the float64 reference's math.
-_LIB.impl("qlinear_q8", lambda x, codes, scales, mins, n: qlinear_q8_reference(x, *rows16_to_row_major(codes, scales, mins, n)), "CUDA")
+_LIB.impl("qlinear_q8", lambda x, codes, scales, mins, n: qlinear_q8_rows16_reference(x, codes, scales, mins, n), "CUDA")
 _LIB.impl("quantize_q8", quantize_q8_reference, "CUDA")
 
 

@@ -41,7 +41,8 @@ class Rows16:
         return (self.rows, self.codes.shape[1] * QBLOCK)
 
     def row_major(self) -> QuantizedWeight:
-        """The GGUF-ordered weight back (a copy)."""
+        """The GGUF-ordered arrays back (a copy).  An unpacked 5-bit weight's codes stay one a
+        byte, which QuantizedWeight's own methods would read as two 4-bit codes."""
         codes, scales, mins = rows16_to_row_major(self.codes, self.scales, self.mins, self.rows)
         return QuantizedWeight(self.qtype, codes.contiguous(), scales.contiguous(), None if mins is None else mins.contiguous())
 
