@@ -18,12 +18,12 @@ from omegaconf import DictConfig, OmegaConf
 
 from graphexec.batch.forward_mode import ForwardMode
 from graphexec.errors import ConfigError
+from graphexec.quant.layers import ACTIVATION_MODES
 from graphexec.sampling_params import SamplingParams
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 _WEIGHT_MODES = ("native", "dequantize")
-_ACTIVATION_MODES = ("float", "q8")
 _MODEL_SOURCES = ("gguf", "hf", "random")
 _ADMISSION_POLICIES = ("optimistic", "reserve")
 _DEFAULT_PREFILL_TOKENS = 2048
@@ -419,8 +419,8 @@ def _model_source(values: Mapping[str, Any]) -> ModelSourceConfig:
     if values.get("weights") not in _WEIGHT_MODES:
         raise ConfigError(f"model.weights must be one of {list(_WEIGHT_MODES)}, got {values.get('weights')!r}")
     activations = values.get("activations", "float")
-    if activations not in _ACTIVATION_MODES:
-        raise ConfigError(f"model.activations must be one of {list(_ACTIVATION_MODES)}, got {activations!r}")
+    if activations not in ACTIVATION_MODES:
+        raise ConfigError(f"model.activations must be one of {list(ACTIVATION_MODES)}, got {activations!r}")
     if activations == "q8" and (values["source"] != "gguf" or values.get("weights") != "native"):
         raise ConfigError(
             "model.activations=q8 applies to block-quantized weights: it needs model.source=gguf with "

@@ -10,7 +10,13 @@ from graphexec import Engine, SamplingParams
 from graphexec.errors import ConfigError
 from graphexec.loader import load_gguf
 from graphexec.quant import QuantEmbedding, QuantLinear, ensure_kernels
-from graphexec.quant.ops import QBLOCK, qlinear_q8_reference, qlinear_q8_rows16_reference, quantize_q8_reference
+from graphexec.quant.ops import (
+    QBLOCK,
+    fake_quantize_q8,
+    qlinear_q8_reference,
+    qlinear_q8_rows16_reference,
+    quantize_q8_reference,
+)
 from graphexec.quant.repack import repack_rows16
 from tests.invariants import assert_no_leak
 from tests.reference import hf_greedy, hf_model_from
@@ -123,9 +129,7 @@ def _fake_quantized_hf(path):
     hf = hf_model_from(reference.config, reference.state_dict)
 
     def quantize_input(module, args):
-        (x,) = args
-        q, d, _ = quantize_q8_reference(x)
-        return ((q.float().reshape(*x.shape[:-1], -1, QBLOCK) * d.unsqueeze(-1)).reshape(x.shape),)
+        return (fake_quantize_q8(args[0]),)
 
     for module in hf.modules():
         if isinstance(module, torch.nn.Linear):
@@ -190,13 +194,9 @@ def test_q8_reaches_the_q4_and_q5_weights_and_k_quants_keep_float(tmp_path):
     hf = hf_model_from(reference.config, reference.state_dict)
     q_rows = reference.config.q_size + reference.config.kv_size  # q and k: the Q4_0 part
 
-    def quantize_input(x):
-        q, d, _ = quantize_q8_reference(x)
-        return (q.float().reshape(*x.shape[:-1], -1, QBLOCK) * d.unsqueeze(-1)).reshape(x.shape)
-
     for hf_layer in hf.model.layers:
         for proj in (hf_layer.self_attn.q_proj, hf_layer.self_attn.k_proj, hf_layer.mlp.gate_proj, hf_layer.mlp.up_proj):
-            proj.register_forward_pre_hook(lambda module, args: (quantize_input(args[0]),))
+            proj.register_forward_pre_hook(lambda module, args: (fake_quantize_q8(args[0]),))
     assert q_rows == qkv.parts[0].rows
     params = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)
     for prompt, out in zip(_prompts()[:3], engine.generate(_prompts()[:3], params)):
@@ -227,8 +227,7 @@ def test_q5_weights_unpacked_to_bytes_run_the_integer_path(qtype):
     values = back.codes.float().view(37, -1, QBLOCK) * back.scales.float().unsqueeze(-1) + back.mins.float().unsqueeze(-1)
     assert torch.equal(values.reshape(37, 96), weight.dequantize())
     x = torch.randn(5, 96, generator=torch.Generator().manual_seed(1))
-    q, d, _ = quantize_q8_reference(x)
-    expected = ((q.double().view(5, -1, QBLOCK) * d.double().unsqueeze(-1)).view(5, 96) @ weight.dequantize().double().T).float()
+    expected = (fake_quantize_q8(x, torch.float64) @ weight.dequantize().double().T).float()
     out = torch.ops.graphexec.qlinear_q8(x, packed.codes, packed.scales, packed.mins, packed.rows)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
     # What a device without the C++ kernel runs, from the op's own arguments.

@@ -95,13 +95,17 @@ def rows16_to_row_major(
     return rows, per_row(scales), None if mins is None else per_row(mins)
 
 
+def fake_quantize_q8(x: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """x as qlinear_q8 sees it: quantized per block (quantize_q8_reference), then q * d in `dtype`."""
+    q, d, _ = quantize_q8_reference(x)
+    return (q.to(dtype).reshape(*x.shape[:-1], -1, QBLOCK) * d.to(dtype).unsqueeze(-1)).reshape(x.shape)
+
+
 def qlinear_q8_reference(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None) -> torch.Tensor:
     """What qlinear_q8 computes, in float64 torch ops: the quantized activations times the
     (row-major) weight."""
-    q, d, _ = quantize_q8_reference(x)
-    dequantized = q.double().reshape(*x.shape[:-1], -1, QBLOCK) * d.double().unsqueeze(-1)
     weight = dequantize_reference(codes, scales, mins, torch.float64)
-    return (dequantized.reshape(x.shape) @ weight.T).to(x.dtype)
+    return (fake_quantize_q8(x, torch.float64) @ weight.T).to(x.dtype)
 
 
 def qlinear_q8_rows16_reference(
@@ -112,10 +116,10 @@ def qlinear_q8_rows16_reference(
     rows, row_scales, row_mins = rows16_to_row_major(codes, scales, mins, n)
     if codes.dtype == torch.uint8 and codes.shape[2] == 8:  # unpacked 5-bit: one code a byte
         values = rows.double().view(n, -1, QBLOCK) * row_scales.double().unsqueeze(-1) + row_mins.double().unsqueeze(-1)
-        q, d, _ = quantize_q8_reference(x)
-        dequantized = q.double().reshape(*x.shape[:-1], -1, QBLOCK) * d.double().unsqueeze(-1)
-        return (dequantized.reshape(x.shape) @ values.reshape(n, -1).T).to(x.dtype)
-    return qlinear_q8_reference(x, rows, row_scales, row_mins)
+        weight = values.reshape(n, -1)
+    else:
+        weight = dequantize_reference(rows, row_scales, row_mins, torch.float64)
+    return (fake_quantize_q8(x, torch.float64) @ weight.T).to(x.dtype)
 
 
 def _qlinear_any_device(x, codes, scales, mins):
