@@ -7,12 +7,8 @@ one shape check and one tensor-parallel cut (graphexec/models/sharding.py) for e
 
 from __future__ import annotations
 
-import torch
-
 from graphexec.models.config import ModelConfig
-from graphexec.quant import BlockWeight, QuantizedWeight
-
-Weight = torch.Tensor | QuantizedWeight | BlockWeight
+from graphexec.quant import BlockWeight, QuantizedWeight, Weight
 
 FUSED_SUFFIXES = ("self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight")
 

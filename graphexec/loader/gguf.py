@@ -28,6 +28,7 @@ from graphexec.quant import (
     SUPPORTED_GGUF_TYPES,
     BlockWeight,
     QuantizedWeight,
+    Weight,
     block_elements,
     from_gguf_blocks,
 )
@@ -84,7 +85,7 @@ def unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 def _state_dict(file: GGUFFile, config: ModelConfig, gguf_arch: str, dtype: torch.dtype, weights: str, path: Path,
                 layout: TPLayout):
-    state_dict: dict[str, torch.Tensor | QuantizedWeight | BlockWeight] = {}
+    state_dict: dict[str, Weight] = {}
     for tensor in file.tensors:
         if tensor.name in ROPE_TENSORS:
             continue  # read into the config (gguf_config.py)
@@ -95,7 +96,7 @@ def _state_dict(file: GGUFFile, config: ModelConfig, gguf_arch: str, dtype: torc
         # A fused tensor is read whole, split per projection, then each part cut.
         fused = is_fused(hf_name)
         cut = None if fused else cut_for(hf_name, layout)
-        weight: torch.Tensor | QuantizedWeight | BlockWeight
+        weight: Weight
         if weights == "native" and qtype in NATIVE_GGUF_TYPES:
             raw, part_shape = _cut_blocks(hf_name, tensor.data, qtype, shape, cut)
             if qtype in SUPPORTED_GGUF_TYPES:
@@ -154,7 +155,7 @@ def _dequantized(tensor: GGUFTensor, shape: tuple[int, ...], path: Path, cut: Cu
     return weight
 
 
-def _unpermute(weight: torch.Tensor | QuantizedWeight | BlockWeight, num_heads: int) -> torch.Tensor | QuantizedWeight | BlockWeight:
+def _unpermute(weight: Weight, num_heads: int) -> Weight:
     # Blocks run along the input dimension, so a quantized weight's rows permute like a dense one's.
     if isinstance(weight, (QuantizedWeight, BlockWeight)):
         return weight.map_rows(lambda rows: unpermute_rotary_rows(rows, num_heads))

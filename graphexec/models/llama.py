@@ -30,15 +30,14 @@ from graphexec.quant import (
     EMBEDDINGS,
     PACKED_MODULES,
     PACKED_WEIGHTS,
-    BlockWeight,
-    QuantizedWeight,
     RowParts,
     fuse_rows,
     packed_embedding,
     packed_linear,
 )
+from graphexec.quant import Weight as LoadedWeight
 
-Weight = torch.Tensor | QuantizedWeight | BlockWeight | RowParts
+Weight = LoadedWeight | RowParts  # a fused q/k/v or gate/up may be parts in different formats
 
 
 class LlamaAttention(nn.Module):

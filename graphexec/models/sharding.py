@@ -12,14 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
-import torch
-
 from graphexec.errors import ConfigError
 from graphexec.models.tp_layout import TPLayout
-from graphexec.quant import BlockWeight, QuantizedWeight, block_elements
+from graphexec.quant import BlockWeight, QuantizedWeight, Weight, block_elements
 from graphexec.quant.ops import QBLOCK
 
-Weight = torch.Tensor | QuantizedWeight | BlockWeight
 
 
 @dataclass(frozen=True)

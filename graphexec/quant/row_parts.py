@@ -23,14 +23,15 @@ from graphexec.quant.kquants import BlockWeight, concat_blocks
 from graphexec.quant.layers import QuantEmbedding, QuantLinear
 from graphexec.quant.repack import Q5_TYPES, unpacked_q5_rows16
 
-Part = torch.Tensor | QuantizedWeight | BlockWeight
+# A weight as a loader hands one over: dense, packed arrays, or GGUF block bytes.
+Weight = torch.Tensor | QuantizedWeight | BlockWeight
 
 
 @dataclass(frozen=True, eq=False)
 class RowParts:
     """A [sum of rows, K] weight as consecutive row groups, each in one format."""
 
-    parts: tuple[Part, ...]
+    parts: tuple[Weight, ...]
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -44,7 +45,7 @@ class RowParts:
         return torch.cat([p.to(dtype) if isinstance(p, torch.Tensor) else p.dequantize(dtype) for p in self.parts])
 
 
-def _kind(part: Part) -> tuple:
+def _kind(part: Weight) -> tuple:
     """Parts of equal kind concatenate row-wise into one weight of that kind."""
     if isinstance(part, QuantizedWeight):
         return ("packed", part.four_bit, part.mins is not None)
@@ -53,7 +54,7 @@ def _kind(part: Part) -> tuple:
     return ("dense",)
 
 
-def _concat(group: list[Part], name: str) -> Part:
+def _concat(group: list[Weight], name: str) -> Weight:
     if len(group) == 1:
         return group[0]
     if isinstance(group[0], QuantizedWeight):
@@ -63,13 +64,13 @@ def _concat(group: list[Part], name: str) -> Part:
     return torch.cat(group)
 
 
-def fuse_rows(parts: Sequence[Part], name: str) -> Part | RowParts:
+def fuse_rows(parts: Sequence[Weight], name: str) -> Weight | RowParts:
     """parts stacked along N: one weight where their formats allow, else a RowParts of the runs
     of consecutive same-format parts.  Raises only when the parts take different input sizes."""
     if len({p.shape[1] for p in parts}) != 1:
         sizes = ", ".join(str(p.shape[1]) for p in parts)
         raise CheckpointError(f"{name}: the fused parts take different input sizes ({sizes}); the checkpoint is malformed")
-    groups: list[list[Part]] = []
+    groups: list[list[Weight]] = []
     for part in parts:
         if groups and _kind(groups[-1][0]) == _kind(part):
             groups[-1].append(part)
