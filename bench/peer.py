@@ -28,6 +28,7 @@ from typing import Any, Callable, Sequence
 
 from omegaconf import OmegaConf
 
+from bench import peer_agreement
 from bench.plots import grouped_bars
 from bench.stats import median, spread
 from bench.tables import spread_cell, table
@@ -131,6 +132,13 @@ def options(bench_cfg) -> dict[str, Any]:
         values = _get(o, key)
         if not isinstance(values, list) or not all(isinstance(v, int) and v >= 1 for v in values):
             raise ValueError(f"bench.{key}={values!r} must be a list of integers >= 1")
+    agreement = o["agreement"]
+    if not isinstance(agreement["prompts"], int) or not 0 <= agreement["prompts"] <= len(peer_agreement.QUESTIONS):
+        raise ValueError(f"bench.agreement.prompts={agreement['prompts']!r} must be an integer from 0 (off) to "
+                         f"{len(peer_agreement.QUESTIONS)}")
+    _positive_int(agreement["new_tokens"], "bench.agreement.new_tokens")
+    if not isinstance(agreement["near_tie_nats"], (int, float)) or agreement["near_tie_nats"] < 0:
+        raise ValueError(f"bench.agreement.near_tie_nats={agreement['near_tie_nats']!r} must be a number >= 0")
     if not o["prefill"]["lengths"]:
         raise ValueError("bench.prefill.lengths is empty: give at least one prompt length")
     if o["requantize"] is not None and not (isinstance(o["requantize"], str) and o["requantize"].isidentifier()):
@@ -263,6 +271,8 @@ def build_spec(tokenizer, opts: dict[str, Any], gguf: Path | None) -> dict[str, 
             # Rotations start at different tokens, so no prompt is a prefix of another.
             "prompts": [make(batch["prompt_len"], offset=7 * i) for i in range(max(batch["sizes"], default=0))],
         },
+        "agreement": {"prompts": peer_agreement.prompts(tokenizer, opts["agreement"]["prompts"]),
+                      "new_tokens": opts["agreement"]["new_tokens"]},
         "llamacpp": {"gguf": None if gguf is None else str(gguf), "n_ctx": llama["n_ctx"],
                      "n_batch": llama["n_batch"], "flash_attn": bool(llama["flash_attn"])},
     }
@@ -396,6 +406,9 @@ def assemble(opts, spec, peer, source, overrides, raw, sequence) -> dict[str, An
     last_tokens = {side: ok[side][-1]["decode"][0]["token_ids"] for side in raw if ok[side]}
     agree = {side: agreement([last_tokens[side]], [last_tokens[PEER]]) if side in last_tokens and PEER in last_tokens else None
              for side in ours}
+    near_ties = {side: peer_agreement.verdict(ok[side][-1]["agreement"], ok[PEER][-1]["agreement"],
+                                              opts["agreement"]["near_tie_nats"])
+                 for side in ours if ok[side] and ok.get(PEER) and ok[PEER][-1].get("agreement")}
     return {
         "sides": list(raw),
         "rounds": opts["rounds"],
@@ -417,6 +430,7 @@ def assemble(opts, spec, peer, source, overrides, raw, sequence) -> dict[str, An
         "sequence": sequence,
         "rows": table_rows(row_specs(spec_lengths(spec), spec["batch"]["sizes"], opts["decode"]), per_side, ours),
         "greedy_agreement": agree,
+        "near_tie_agreement": near_ties,
         "batch_details": _batch_details([w for side in ours for w in ok[side]]),
         "errors": [{"round": r, "side": side, "error": w["error"]}
                    for side, rounds in raw.items() for r, w in enumerate(rounds) if w.get("error")],
@@ -504,6 +518,11 @@ def _notes(result: dict[str, Any], engine: dict[str, Any], w: dict[str, Any]) ->
         notes.append(f"- Greedy B=1 tokens against llama.cpp's (last round, {w['decode_new_tokens']} tokens): {per_side} "
                      "(a sanity check, not a fidelity test: llama.cpp quantizes activations to 8 bits for its quantized dot "
                      "products, as model.activations=q8 does, so near-ties can go either way).")
+    if result.get("near_tie_agreement"):
+        v = next(iter(result["near_tie_agreement"].values()))
+        notes.append(f"- Greedy agreement on {v['prompts']} chat prompts × {v['new_tokens']} tokens (last round; "
+                     "bench/peer_agreement.py defines a near tie): "
+                     + "; ".join(peer_agreement.note(label(s), x) for s, x in result["near_tie_agreement"].items()) + ".")
     internal = [r.get("internal_decode_ms_per_token") for wk in result["raw"].get(PEER, []) if not wk.get("error")
                 for r in wk["decode"]]
     internal = [v for v in internal if v is not None]
@@ -580,4 +599,6 @@ def summary(result: dict[str, Any]) -> dict[str, float]:
         for side in ours:
             if row["ratios"][side] is not None and (key in ("decode_tok_s", "decode_ms") or key.startswith("pp_tok_s@")):
                 out[f"{label(side)}/llama.cpp {name} ×"] = row["ratios"][side]
+    for side, v in (result.get("near_tie_agreement") or {}).items():
+        out[f"{label(side)} greedy agreement with llama.cpp"] = v["agree"]
     return out

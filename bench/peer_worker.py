@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+import numpy as np
+
 from bench.capture_probe import config_without_progress_bars, peak_rss_bytes
 from bench.workers import emit
 
@@ -52,6 +54,7 @@ def graphexec_side(spec: dict[str, Any], overrides: Sequence[str]) -> dict[str, 
             "batch": {str(b): [_graphexec_batch(engine, spec["batch"], b) for _ in range(spec["repeats"])]
                       for b in spec["batch"]["sizes"]},
             "engine": _engine_facts(engine),
+            "agreement": _graphexec_agreement(engine, spec["agreement"]),
         }
     finally:
         engine.shutdown()
@@ -95,6 +98,18 @@ def _graphexec_batch(engine, batch: dict[str, Any], size: int) -> dict[str, Any]
     return batch_throughput([(o.ttft, o.tpot, o.latency, len(o.token_ids)) for o in outs]) | {
         "cached_tokens": sum(o.cached_tokens for o in outs)
     }
+
+
+def _graphexec_agreement(engine, agreement: dict[str, Any]) -> list[dict[str, Any]]:
+    """Greedy tokens of the agreement prompts, each step's top-two log-probability gap beside them."""
+    from graphexec import SamplingParams
+
+    if not agreement["prompts"]:
+        return []
+    engine.flush_cache()
+    params = SamplingParams(max_new_tokens=agreement["new_tokens"], temperature=0.0, ignore_eos=True, logprobs=2)
+    return [{"token_ids": out.token_ids, "gaps": [step["top"][0][1] - step["top"][1][1] for step in out.logprobs]}
+            for out in engine.generate(agreement["prompts"], params)]
 
 
 def batch_throughput(requests: Sequence[tuple[float, float | None, float, int]]) -> dict[str, Any]:
@@ -190,6 +205,9 @@ def llamacpp_side(spec: dict[str, Any]) -> dict[str, Any]:
     )
     start_seconds = time.perf_counter() - t0
     out = {"side": "llamacpp", "start_seconds": start_seconds} | measure_llamacpp(llama, spec, _perf_counters(llama_cpp, llama))
+    logits = lambda: np.ctypeslib.as_array(llama_cpp.llama_get_logits(llama.ctx), shape=(llama.n_vocab(),))  # noqa: E731
+    out["agreement"] = [greedy_with_gaps(llama, logits, prompt, spec["agreement"]["new_tokens"])
+                        for prompt in spec["agreement"]["prompts"]]
     return out | {"memory": _llamacpp_memory(llama_cpp, llama, opts["n_ctx"]),
                   "llamacpp": {"version": getattr(llama_cpp, "__version__", None)} | opts}
 
@@ -212,6 +230,24 @@ def measure_llamacpp(llama, spec: dict[str, Any], perf: Callable[..., dict[str, 
         runs = [generate_timed(llama, p["prompt"], 1) for _ in range(spec["repeats"])]
         prefill[str(p["tokens"])] = [{"ttft_s": r["ttft_s"], "tokens_per_s": len(p["prompt"]) / r["ttft_s"]} for r in runs]
     return {"decode": decodes, "prefill": prefill, "batch": {}}
+
+
+def greedy_with_gaps(llama, logits: Callable[[], Any], prompt: list[int], new_tokens: int) -> dict[str, Any]:
+    """Greedy decoding by hand (eval, then the last position's logits) so each step's top-two
+    logit gap is seen: generate() samples inside llama.cpp and hands back no logits."""
+    llama.reset()
+    llama.eval(prompt)
+    tokens, gaps = [], []
+    for _ in range(new_tokens):
+        row = np.asarray(logits(), dtype=np.float64)
+        second, first = np.argpartition(row, -2)[-2:]
+        if row[second] > row[first] or (row[second] == row[first] and second < first):
+            first, second = second, first  # argmax's choice: the lowest id among equals
+        tokens.append(int(first))
+        gaps.append(float(row[first] - row[second]))
+        if len(tokens) < new_tokens:
+            llama.eval([int(first)])
+    return {"token_ids": tokens, "gaps": gaps}
 
 
 def generate_timed(llama, prompt: list[int], new_tokens: int, perf: Callable[..., dict[str, float]] | None = None) -> dict[str, Any]:

@@ -27,6 +27,7 @@ SMALL = [
     "bench=peer", "model=tiny-llama", "capture=eager", "bench.rounds=2", "bench.progress=false",
     "bench.decode.prompt_len=16", "bench.decode.new_tokens=8", "bench.prefill.lengths=[32,64]",
     "bench.batch.sizes=[2,4]", "bench.batch.prompt_len=8", "bench.batch.new_tokens=6",
+    "bench.agreement.prompts=2", "bench.agreement.new_tokens=4",
 ]
 
 
@@ -166,6 +167,9 @@ def _fake_worker(side, scale, error=None):
                    **({"rope_bytes": 2**20} if side == "graphexec" else {})},
         **({"engine": {"weights": "native", "dtype": "float32", "capture_plan": "eager", "max_prefill_tokens": 2048,
                        "kv_slots": 16384}} if side == "graphexec" else {}),
+        # Prompt 1 first differs where both gaps are small (a near tie), prompt 2 where neither is.
+        "agreement": [{"token_ids": [1, 2, 3], "gaps": [1.0, 0.2, 1.0]}, {"token_ids": [4, 5, 6], "gaps": [2.0] * 3}]
+        if side == "graphexec" else [{"token_ids": [1, 9, 3], "gaps": [1.0, 0.3, 1.0]}, {"token_ids": [4, 5, 7], "gaps": [2.0] * 3}],
     }
 
 
@@ -288,6 +292,9 @@ def test_suite_with_three_sides_reports_each_graphexec_side_against_llamacpp(tmp
     assert "| B=1 decode ms/token (8 new tokens, prefill excluded) ↓ | 4 | 2 | 2 | 2.00× | 1.00× |" in report
     assert "graphexec (float) differs, 88% agree" in report and "graphexec (q8) identical, 100% agree" in report
     assert "Order run: graphexec (float) → graphexec (q8) → llama.cpp." in report
+    assert result["near_tie_agreement"]["graphexec_q8"]["agree"] == 0.5 and summary["graphexec (q8) greedy agreement with llama.cpp"] == 0.5
+    assert ("graphexec (q8): 1/2 agree (0 equal, 1 first differ at a near tie, both top-two gaps < 0.5 nats); first "
+            "differences at token 1 (gaps 0.20/0.30), 2 (gaps 2.00/2.00)") in report
     assert len(payload["plots"]) == 3
 
 
@@ -398,6 +405,9 @@ def test_graphexec_side_runs_for_real_and_the_peer_is_recorded_unavailable(tmp_p
     assert decode["tokens"] == 8 and decode["cached_tokens"] == 0  # EOS ignored; the cache was flushed
     assert all(r[0]["cached_tokens"] == 0 for r in worker["prefill"].values())
     assert {b: r[0]["requests"] for b, r in worker["batch"].items()} == {"2": 2, "4": 4}
+    # The agreement prompts, greedy, each step's top-two gap beside its token (tiny-llama: no chat template).
+    assert [len(a["token_ids"]) for a in worker["agreement"]] == [4, 4]
+    assert all(len(a["gaps"]) == 4 and min(a["gaps"]) >= 0 for a in worker["agreement"])
     assert worker["memory"]["weight_bytes"] > 0 and worker["memory"]["rope_bytes"] > 0 and worker["torch_threads"] == 2
     rows = {r["key"]: r for r in result["rows"]}
     assert rows["pp_tok_s@64"]["graphexec"]["median"] > 0 and rows["pp_tok_s@64"]["llamacpp"] is None
@@ -406,3 +416,44 @@ def test_graphexec_side_runs_for_real_and_the_peer_is_recorded_unavailable(tmp_p
     assert sorted(payload["plots"]) == ["peer_latency.png", "peer_memory.png", "peer_throughput.png"]
     for png in payload["plots"]:
         assert (tmp_path / png).read_bytes()[:8] == PNG_MAGIC
+
+
+def test_near_tie_verdict_counts_equal_prompts_and_first_differences_where_both_gaps_are_small():
+    from bench.peer_agreement import verdict
+
+    ours = [{"token_ids": [1, 2], "gaps": [0.1, 3.0]}, {"token_ids": [1, 2], "gaps": [0.1, 3.0]},
+            {"token_ids": [5, 6], "gaps": [0.4, 0.1]}, {"token_ids": [5, 6], "gaps": [0.1, 0.1]}]
+    theirs = [{"token_ids": [1, 2], "gaps": [9.0, 9.0]}, {"token_ids": [1, 3], "gaps": [0.1, 0.2]},
+              {"token_ids": [7, 6], "gaps": [0.45, 0.1]}, {"token_ids": [8, 6], "gaps": [0.6, 0.1]}]
+    v = verdict(ours, theirs, near_tie_nats=0.5)
+    assert [r["first_difference"] for r in v["per_prompt"]] == [None, 1, 0, 0]
+    # Prompt 2 differs where ours is sure (3.0), prompt 4 where llama.cpp is (0.6): not near ties.
+    assert [r["near_tie"] for r in v["per_prompt"]] == [False, False, True, False]
+    assert (v["equal"], v["after_near_tie"], v["agree"], v["new_tokens"]) == (1, 1, 0.5, 2)
+
+
+class _LogitLlama:
+    """llama-cpp-python's reset()/eval() with logits that follow the last token fed."""
+
+    def __init__(self):
+        self.fed = []
+
+    def reset(self):
+        self.fed.clear()
+
+    def eval(self, tokens):
+        self.fed.extend(tokens)
+
+    def logits(self):
+        row = [0.0] * 6
+        row[(self.fed[-1] + 1) % 6] = 2.0  # the next id, by 2 nats over the rest
+        if self.fed[-1] == 3:
+            row[1] = row[5] = 3.0  # a tie: argmax takes the lowest id
+        return row
+
+
+def test_llamacpp_agreement_decodes_greedily_by_hand_with_each_steps_gap():
+    llama = _LogitLlama()
+    out = peer_worker.greedy_with_gaps(llama, llama.logits, [7, 0], 4)
+    assert out == {"token_ids": [1, 2, 3, 1], "gaps": [2.0, 2.0, 2.0, 0.0]}
+    assert llama.fed == [7, 0, 1, 2, 3]  # the prompt, then every token but the last

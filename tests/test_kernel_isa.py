@@ -72,7 +72,7 @@ import sys
 import torch
 from graphexec import Engine, SamplingParams, kernels
 from graphexec.quant import ensure_kernels
-from graphexec.quant.repack import Q5_TYPES, repack_rows16, unpacked_q5_rows16
+from graphexec.quant.repack import block_rows16, repack_rows16
 from tests.test_quant import TYPES, _packed
 
 ensure_kernels()
@@ -93,9 +93,8 @@ for qtype in BLOCK_TYPES:
     for rows in (1, 5, 48):
         x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
         out[qtype, rows] = torch.ops.graphexec.qlinear_blocks(x, weight.blocks, weight.format.type_id)
-        if qtype in Q5_TYPES:  # unpacked to bytes for the 8-bit activation path
-            packed = unpacked_q5_rows16(weight)
-            out[qtype, rows, "q8"] = torch.ops.graphexec.qlinear_q8(x, packed.codes, packed.scales, packed.mins, packed.rows)
+        packed = block_rows16(weight)  # the 8-bit activation path's layout
+        out[qtype, rows, "q8"] = torch.ops.graphexec.qlinear_q8(x, packed.codes, packed.scales, packed.mins, packed.rows)
 # The C++ attention (decode and extend) inside a real engine's greedy run.
 engine = Engine(["model=tiny-llama", "capture=eager", "attention_backend=cpu", "cache.num_slots=1024"])
 outputs = engine.generate(["hello world, " * 9, "abc"], SamplingParams(max_new_tokens=12, temperature=0.0, logprobs=1))
@@ -125,4 +124,6 @@ def test_every_variant_this_cpu_runs_equals_the_portable_one(tmp_path):
             if key != "tokens" and key[-1] == "dequantize":  # gguf's fp32 values on every variant
                 assert torch.equal(value.view(torch.int32), reference[key].view(torch.int32)), f"{variant} {key}"
             if key != "tokens":  # the same values; only the vector width changes the summation order
-                torch.testing.assert_close(value, reference[key], rtol=1e-5, atol=1e-5, msg=f"{variant} {key}")
+                # (an error bound relative to the output's scale: K-quant outputs reach the hundreds)
+                scale = max(1.0, reference[key].abs().max().item())
+                torch.testing.assert_close(value, reference[key], rtol=1e-5, atol=1e-5 * scale, msg=f"{variant} {key}")

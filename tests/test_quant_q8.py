@@ -17,9 +17,10 @@ from graphexec.quant.ops import (
     qlinear_q8_rows16_reference,
     quantize_q8_reference,
 )
-from graphexec.quant.repack import repack_rows16
+from graphexec.quant.repack import block_rows16, repack_rows16
 from tests.invariants import assert_no_leak
 from tests.reference import hf_greedy, hf_model_from
+from tests.test_kquants import TYPES as BLOCK_TYPES, _weight as _block_weight
 from tests.test_quant import TYPES, _engine, _packed, _prompts, tiny_quantized_gguf  # noqa: F401 (fixture)
 
 
@@ -171,12 +172,11 @@ def test_q8_is_refused_where_no_weight_is_block_quantized():
         Engine(overrides=["model=tiny-llama", "capture=eager", "model.activations=int4"])
 
 
-def test_q8_reaches_the_q4_and_q5_weights_and_k_quants_keep_float(tmp_path):
-    """A fused linear of a Q4_0 part and a Q4_K part under q8: the Q4_0 part reads 8-bit
-    activations, the K-quant part float ones (TODO(issue 23) in quant/row_parts.py); the Q5_1
-    gate/up runs unpacked on the integer path.  The engine equals transformers fed the same mix
-    (fake quantization only where a q8 weight reads)."""
-    from graphexec.quant import BlockLinear, PartsLinear
+def test_q8_reaches_every_block_quantized_weight_of_a_mixed_file(tmp_path):
+    """A fused linear of a Q4_0 part and a Q4_K part, a Q5_1 gate/up and a Q6_K down projection
+    under q8: every part reads 8-bit activations (the fused one as two ops, PartsLinear), and the
+    engine equals transformers whose every projection quantizes its input the same way."""
+    from graphexec.quant import PartsLinear
     from tests.test_kquants import _write
 
     from gguf import GGMLQuantizationType as Q
@@ -186,18 +186,16 @@ def test_q8_reaches_the_q4_and_q5_weights_and_k_quants_keep_float(tmp_path):
                                "capture=eager", "model.activations=q8"])
     layer = engine.runner.model.layers[0]
     qkv = layer.self_attn.qkv_proj
-    assert isinstance(qkv, PartsLinear) and [type(p).__name__ for p in qkv.parts] == ["QuantLinear", "BlockLinear"]
-    assert qkv.parts[0].activations == "q8" and isinstance(layer.mlp.down_proj, BlockLinear)
-    assert layer.mlp.gate_up_proj.activations == "q8"
+    assert isinstance(qkv, PartsLinear) and [p.qtype for p in qkv.parts] == ["Q4_0", "Q4_K"]
+    projections = [*qkv.parts, layer.mlp.gate_up_proj, layer.mlp.down_proj]
+    assert all(isinstance(p, QuantLinear) and p.activations == "q8" for p in projections)
 
     reference = load_gguf(path, name="mix", weights="dequantize")
     hf = hf_model_from(reference.config, reference.state_dict)
-    q_rows = reference.config.q_size + reference.config.kv_size  # q and k: the Q4_0 part
-
     for hf_layer in hf.model.layers:
-        for proj in (hf_layer.self_attn.q_proj, hf_layer.self_attn.k_proj, hf_layer.mlp.gate_proj, hf_layer.mlp.up_proj):
+        attention, mlp = hf_layer.self_attn, hf_layer.mlp
+        for proj in (attention.q_proj, attention.k_proj, attention.v_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj):
             proj.register_forward_pre_hook(lambda module, args: (fake_quantize_q8(args[0]),))
-    assert q_rows == qkv.parts[0].rows
     params = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)
     for prompt, out in zip(_prompts()[:3], engine.generate(_prompts()[:3], params)):
         assert out.token_ids == hf_greedy(hf, prompt, 10)[0]
@@ -213,23 +211,41 @@ def test_layer_structure_tells_the_activation_paths_apart():
     assert same[0] == same[1] and same[0] != same[2]
 
 
-@pytest.mark.parametrize("qtype", ["Q5_0", "Q5_1"])
-def test_q5_weights_unpacked_to_bytes_run_the_integer_path(qtype):
-    """Q5_0 / Q5_1 unpacked to one code a byte (repack.unpacked_q5_rows16): exactly the file's
-    values, and qlinear_q8 over them equals the quantized activations times those values."""
-    from graphexec.quant.repack import unpacked_q5_rows16
-    from tests.test_kquants import _weight
-
-    weight, dense = _weight(qtype, 37, 96)
-    packed = unpacked_q5_rows16(weight)
-    assert packed.codes.dtype == torch.uint8 and packed.codes.shape[2] == 8 and int(packed.codes.max()) <= 31
+@pytest.mark.parametrize("qtype", BLOCK_TYPES)
+@pytest.mark.parametrize("rows", [1, 3, 6])
+def test_block_weights_run_the_integer_path_with_the_files_values(qtype, rows):
+    """K-quants and Q5_x in qlinear_q8's layout (repack.block_rows16): exactly gguf's values
+    (Q4_K repacked two codes a byte, 5-bit codes one a byte, Q6_K's scales per half block), and
+    qlinear_q8 over them equals the quantized activations times those values."""
+    k = 512
+    weight, dense = _block_weight(qtype, 37, k, seed=rows)  # 37 rows: a group of padding
+    packed = block_rows16(weight)
+    kind = {"Q4_K": (torch.uint8, 4), "Q6_K": (torch.int8, 8)}.get(qtype, (torch.uint8, 8))
+    assert (packed.codes.dtype, packed.codes.shape[2]) == kind
+    halves = (2,) if qtype == "Q6_K" else ()
+    assert packed.scales.shape == (3, k // QBLOCK, *halves, 16)
+    assert packed.scales.dtype == (torch.float16 if qtype.startswith("Q5_") and qtype != "Q5_K" else torch.float32)
     back = packed.row_major()
-    values = back.codes.float().view(37, -1, QBLOCK) * back.scales.float().unsqueeze(-1) + back.mins.float().unsqueeze(-1)
-    assert torch.equal(values.reshape(37, 96), weight.dequantize())
-    x = torch.randn(5, 96, generator=torch.Generator().manual_seed(1))
-    expected = (fake_quantize_q8(x, torch.float64) @ weight.dequantize().double().T).float()
+    q = back.codes
+    if qtype == "Q4_K":
+        pairs = q.view(37, -1, QBLOCK // 2)
+        q = torch.cat([pairs & 0x0F, pairs >> 4], dim=-1)
+    values = q.float().view(37, back.scales.shape[1], -1) * back.scales.float().unsqueeze(-1)
+    if back.mins is not None:
+        values = values + back.mins.float().unsqueeze(-1)
+    assert torch.equal(values.reshape(37, k), dense)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)) * 2
+    expected = (fake_quantize_q8(x, torch.float64) @ dense.double().T).float()
     out = torch.ops.graphexec.qlinear_q8(x, packed.codes, packed.scales, packed.mins, packed.rows)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
     # What a device without the C++ kernel runs, from the op's own arguments.
     other = qlinear_q8_rows16_reference(x, packed.codes, packed.scales, packed.mins, packed.rows)
     torch.testing.assert_close(other, expected, rtol=1e-6, atol=1e-6 * expected.abs().max().item())
+
+
+def test_q8_refuses_half_precision_scales_per_half_block():
+    weight, _ = _block_weight("Q6_K", 16, 256)
+    packed = block_rows16(weight)
+    x = torch.randn(1, 256)
+    with pytest.raises(RuntimeError, match=r"scales must be \[1, 8, 16\] \(or float32 \[1, 8, 2, 16\]"):
+        torch.ops.graphexec.qlinear_q8(x, packed.codes, packed.scales.half(), None, 16)

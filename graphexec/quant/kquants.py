@@ -139,36 +139,63 @@ def _nibbles(qs: torch.Tensor, group: int) -> torch.Tensor:
     return (q >> _shifts(2, 4, qs.device).reshape(1, 1, 2, 1)) & 15
 
 
-def dequantize_blocks_reference(blocks: torch.Tensor, type_id: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The weight as a dense [N, K] tensor, in plain torch ops (any device), with gguf's fp32
-    arithmetic in gguf's order: each product and sum rounded as numpy rounds it."""
+class BlockCodes(NamedTuple):
+    """A block weight's integer codes and per-sub-block scales: value = scale * q (+ min).  Q4_K /
+    Q5_K sub-blocks are 32 elements, Q6_K's 16, Q5_x's the whole 32-element block."""
+
+    q: torch.Tensor  # int32 [N, K]
+    scales: torch.Tensor  # float32 [N, K / sub]
+    mins: torch.Tensor | None  # float32 [N, K / sub]; None: signed codes (Q6_K, Q5_0's q - 16)
+
+
+def block_codes(blocks: torch.Tensor, type_id: int) -> BlockCodes:
+    """Decode GGUF block bytes [N, row_bytes] into codes and fp32 sub-block scales, in plain torch
+    ops (any device).  Each scale is gguf's own fp32 product (d * 6-bit scale, d * int8 scale):
+    exact, as an fp16 times a small integer always is in fp32."""
     qtype, fmt = _BY_ID[type_id]
     n = blocks.shape[0]
     b = blocks.reshape(-1, fmt.nbytes)
     count = b.shape[0]
+    mins = None
     if qtype in ("Q4_K", "Q5_K"):
         d, dmin = _half(b, 0), _half(b, 2)
-        scales, mins = _k_scales_mins(b[:, 4:16])
+        scales, sub_mins = _k_scales_mins(b[:, 4:16])
         qs_at = 16 if qtype == "Q4_K" else 48
         q = _nibbles(b[:, qs_at : qs_at + 128], 32).reshape(count, 8, 32)
         if qtype == "Q5_K":
             qh = b[:, 16:48].int().reshape(count, 1, 32) >> _shifts(8, 1, b.device).reshape(1, 8, 1)
             q = q | ((qh & 1) << 4)
-        values = (d * scales).unsqueeze(-1) * q.float() - (dmin * mins).unsqueeze(-1)
+        scales, mins = d * scales, -(dmin * sub_mins)
     elif qtype == "Q6_K":
         low = _nibbles(b[:, :128], 64).reshape(count, 8, 32)
         qh = b[:, 128:192].int().reshape(count, 2, 1, 32) >> _shifts(4, 2, b.device).reshape(1, 1, 4, 1)
         q = (low | ((qh & 3) << 4).reshape(count, 8, 32)) - 32
-        scales = b[:, 192:208].clone(memory_format=torch.contiguous_format).view(torch.int8).float()
-        values = (_half(b, 208) * scales).unsqueeze(-1) * q.float().reshape(count, 16, 16)
+        scales = _half(b, 208) * b[:, 192:208].clone(memory_format=torch.contiguous_format).view(torch.int8).float()
     else:  # Q5_0, Q5_1: a 32-bit mask of fifth bits, then 16 bytes of nibbles
         has_min = qtype == "Q5_1"
         qh_at = 4 if has_min else 2
         qh = b[:, qh_at : qh_at + 4].clone(memory_format=torch.contiguous_format).view(torch.int32)
         high = (qh >> _shifts(32, 1, b.device)) & 1
         q = _nibbles(b[:, qh_at + 4 : qh_at + 20], 16).reshape(count, 32) | (high << 4)
-        values = _half(b, 0) * q.float() + _half(b, 2) if has_min else _half(b, 0) * (q - 16).float()
-    return values.reshape(n, -1).to(dtype)
+        scales = _half(b, 0)
+        if has_min:
+            mins = _half(b, 2)
+        else:
+            q = q - 16
+    return BlockCodes(q.reshape(n, -1), scales.reshape(n, -1), None if mins is None else mins.reshape(n, -1))
+
+
+def dequantize_blocks_reference(blocks: torch.Tensor, type_id: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The weight as a dense [N, K] tensor, in plain torch ops (any device), with gguf's fp32
+    arithmetic in gguf's order: each product and sum rounded as numpy rounds it (Q5_0's
+    d * (q - 16) too, so a -0.0 stays -0.0)."""
+    codes = block_codes(blocks, type_id)
+    n, k = codes.q.shape
+    per_sub = codes.q.view(n, codes.scales.shape[1], -1).float()
+    values = codes.scales.unsqueeze(-1) * per_sub
+    if codes.mins is not None:
+        values = values + codes.mins.unsqueeze(-1)
+    return values.reshape(n, k).to(dtype)
 
 
 def _qlinear_blocks_any_device(x, blocks, qtype):

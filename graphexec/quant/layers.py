@@ -20,8 +20,8 @@ ACTIVATION_MODES = ("float", "q8")
 
 
 class _Packed(nn.Module):
-    """`weight` row-major (a QuantizedWeight), or already interleaved (Rows16, q8 only: how an
-    unpacked 5-bit weight arrives, repack.unpacked_q5_rows16)."""
+    """`weight` row-major (a QuantizedWeight), or already interleaved (Rows16, q8 only: how a
+    GGUF block weight arrives, repack.block_rows16)."""
 
     def __init__(self, weight: QuantizedWeight | Rows16, activations: str):
         super().__init__()

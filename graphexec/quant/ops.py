@@ -86,11 +86,12 @@ def quantize_q8_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, 
 def rows16_to_row_major(
     codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, n: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """A weight interleaved in groups of 16 rows (repack.py) back in GGUF's row-major arrays."""
+    """A weight interleaved in groups of 16 rows (repack.py) back in GGUF's row-major arrays
+    (scales per half-block, Q6_K's, come two a block)."""
     rows = codes.permute(0, 3, 1, 2, 4).reshape(-1, codes.shape[1] * codes.shape[2] * 4)[:n]
 
     def per_row(grouped: torch.Tensor) -> torch.Tensor:
-        return grouped.permute(0, 2, 1).reshape(-1, grouped.shape[1])[:n]
+        return grouped.movedim(-1, 1).reshape(grouped.shape[0] * grouped.shape[-1], -1)[:n]
 
     return rows, per_row(scales), None if mins is None else per_row(mins)
 
@@ -111,15 +112,16 @@ def qlinear_q8_reference(x: torch.Tensor, codes: torch.Tensor, scales: torch.Ten
 def qlinear_q8_rows16_reference(
     x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, n: int
 ) -> torch.Tensor:
-    """qlinear_q8's arguments as the op takes them (interleaved by 16; any code kind), in float64
-    torch ops: what other devices run."""
+    """qlinear_q8's arguments as the op takes them (interleaved by 16; any code kind and scale
+    layout), in float64 torch ops: what other devices run."""
     rows, row_scales, row_mins = rows16_to_row_major(codes, scales, mins, n)
-    if codes.dtype == torch.uint8 and codes.shape[2] == 8:  # unpacked 5-bit: one code a byte
-        values = rows.double().view(n, -1, QBLOCK) * row_scales.double().unsqueeze(-1) + row_mins.double().unsqueeze(-1)
-        weight = values.reshape(n, -1)
-    else:
-        weight = dequantize_reference(rows, row_scales, row_mins, torch.float64)
-    return (fake_quantize_q8(x, torch.float64) @ weight.T).to(x.dtype)
+    if codes.dtype == torch.uint8 and codes.shape[2] == 4:  # two 4-bit codes a byte
+        pairs = rows.view(n, -1, QBLOCK // 2)
+        rows = torch.cat([pairs & 0x0F, pairs >> 4], dim=-1)
+    values = rows.double().view(n, row_scales.shape[1], -1) * row_scales.double().unsqueeze(-1)
+    if row_mins is not None:
+        values = values + row_mins.double().unsqueeze(-1)
+    return (fake_quantize_q8(x, torch.float64) @ values.reshape(n, -1).T).to(x.dtype)
 
 
 def _qlinear_any_device(x, codes, scales, mins):

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from graphexec.quant.formats import QuantizedWeight
-from graphexec.quant.kquants import BlockWeight
+from graphexec.quant.kquants import BlockWeight, block_codes
 from graphexec.quant.ops import QBLOCK, rows16_to_row_major
 
 GROUP = 16  # rows interleaved
@@ -28,7 +28,9 @@ Q5_TYPES = ("Q5_0", "Q5_1")
 @dataclass(frozen=True, eq=False)
 class Rows16:
     """codes [G, B, J, 16, 4] (uint8 4-bit, J = 4; int8 8-bit or uint8 unpacked 5-bit, J = 8);
-    scales, mins [G, B, 16] float16."""
+    scales, mins [G, B, 16] per 32-element block, or [G, B, 2, 16] per 16-element half (Q6_K):
+    float16 where the file's scales are (Q4_x, Q8_0, Q5_x), float32 where they are products
+    (K-quants: d times a sub-block's integer scale)."""
 
     qtype: str
     rows: int  # real output rows (the last group may be padding past them)
@@ -42,7 +44,8 @@ class Rows16:
 
     def row_major(self) -> QuantizedWeight:
         """The GGUF-ordered arrays back (a copy).  An unpacked 5-bit weight's codes stay one a
-        byte, which QuantizedWeight's own methods would read as two 4-bit codes."""
+        byte, which QuantizedWeight's own methods would read as two 4-bit codes; a K-quant's
+        scales stay float32 and Q6_K's come two a block."""
         codes, scales, mins = rows16_to_row_major(self.codes, self.scales, self.mins, self.rows)
         return QuantizedWeight(self.qtype, codes.contiguous(), scales.contiguous(), None if mins is None else mins.contiguous())
 
@@ -51,24 +54,33 @@ def repack_rows16(weight: QuantizedWeight) -> Rows16:
     return _interleave(weight.qtype, weight.codes, weight.scales, weight.mins, weight.shape)
 
 
-def unpacked_q5_rows16(weight: BlockWeight) -> Rows16:
-    """A Q5_0 / Q5_1 weight for qlinear_q8: each 5-bit code unpacked to a byte (0..31; Q5_0's
-    d * (q - 16) kept as d * q + m with m = -16 d, exact in float16), so the kernel reads it as
-    unsigned 8-bit codes.  Exact, but 9 bits a weight against the file's 5.5-6: the price of
-    running 5-bit files on the integer path until a kernel reads the bit planes in place."""
-    if weight.qtype not in Q5_TYPES:
-        raise ValueError(f"{weight.qtype} is not a 5-bit type ({', '.join(Q5_TYPES)})")
+def block_rows16(weight: BlockWeight) -> Rows16:
+    """A GGUF block weight (K-quant or 5-bit) in qlinear_q8's layout, its values exactly the file's:
+    - Q4_K: 4-bit codes repacked two a byte as Q4_x keeps them, fp32 scale and min per 32;
+    - Q5_K, Q5_0, Q5_1: each 5-bit code unpacked to a byte (0..31; Q5_0's d * (q - 16) kept as
+      d * q + m with m = -16 d, exact), per-32 scales and mins (fp32 for Q5_K, the file's fp16
+      for Q5_x);
+    - Q6_K: codes q - 32 as int8, an fp32 scale per 16-element half, no min.
+    The unpacked and fp32 forms cost memory: bits a weight against the file's 4.5 / 5.5 / 6.6
+    (Q4_K 6, Q5_K 10, Q6_K 10, Q5_x 9), the price of one integer kernel for every type until it
+    reads the file's bit planes and 6-bit scales in place."""
     n, k = weight.shape
-    blocks = weight.blocks.view(n, k // QBLOCK, -1)
-    header = 2 if weight.qtype == "Q5_0" else 4  # d (and m)
-    d = blocks[..., 0:2].contiguous().view(torch.float16).reshape(n, -1)
-    m = -16 * d if weight.qtype == "Q5_0" else blocks[..., 2:4].contiguous().view(torch.float16).reshape(n, -1)
-    high = blocks[..., header : header + 4].contiguous().view(torch.int32).reshape(n, -1, 1)
-    nibbles = blocks[..., header + 4 :]  # byte j: element j (low nibble), element j + 16 (high)
-    low = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1).int()
-    bits = (high >> torch.arange(QBLOCK, dtype=torch.int32)) & 1
-    codes = (low | (bits << 4)).to(torch.uint8).reshape(n, k)
-    return _interleave(weight.qtype, codes, d.contiguous(), m.contiguous(), (n, k))
+    codes = block_codes(weight.blocks, weight.format.type_id)
+    q, scales, mins = codes.q, codes.scales, codes.mins
+    if weight.qtype in Q5_TYPES:
+        scales = scales.half()
+        if mins is None:  # Q5_0
+            q, mins = q + 16, scales * -16.0
+        else:
+            mins = mins.half()
+    if weight.qtype == "Q4_K":
+        halves = q.view(n, k // QBLOCK, 2, QBLOCK // 2)  # byte t: element t (low nibble), 16 + t (high)
+        packed = (halves[:, :, 0] | (halves[:, :, 1] << 4)).to(torch.uint8).reshape(n, k // 2)
+    elif mins is None:  # Q6_K
+        packed = q.to(torch.int8)
+    else:
+        packed = q.to(torch.uint8)
+    return _interleave(weight.qtype, packed, scales.contiguous(), None if mins is None else mins.contiguous(), (n, k))
 
 
 def _interleave(qtype: str, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, shape) -> Rows16:
@@ -78,9 +90,11 @@ def _interleave(qtype: str, codes: torch.Tensor, scales: torch.Tensor, mins: tor
     # Each row's 4-byte runs move as one int32: a quarter of the elements to shuffle.
     words = _pad_rows(codes, pad).contiguous().view(torch.int32).view(groups, GROUP, blocks, -1)
     packed = words.permute(0, 2, 3, 1).contiguous().view(codes.dtype).view(groups, blocks, -1, GROUP, 4)
+    per_block = scales.shape[1] // blocks  # 2: Q6_K's halves
 
     def grouped(t: torch.Tensor) -> torch.Tensor:
-        return _pad_rows(t, pad).view(groups, GROUP, blocks).permute(0, 2, 1).contiguous()
+        lanes = _pad_rows(t, pad).view(groups, GROUP, blocks, per_block).permute(0, 2, 3, 1).contiguous()
+        return lanes if per_block > 1 else lanes.view(groups, blocks, GROUP)
 
     return Rows16(qtype, n, packed, grouped(scales), None if mins is None else grouped(mins))
 

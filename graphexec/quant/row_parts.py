@@ -21,7 +21,7 @@ from graphexec.quant.block_layers import BlockEmbedding, BlockLinear
 from graphexec.quant.formats import QuantizedWeight, concat_rows
 from graphexec.quant.kquants import BlockWeight, concat_blocks
 from graphexec.quant.layers import QuantEmbedding, QuantLinear
-from graphexec.quant.repack import Q5_TYPES, unpacked_q5_rows16
+from graphexec.quant.repack import block_rows16
 
 # A weight as a loader hands one over: dense, packed arrays, or GGUF block bytes.
 Weight = torch.Tensor | QuantizedWeight | BlockWeight
@@ -115,20 +115,17 @@ PACKED_MODULES = (QuantLinear, QuantEmbedding, BlockLinear, BlockEmbedding, Part
 EMBEDDINGS = (QuantEmbedding, BlockEmbedding)  # each has `project`: the tied LM head
 
 
-# TODO(issue 23): 8-bit activation kernels for the K-quant formats; until then
-# `model.activations=q8` applies to Q4_0/Q4_1/Q8_0 and (unpacked to bytes) Q5_0/Q5_1 weights, and
-# K-quant ones keep float activations.
-
-
 def packed_linear(
     weight: QuantizedWeight | BlockWeight | RowParts, bias: torch.Tensor | None, dtype: torch.dtype, activations: str = "float"
 ) -> nn.Module:
-    """The module that reads `weight` as a linear; `bias` (if any) already in `dtype`."""
+    """The module that reads `weight` as a linear; `bias` (if any) already in `dtype`.  Under
+    q8 a GGUF block weight (K-quant, 5-bit) is converted to qlinear_q8's layout
+    (repack.block_rows16); with float activations it keeps the file's bytes."""
     if isinstance(weight, QuantizedWeight):
         return QuantLinear(weight, bias, activations)
     if isinstance(weight, BlockWeight):
-        if activations == "q8" and weight.qtype in Q5_TYPES:
-            return QuantLinear(unpacked_q5_rows16(weight), bias, activations)
+        if activations == "q8":
+            return QuantLinear(block_rows16(weight), bias, activations)
         return BlockLinear(weight, bias)
     return PartsLinear(weight, bias, dtype, activations)
 

@@ -14,7 +14,10 @@
 //   codes  [G, B, J, 16, 4]: codes[g, b, j, r, :] are row 16g+r's block-b bytes 4j..4j+3
 //          4-bit (uint8, J = 4): byte t holds element 4j+t (low nibble) and 16+4j+t (high);
 //          8-bit (int8, J = 8): element 4j+t; 8-bit unsigned (uint8, J = 8; Q5_x's 0..31): the same
-//   scales, mins [G, B, 16] float16: row 16g+r's block-b d and m (unsigned kinds: value = d*q + m)
+//   scales, mins [G, B, 16]: row 16g+r's block-b d and m (unsigned kinds: value = d*q + m), float16
+//          as Q4_x/Q8_0/Q5_x files hold them, or float32 where a K-quant's d times a sub-block's
+//          integer scale needs more bits; [G, B, 2, 16] float32: one d per 16-element half (Q6_K),
+//          each half then its own integer sum (and its own activation sum for the offset term)
 // A block of 16 rows is then 8 dot-product instructions against broadcast activation bytes, whose
 // 16 lanes are the 16 rows' integer block sums: one convert and one fma scale all 16, and nothing
 // is reduced across lanes.  (ik_llama.cpp's _R4/_R8 types and llama.cpp's Q4_0_8_8 interleave
@@ -70,10 +73,12 @@ enum class Kind { U4, S8, U8 };
 
 struct RView {
   const uint8_t* codes;
-  const c10::Half* scales;
-  const c10::Half* mins;  // null: signed 8-bit
+  const void* scales;  // c10::Half or float, as `fp32` says
+  const void* mins;    // null: signed 8-bit
   int64_t n, k, groups, blocks, group_bytes;
   Kind kind;
+  bool fp32;    // float32 scales and mins (K-quants), else float16
+  bool halves;  // a scale per 16-element half block (Q6_K): [G, B, 2, 16]
 };
 
 RView view_of(const at::Tensor& codes, const at::Tensor& scales, const c10::optional<at::Tensor>& mins, int64_t n) {
@@ -88,34 +93,40 @@ RView view_of(const at::Tensor& codes, const at::Tensor& scales, const c10::opti
   const int64_t groups = codes.size(0), blocks = codes.size(1);
   TORCH_CHECK(n > (groups - 1) * kGroup && n <= groups * kGroup, "qlinear_q8: ", n, " output rows do not fill ", groups,
               " groups of 16");
-  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() &&
-                  scales.sizes() == at::IntArrayRef({groups, blocks, kGroup}),
-              "qlinear_q8: scales must be contiguous float16 [", groups, ", ", blocks, ", 16], got ", scales.sizes());
+  const bool fp32 = scales.scalar_type() == at::kFloat, halves = scales.dim() == 4;
+  TORCH_CHECK((fp32 || scales.scalar_type() == at::kHalf) && scales.is_contiguous(),
+              "qlinear_q8: scales must be contiguous float16 or float32, got ", scales.scalar_type());
+  TORCH_CHECK(scales.sizes() == at::IntArrayRef({groups, blocks, kGroup}) ||
+                  (fp32 && scales.sizes() == at::IntArrayRef({groups, blocks, 2, kGroup})),
+              "qlinear_q8: scales must be [", groups, ", ", blocks, ", 16] (or float32 [", groups, ", ", blocks,
+              ", 2, 16], one per half block), got ", scales.sizes());
   const bool has_mins = mins.has_value() && mins->defined();
   TORCH_CHECK((kind != Kind::S8) == has_mins, "qlinear_q8: unsigned codes need mins and signed codes take none");
   if (has_mins) {
-    TORCH_CHECK(mins->scalar_type() == at::kHalf && mins->is_contiguous() && mins->sizes() == scales.sizes(),
-                "qlinear_q8: mins must be contiguous float16 shaped like scales");
+    TORCH_CHECK(mins->scalar_type() == scales.scalar_type() && mins->is_contiguous() && mins->sizes() == scales.sizes(),
+                "qlinear_q8: mins must be contiguous, shaped and typed like scales");
   }
-  return RView{static_cast<const uint8_t*>(codes.data_ptr()), scales.data_ptr<c10::Half>(),
-               has_mins ? mins->data_ptr<c10::Half>() : nullptr, n, blocks * kBlock, groups, blocks,
-               blocks * codes.size(2) * kGroup * 4, kind};
+  return RView{static_cast<const uint8_t*>(codes.data_ptr()), scales.data_ptr(),
+               has_mins ? mins->data_ptr() : nullptr, n, blocks * kBlock, groups, blocks,
+               blocks * codes.size(2) * kGroup * 4, kind, fp32, halves};
 }
 
-// Quantized activation rows, each block in natural order.
+// Quantized activation rows, each block in natural order; s per block and per half block.
 struct Q8Rows {
   int64_t m, blocks;
   std::vector<int8_t> q;
-  std::vector<float> d, s;
+  std::vector<float> d, s, s2;
 
-  Q8Rows(int64_t rows, int64_t nblocks) : m(rows), blocks(nblocks), q(rows * nblocks * kBlock), d(rows * nblocks), s(rows * nblocks) {}
+  Q8Rows(int64_t rows, int64_t nblocks)
+      : m(rows), blocks(nblocks), q(rows * nblocks * kBlock), d(rows * nblocks), s(rows * nblocks), s2(rows * nblocks * 2) {}
 
   const int8_t* q_row(int64_t i) const { return q.data() + i * blocks * kBlock; }
   const float* d_row(int64_t i) const { return d.data() + i * blocks; }
   const float* s_row(int64_t i) const { return s.data() + i * blocks; }
+  const float* s2_row(int64_t i) const { return s2.data() + i * blocks * 2; }
 };
 
-void quantize_row(const float* x, int64_t blocks, int8_t* q, float* d, float* s) {
+void quantize_row(const float* x, int64_t blocks, int8_t* q, float* d, float* s, float* s2) {
   for (int64_t b = 0; b < blocks; ++b) {
     const float* xb = x + b * kBlock;
 #if defined(GX_Q8_ZMM)
@@ -129,20 +140,22 @@ void quantize_row(const float* x, int64_t blocks, int8_t* q, float* d, float* s)
     const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inverse));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kBlock), _mm512_cvtepi32_epi8(qlo));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kBlock + 16), _mm512_cvtepi32_epi8(qhi));
-    const int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+    const int sums[2] = {_mm512_reduce_add_epi32(qlo), _mm512_reduce_add_epi32(qhi)};
 #else
     float amax = 0.0f;
     for (int j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(xb[j]));
     const float inverse = amax != 0.0f ? 127.0f / amax : 0.0f;
-    int sum = 0;
+    int sums[2] = {0, 0};
     for (int j = 0; j < kBlock; ++j) {
       const int v = static_cast<int>(std::nearbyint(xb[j] * inverse));
       q[b * kBlock + j] = static_cast<int8_t>(v);
-      sum += v;
+      sums[j / 16] += v;
     }
 #endif
     d[b] = amax / 127.0f;
-    s[b] = d[b] * static_cast<float>(sum);
+    s[b] = d[b] * static_cast<float>(sums[0] + sums[1]);
+    s2[2 * b] = d[b] * static_cast<float>(sums[0]);
+    s2[2 * b + 1] = d[b] * static_cast<float>(sums[1]);
   }
 }
 
@@ -152,7 +165,7 @@ Q8Rows quantize(const float* x, int64_t m, int64_t k) {
   at::parallel_for(0, m, 16, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       quantize_row(x + i * k, rows.blocks, rows.q.data() + i * k, rows.d.data() + i * rows.blocks,
-                   rows.s.data() + i * rows.blocks);
+                   rows.s.data() + i * rows.blocks, rows.s2.data() + i * rows.blocks * 2);
     }
   });
   return rows;
@@ -190,22 +203,29 @@ inline __m512i dot4(__m512i z, __m512i w, int32_t x4) {
 #endif
 }
 
-// out[i0 + i, 16g .. 16g + 16) for MT activation rows.
-template <Kind K, int MT>
+inline __m512 load16(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+
+// out[i0 + i, 16g .. 16g + 16) for MT activation rows; S is the scales' type, H the scales a
+// block (2: per half).
+template <Kind K, typename S, int H, int MT>
 void group_tile(const RView& w, int64_t g, const Q8Rows& a, int64_t i0, float* out) {
   constexpr int J = K == Kind::U4 ? 4 : 8;
   __m512 acc[MT];
   for (int i = 0; i < MT; ++i) acc[i] = _mm512_setzero_ps();
   const uint8_t* codes = w.codes + g * w.group_bytes;
-  const c10::Half* scales = w.scales + g * w.blocks * kGroup;
-  const c10::Half* mins = w.mins ? w.mins + g * w.blocks * kGroup : nullptr;
+  const S* scales = static_cast<const S*>(w.scales) + g * w.blocks * H * kGroup;
+  const S* mins = w.mins ? static_cast<const S*>(w.mins) + g * w.blocks * H * kGroup : nullptr;
   for (int64_t b = 0; b < w.blocks; ++b) {
     const uint8_t* cb = codes + b * J * 64;
     for (int j = 0; j < J; ++j) _mm_prefetch(reinterpret_cast<const char*>(cb + kPrefetchBytes + j * 64), _MM_HINT_T0);
-    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + b * kGroup)));
-    __m512 mw = _mm512_setzero_ps();
-    if constexpr (K != Kind::S8) mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mins + b * kGroup)));
-    else if constexpr (kHasOffset<K>) mw = _mm512_mul_ps(dw, _mm512_set1_ps(-128.0f));
+    __m512 dw[H], mw[H];
+    for (int h = 0; h < H; ++h) {
+      dw[h] = load16(scales + (b * H + h) * kGroup);
+      mw[h] = _mm512_setzero_ps();
+      if constexpr (K != Kind::S8) mw[h] = load16(mins + (b * H + h) * kGroup);
+      else if constexpr (kHasOffset<K>) mw[h] = _mm512_mul_ps(dw[h], _mm512_set1_ps(-128.0f));
+    }
     // Element order of wv[]: 4-bit wv[2j] = elements 4j.., wv[2j+1] = 16+4j..; 8-bit wv[j] = 4j..
     __m512i wv[8];
     if constexpr (K == Kind::U4) {
@@ -225,13 +245,18 @@ void group_tile(const RView& w, int64_t g, const Q8Rows& a, int64_t i0, float* o
     }
     for (int i = 0; i < MT; ++i) {
       const int8_t* xb = a.q_row(i0 + i) + b * kBlock;
-      __m512i z = _mm512_setzero_si512();
+      __m512i z[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};  // elements 0..15, 16..31
       for (int j = 0; j < 4; ++j) {
-        z = dot4<K>(z, wv[K == Kind::U4 ? 2 * j : j], load_i32(xb + 4 * j));
-        z = dot4<K>(z, wv[K == Kind::U4 ? 2 * j + 1 : j + 4], load_i32(xb + 16 + 4 * j));
+        z[0] = dot4<K>(z[0], wv[K == Kind::U4 ? 2 * j : j], load_i32(xb + 4 * j));
+        z[1] = dot4<K>(z[1], wv[K == Kind::U4 ? 2 * j + 1 : j + 4], load_i32(xb + 16 + 4 * j));
       }
-      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(z), _mm512_mul_ps(dw, _mm512_set1_ps(a.d_row(i0 + i)[b])), acc[i]);
-      if constexpr (kHasOffset<K>) acc[i] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.s_row(i0 + i)[b]), acc[i]);
+      const __m512 dx = _mm512_set1_ps(a.d_row(i0 + i)[b]);
+      if constexpr (H == 1) z[0] = _mm512_add_epi32(z[0], z[1]);
+      for (int h = 0; h < H; ++h) {
+        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(z[h]), _mm512_mul_ps(dw[h], dx), acc[i]);
+        const float sx = H == 1 ? a.s_row(i0 + i)[b] : a.s2_row(i0 + i)[2 * b + h];
+        if constexpr (kHasOffset<K>) acc[i] = _mm512_fmadd_ps(mw[h], _mm512_set1_ps(sx), acc[i]);
+      }
     }
   }
   const int64_t valid = std::min<int64_t>(kGroup, w.n - g * kGroup);
@@ -253,33 +278,39 @@ inline __m256i dot4(__m256i z, __m256i w, int32_t x4) {
 #endif
 }
 
-template <Kind K, int MT>
+inline __m256 load8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+
+template <Kind K, typename S, int H, int MT>
 void group_tile(const RView& w, int64_t g, const Q8Rows& a, int64_t i0, float* out) {
   constexpr int J = K == Kind::U4 ? 4 : 8;
   __m256 acc[MT][2];
   for (int i = 0; i < MT; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
   const uint8_t* codes = w.codes + g * w.group_bytes;
-  const c10::Half* scales = w.scales + g * w.blocks * kGroup;
-  const c10::Half* mins = w.mins ? w.mins + g * w.blocks * kGroup : nullptr;
+  const S* scales = static_cast<const S*>(w.scales) + g * w.blocks * H * kGroup;
+  const S* mins = w.mins ? static_cast<const S*>(w.mins) + g * w.blocks * H * kGroup : nullptr;
   for (int64_t b = 0; b < w.blocks; ++b) {
     const uint8_t* cb = codes + b * J * 64;
     for (int j = 0; j < J; ++j) _mm_prefetch(reinterpret_cast<const char*>(cb + kPrefetchBytes + j * 64), _MM_HINT_T0);
-    for (int h = 0; h < 2; ++h) {
-      const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + b * kGroup + 8 * h)));
-      __m256 mw = _mm256_setzero_ps();
-      if constexpr (K != Kind::S8) mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mins + b * kGroup + 8 * h)));
-      else if constexpr (kHasOffset<K>) mw = _mm256_mul_ps(dw, _mm256_set1_ps(-128.0f));
+    for (int lanes = 0; lanes < 2; ++lanes) {  // rows 0..7, then 8..15 of the group
+      __m256 dw[H], mw[H];
+      for (int h = 0; h < H; ++h) {
+        dw[h] = load8(scales + (b * H + h) * kGroup + 8 * lanes);
+        mw[h] = _mm256_setzero_ps();
+        if constexpr (K != Kind::S8) mw[h] = load8(mins + (b * H + h) * kGroup + 8 * lanes);
+        else if constexpr (kHasOffset<K>) mw[h] = _mm256_mul_ps(dw[h], _mm256_set1_ps(-128.0f));
+      }
       __m256i wv[8];
       if constexpr (K == Kind::U4) {
         const __m256i mask = _mm256_set1_epi8(0x0F);
         for (int j = 0; j < 4; ++j) {
-          const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cb + j * 64 + 32 * h));
+          const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cb + j * 64 + 32 * lanes));
           wv[2 * j] = _mm256_and_si256(raw, mask);
           wv[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
         }
       } else {
         for (int j = 0; j < 8; ++j) {
-          wv[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cb + j * 64 + 32 * h));
+          wv[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cb + j * 64 + 32 * lanes));
 #if defined(GX_Q8_VNNI)
           if constexpr (K == Kind::S8) wv[j] = _mm256_xor_si256(wv[j], _mm256_set1_epi8(static_cast<char>(0x80)));
 #endif
@@ -287,13 +318,18 @@ void group_tile(const RView& w, int64_t g, const Q8Rows& a, int64_t i0, float* o
       }
       for (int i = 0; i < MT; ++i) {
         const int8_t* xb = a.q_row(i0 + i) + b * kBlock;
-        __m256i z = _mm256_setzero_si256();
+        __m256i z[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};  // elements 0..15, 16..31
         for (int j = 0; j < 4; ++j) {
-          z = dot4<K>(z, wv[K == Kind::U4 ? 2 * j : j], load_i32(xb + 4 * j));
-          z = dot4<K>(z, wv[K == Kind::U4 ? 2 * j + 1 : j + 4], load_i32(xb + 16 + 4 * j));
+          z[0] = dot4<K>(z[0], wv[K == Kind::U4 ? 2 * j : j], load_i32(xb + 4 * j));
+          z[1] = dot4<K>(z[1], wv[K == Kind::U4 ? 2 * j + 1 : j + 4], load_i32(xb + 16 + 4 * j));
         }
-        acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(z), _mm256_mul_ps(dw, _mm256_set1_ps(a.d_row(i0 + i)[b])), acc[i][h]);
-        if constexpr (kHasOffset<K>) acc[i][h] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a.s_row(i0 + i)[b]), acc[i][h]);
+        const __m256 dx = _mm256_set1_ps(a.d_row(i0 + i)[b]);
+        if constexpr (H == 1) z[0] = _mm256_add_epi32(z[0], z[1]);
+        for (int h = 0; h < H; ++h) {
+          acc[i][lanes] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(z[h]), _mm256_mul_ps(dw[h], dx), acc[i][lanes]);
+          const float sx = H == 1 ? a.s_row(i0 + i)[b] : a.s2_row(i0 + i)[2 * b + h];
+          if constexpr (kHasOffset<K>) acc[i][lanes] = _mm256_fmadd_ps(mw[h], _mm256_set1_ps(sx), acc[i][lanes]);
+        }
       }
     }
   }
@@ -307,28 +343,39 @@ void group_tile(const RView& w, int64_t g, const Q8Rows& a, int64_t i0, float* o
 }
 
 #else
-template <Kind K, int MT>
+template <Kind K, typename S, int H, int MT>
 void group_tile(const RView& w, int64_t g, const Q8Rows& a, int64_t i0, float* out) {
   constexpr int J = K == Kind::U4 ? 4 : 8;
+  const S* scales = static_cast<const S*>(w.scales);
+  const S* mins = static_cast<const S*>(w.mins);
   const int64_t valid = std::min<int64_t>(kGroup, w.n - g * kGroup);
   for (int i = 0; i < MT; ++i) {
     float acc[kGroup] = {};
     for (int64_t b = 0; b < w.blocks; ++b) {
       const uint8_t* cb = w.codes + g * w.group_bytes + b * J * 64;
       const int8_t* xb = a.q_row(i0 + i) + b * kBlock;
-      const float dx = a.d_row(i0 + i)[b], sx = a.s_row(i0 + i)[b];
+      const float dx = a.d_row(i0 + i)[b];
       for (int r = 0; r < kGroup; ++r) {
-        int sum = 0;
+        int sums[2] = {0, 0};  // elements 0..15, 16..31
         for (int j = 0; j < J; ++j)
           for (int t = 0; t < 4; ++t) {
             const uint8_t byte = cb[(j * kGroup + r) * 4 + t];
-            if constexpr (K == Kind::U4) sum += (byte & 0x0F) * xb[4 * j + t] + (byte >> 4) * xb[16 + 4 * j + t];
-            else if constexpr (K == Kind::S8) sum += static_cast<int8_t>(byte) * xb[4 * j + t];
-            else sum += byte * xb[4 * j + t];
+            if constexpr (K == Kind::U4) {
+              sums[0] += (byte & 0x0F) * xb[4 * j + t];
+              sums[1] += (byte >> 4) * xb[16 + 4 * j + t];
+            } else if constexpr (K == Kind::S8) {
+              sums[j / 4] += static_cast<int8_t>(byte) * xb[4 * j + t];
+            } else {
+              sums[j / 4] += byte * xb[4 * j + t];
+            }
           }
-        const int64_t at = (g * w.blocks + b) * kGroup + r;
-        acc[r] = std::fma(static_cast<float>(w.scales[at]) * dx, static_cast<float>(sum), acc[r]);
-        if constexpr (K != Kind::S8) acc[r] = std::fma(static_cast<float>(w.mins[at]), sx, acc[r]);
+        if constexpr (H == 1) sums[0] += sums[1];
+        for (int h = 0; h < H; ++h) {
+          const int64_t at = ((g * w.blocks + b) * H + h) * kGroup + r;
+          const float sx = H == 1 ? a.s_row(i0 + i)[b] : a.s2_row(i0 + i)[2 * b + h];
+          acc[r] = std::fma(static_cast<float>(scales[at]) * dx, static_cast<float>(sums[h]), acc[r]);
+          if constexpr (K != Kind::S8) acc[r] = std::fma(static_cast<float>(mins[at]), sx, acc[r]);
+        }
       }
     }
     std::copy(acc, acc + valid, out + (i0 + i) * w.n + g * kGroup);
@@ -336,16 +383,25 @@ void group_tile(const RView& w, int64_t g, const Q8Rows& a, int64_t i0, float* o
 }
 #endif
 
-template <Kind K>
+template <Kind K, typename S, int H>
 void stream(const RView& w, const Q8Rows& a, float* out) {
   at::parallel_for(0, w.groups, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       int64_t i = 0;
-      for (; i + 4 <= a.m; i += 4) group_tile<K, 4>(w, g, a, i, out);
-      for (; i + 2 <= a.m; i += 2) group_tile<K, 2>(w, g, a, i, out);
-      for (; i < a.m; ++i) group_tile<K, 1>(w, g, a, i, out);
+      for (; i + 4 <= a.m; i += 4) group_tile<K, S, H, 4>(w, g, a, i, out);
+      for (; i + 2 <= a.m; i += 2) group_tile<K, S, H, 2>(w, g, a, i, out);
+      for (; i < a.m; ++i) group_tile<K, S, H, 1>(w, g, a, i, out);
     }
   });
+}
+
+// The scale layouts in use: float16 per block (Q4_x, Q8_0, Q5_x), float32 per block (Q4_K,
+// Q5_K), float32 per half block (Q6_K; view_of refuses float16 halves).
+template <Kind K>
+void stream_any(const RView& w, const Q8Rows& a, float* out) {
+  if (!w.fp32) stream<K, c10::Half, 1>(w, a, out);
+  else if (!w.halves) stream<K, float, 1>(w, a, out);
+  else stream<K, float, 2>(w, a, out);
 }
 
 at::Tensor qlinear_q8_cpu(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
@@ -362,9 +418,9 @@ at::Tensor qlinear_q8_cpu(const at::Tensor& x, const at::Tensor& codes, const at
   if (m > 0) {
     const Q8Rows a = quantize(x32.data_ptr<float>(), m, w.k);
     switch (w.kind) {
-      case Kind::U4: stream<Kind::U4>(w, a, out.data_ptr<float>()); break;
-      case Kind::S8: stream<Kind::S8>(w, a, out.data_ptr<float>()); break;
-      case Kind::U8: stream<Kind::U8>(w, a, out.data_ptr<float>()); break;
+      case Kind::U4: stream_any<Kind::U4>(w, a, out.data_ptr<float>()); break;
+      case Kind::S8: stream_any<Kind::S8>(w, a, out.data_ptr<float>()); break;
+      case Kind::U8: stream_any<Kind::U8>(w, a, out.data_ptr<float>()); break;
     }
   }
   return out.to(x.scalar_type()).view(out_shape);
