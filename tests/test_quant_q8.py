@@ -15,6 +15,8 @@ from graphexec.quant.ops import (
     fake_quantize_q8,
     qlinear_q8_reference,
     qlinear_q8_rows16_reference,
+    rows16_codes,
+    rows16_to_row_major,
     quantize_q8_reference,
 )
 from graphexec.quant.repack import block_rows16, repack_rows16
@@ -215,25 +217,27 @@ def test_layer_structure_tells_the_activation_paths_apart():
 @pytest.mark.parametrize("rows", [1, 3, 6])
 def test_block_weights_run_the_integer_path_with_the_files_values(qtype, rows):
     """K-quants and Q5_x in qlinear_q8's layout (repack.block_rows16): exactly gguf's values
-    (Q4_K repacked two codes a byte, 5-bit codes one a byte, Q6_K's scales per half block), and
-    qlinear_q8 over them equals the quantized activations times those values."""
+    (Q4_K repacked two codes a byte, 5-bit codes as nibbles plus a plane of fifth bits, Q6_K's
+    scales per half block), and qlinear_q8 over them equals the quantized activations times those
+    values."""
     k = 512
     weight, dense = _block_weight(qtype, 37, k, seed=rows)  # 37 rows: a group of padding
     packed = block_rows16(weight)
-    kind = {"Q4_K": (torch.uint8, 4), "Q6_K": (torch.int8, 8)}.get(qtype, (torch.uint8, 8))
+    kind = {"Q4_K": (torch.uint8, 4), "Q6_K": (torch.int8, 8)}.get(qtype, (torch.uint8, 5))
     assert (packed.codes.dtype, packed.codes.shape[2]) == kind
     halves = (2,) if qtype == "Q6_K" else ()
     assert packed.scales.shape == (3, k // QBLOCK, *halves, 16)
-    assert packed.scales.dtype == (torch.float16 if qtype.startswith("Q5_") and qtype != "Q5_K" else torch.float32)
-    back = packed.row_major()
-    q = back.codes
-    if qtype == "Q4_K":
-        pairs = q.view(37, -1, QBLOCK // 2)
-        q = torch.cat([pairs & 0x0F, pairs >> 4], dim=-1)
-    values = q.float().view(37, back.scales.shape[1], -1) * back.scales.float().unsqueeze(-1)
-    if back.mins is not None:
-        values = values + back.mins.float().unsqueeze(-1)
+    assert packed.scales.dtype == (torch.float16 if qtype in ("Q5_0", "Q5_1") else torch.float32)
+    q = rows16_codes(packed.codes, 37)
+    _, scales, mins = rows16_to_row_major(packed.codes, packed.scales, packed.mins, 37)
+    values = q.float().view(37, scales.shape[1], -1) * scales.float().unsqueeze(-1)
+    if mins is not None:
+        values = values + mins.float().unsqueeze(-1)
     assert torch.equal(values.reshape(37, k), dense)
+    # The fifth bit of row 21, block 3, element 16 + 4 * 2 + 1: mask 2 * 2 + 1, lane 5, bit 4 * 5 + 1.
+    if kind[1] == 5:
+        mask = int.from_bytes(packed.codes[1, 3, 4].flatten()[8 * 5 : 8 * 6].numpy().tobytes(), "little")
+        assert (mask >> 21) & 1 == int(q[21, 3 * QBLOCK + 25]) >> 4
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)) * 2
     expected = (fake_quantize_q8(x, torch.float64) @ dense.double().T).float()
     out = torch.ops.graphexec.qlinear_q8(x, packed.codes, packed.scales, packed.mins, packed.rows)

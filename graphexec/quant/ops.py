@@ -109,16 +109,29 @@ def qlinear_q8_reference(x: torch.Tensor, codes: torch.Tensor, scales: torch.Ten
     return (fake_quantize_q8(x, torch.float64) @ weight.T).to(x.dtype)
 
 
+def rows16_codes(codes: torch.Tensor, n: int) -> torch.Tensor:
+    """Every weight's integer code, int32 [n, K], from qlinear_q8's interleaved codes of any kind
+    (4-bit, 5-bit with its plane of fifth bits, 8-bit signed; the layout is in qlinear_q8.cpp)."""
+    groups, blocks, j = codes.shape[:3]
+    if codes.dtype == torch.int8:
+        return codes.permute(0, 3, 1, 2, 4).reshape(groups * 16, -1)[:n].int()
+    nibbles = codes[:, :, :4].permute(0, 3, 1, 2, 4).reshape(groups * 16, blocks, QBLOCK // 2).int()
+    q = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1)  # byte 4j+t: elements 4j+t and 16+4j+t
+    if j == 5:  # mask v = 2j + half, bit 4r+t: the fifth bit of element 16 half + 4j + t of lane r
+        masks = codes[:, :, 4].reshape(groups, blocks, 8, 8, 1).int()
+        bits = ((masks >> torch.arange(8, dtype=torch.int32, device=codes.device)) & 1).view(groups, blocks, 4, 2, 16, 4)
+        q = q | (bits.permute(0, 4, 1, 3, 2, 5).reshape(groups * 16, blocks, QBLOCK) << 4)
+    return q.reshape(groups * 16, -1)[:n]
+
+
 def qlinear_q8_rows16_reference(
     x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, n: int
 ) -> torch.Tensor:
     """qlinear_q8's arguments as the op takes them (interleaved by 16; any code kind and scale
     layout), in float64 torch ops: what other devices run."""
-    rows, row_scales, row_mins = rows16_to_row_major(codes, scales, mins, n)
-    if codes.dtype == torch.uint8 and codes.shape[2] == 4:  # two 4-bit codes a byte
-        pairs = rows.view(n, -1, QBLOCK // 2)
-        rows = torch.cat([pairs & 0x0F, pairs >> 4], dim=-1)
-    values = rows.double().view(n, row_scales.shape[1], -1) * row_scales.double().unsqueeze(-1)
+    _, row_scales, row_mins = rows16_to_row_major(codes, scales, mins, n)
+    q = rows16_codes(codes, n)
+    values = q.double().view(n, row_scales.shape[1], -1) * row_scales.double().unsqueeze(-1)
     if row_mins is not None:
         values = values + row_mins.double().unsqueeze(-1)
     return (fake_quantize_q8(x, torch.float64) @ values.reshape(n, -1).T).to(x.dtype)

@@ -13,7 +13,10 @@
 // so one 512-bit register holds 4 consecutive codes of 16 output rows, one per 32-bit lane:
 //   codes  [G, B, J, 16, 4]: codes[g, b, j, r, :] are row 16g+r's block-b bytes 4j..4j+3
 //          4-bit (uint8, J = 4): byte t holds element 4j+t (low nibble) and 16+4j+t (high);
-//          8-bit (int8, J = 8): element 4j+t; 8-bit unsigned (uint8, J = 8; Q5_x's 0..31): the same
+//          5-bit (uint8, J = 5): the 4-bit layout's low nibbles, then 64 bytes of fifth bits: eight
+//            little-endian 64-bit masks, mask v's bit 4r+t the fifth bit of the code in lane r,
+//            byte t of the v-th 4-bit register below (so one masked add sets a register's bits);
+//          8-bit (int8, J = 8): element 4j+t
 //   scales, mins [G, B, 16]: row 16g+r's block-b d and m (unsigned kinds: value = d*q + m), float16
 //          as Q4_x/Q8_0/Q5_x files hold them, or float32 where a K-quant's d times a sub-block's
 //          integer scale needs more bits; [G, B, 2, 16] float32: one d per 16-element half (Q6_K),
@@ -67,9 +70,25 @@ constexpr int64_t kGroup = 16;  // rows interleaved
 // which a prefetch never faults on.
 constexpr int64_t kPrefetchBytes = 4096;
 
-// The three code kinds: 4-bit unsigned (two a byte; Q4_0/Q4_1), 8-bit signed (Q8_0) and 8-bit
-// unsigned (Q5_0/Q5_1 unpacked at load: codes 0..31).  Unsigned kinds carry mins (value = d*q + m).
-enum class Kind { U4, S8, U8 };
+// The three code kinds: 4-bit unsigned (two a byte; Q4_0/Q4_1/Q4_K), 5-bit unsigned (Q5_0/Q5_1/
+// Q5_K: 4-bit plus a plane of fifth bits) and 8-bit signed (Q8_0, Q6_K's q - 32).  Unsigned kinds
+// carry mins (value = d*q + m).
+enum class Kind { U4, U5, S8 };
+
+// Kinds whose low four bits come two a byte.
+template <Kind K>
+constexpr bool kNibbles = K != Kind::S8;
+
+template <Kind K>
+constexpr int kJ = K == Kind::U4 ? 4 : K == Kind::U5 ? 5 : 8;
+
+constexpr int64_t kNibbleBytes = 4 * kGroup * 4;  // a block's low nibbles: where the fifth bits start
+
+inline uint64_t fifth_bits(const uint8_t* block, int v) {
+  uint64_t bits;
+  std::memcpy(&bits, block + kNibbleBytes + 8 * v, 8);
+  return bits;
+}
 
 struct RView {
   const uint8_t* codes;
@@ -85,11 +104,12 @@ RView view_of(const at::Tensor& codes, const at::Tensor& scales, const c10::opti
   TORCH_CHECK(codes.dim() == 5 && codes.is_contiguous() && codes.size(3) == kGroup && codes.size(4) == 4,
               "qlinear_q8: codes must be contiguous [groups, blocks, J, 16, 4] (graphexec/quant/repack.py), got ",
               codes.sizes());
-  TORCH_CHECK(codes.scalar_type() == at::kByte || codes.scalar_type() == at::kChar,
-              "qlinear_q8: codes must be uint8 (4-bit with J = 4, 8-bit unsigned with J = 8) or int8 (J = 8)");
-  TORCH_CHECK(codes.size(2) == 4 || codes.size(2) == 8, "qlinear_q8: J must be 4 or 8, got ", codes.size(2));
-  const Kind kind = codes.scalar_type() == at::kChar ? Kind::S8 : codes.size(2) == 4 ? Kind::U4 : Kind::U8;
-  TORCH_CHECK(kind != Kind::S8 || codes.size(2) == 8, "qlinear_q8: int8 codes take J = 8");
+  const bool is_signed = codes.scalar_type() == at::kChar;
+  TORCH_CHECK((codes.scalar_type() == at::kByte && (codes.size(2) == 4 || codes.size(2) == 5)) ||
+                  (is_signed && codes.size(2) == 8),
+              "qlinear_q8: codes must be uint8 with J = 4 (4-bit) or 5 (5-bit), or int8 with J = 8; got ",
+              codes.scalar_type(), " with J = ", codes.size(2));
+  const Kind kind = is_signed ? Kind::S8 : codes.size(2) == 4 ? Kind::U4 : Kind::U5;
   const int64_t groups = codes.size(0), blocks = codes.size(1);
   TORCH_CHECK(n > (groups - 1) * kGroup && n <= groups * kGroup, "qlinear_q8: ", n, " output rows do not fill ", groups,
               " groups of 16");
@@ -210,7 +230,7 @@ inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 // block (2: per half).
 template <Kind K, typename S, int H, int MT>
 void group_tile(const RView& w, int64_t g, const Q8Rows& a, int64_t i0, float* out) {
-  constexpr int J = K == Kind::U4 ? 4 : 8;
+  constexpr int J = kJ<K>;
   __m512 acc[MT];
   for (int i = 0; i < MT; ++i) acc[i] = _mm512_setzero_ps();
   const uint8_t* codes = w.codes + g * w.group_bytes;
@@ -228,12 +248,16 @@ void group_tile(const RView& w, int64_t g, const Q8Rows& a, int64_t i0, float* o
     }
     // Element order of wv[]: 4-bit wv[2j] = elements 4j.., wv[2j+1] = 16+4j..; 8-bit wv[j] = 4j..
     __m512i wv[8];
-    if constexpr (K == Kind::U4) {
+    if constexpr (kNibbles<K>) {
       const __m512i mask = _mm512_set1_epi8(0x0F);
       for (int j = 0; j < 4; ++j) {
         const __m512i raw = _mm512_loadu_si512(cb + j * 64);
         wv[2 * j] = _mm512_and_si512(raw, mask);
         wv[2 * j + 1] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask);
+      }
+      if constexpr (K == Kind::U5) {
+        const __m512i sixteen = _mm512_set1_epi8(16);
+        for (int v = 0; v < 8; ++v) wv[v] = _mm512_mask_add_epi8(wv[v], _cvtu64_mask64(fifth_bits(cb, v)), wv[v], sixteen);
       }
     } else {
       for (int j = 0; j < 8; ++j) {
@@ -247,8 +271,8 @@ void group_tile(const RView& w, int64_t g, const Q8Rows& a, int64_t i0, float* o
       const int8_t* xb = a.q_row(i0 + i) + b * kBlock;
       __m512i z[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};  // elements 0..15, 16..31
       for (int j = 0; j < 4; ++j) {
-        z[0] = dot4<K>(z[0], wv[K == Kind::U4 ? 2 * j : j], load_i32(xb + 4 * j));
-        z[1] = dot4<K>(z[1], wv[K == Kind::U4 ? 2 * j + 1 : j + 4], load_i32(xb + 16 + 4 * j));
+        z[0] = dot4<K>(z[0], wv[kNibbles<K> ? 2 * j : j], load_i32(xb + 4 * j));
+        z[1] = dot4<K>(z[1], wv[kNibbles<K> ? 2 * j + 1 : j + 4], load_i32(xb + 16 + 4 * j));
       }
       const __m512 dx = _mm512_set1_ps(a.d_row(i0 + i)[b]);
       if constexpr (H == 1) z[0] = _mm512_add_epi32(z[0], z[1]);
@@ -278,12 +302,21 @@ inline __m256i dot4(__m256i z, __m256i w, int32_t x4) {
 #endif
 }
 
+// 0xFF in byte i where bit i of `bits` is set (llama.cpp's bytes_from_bits_32, AVX2).
+inline __m256i bytes_of_bits(uint32_t bits) {
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(static_cast<int>(bits)),
+      _mm256_setr_epi64x(0x0000000000000000, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303));
+  const __m256i bit = _mm256_set1_epi64x(static_cast<long long>(0x8040201008040201ULL));
+  return _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+}
+
 inline __m256 load8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 
 template <Kind K, typename S, int H, int MT>
 void group_tile(const RView& w, int64_t g, const Q8Rows& a, int64_t i0, float* out) {
-  constexpr int J = K == Kind::U4 ? 4 : 8;
+  constexpr int J = kJ<K>;
   __m256 acc[MT][2];
   for (int i = 0; i < MT; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
   const uint8_t* codes = w.codes + g * w.group_bytes;
@@ -301,12 +334,19 @@ void group_tile(const RView& w, int64_t g, const Q8Rows& a, int64_t i0, float* o
         else if constexpr (kHasOffset<K>) mw[h] = _mm256_mul_ps(dw[h], _mm256_set1_ps(-128.0f));
       }
       __m256i wv[8];
-      if constexpr (K == Kind::U4) {
+      if constexpr (kNibbles<K>) {
         const __m256i mask = _mm256_set1_epi8(0x0F);
         for (int j = 0; j < 4; ++j) {
           const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cb + j * 64 + 32 * lanes));
           wv[2 * j] = _mm256_and_si256(raw, mask);
           wv[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+        }
+        if constexpr (K == Kind::U5) {
+          const __m256i sixteen = _mm256_set1_epi8(16);
+          for (int v = 0; v < 8; ++v) {
+            const auto bits = static_cast<uint32_t>(fifth_bits(cb, v) >> (32 * lanes));
+            wv[v] = _mm256_or_si256(wv[v], _mm256_and_si256(bytes_of_bits(bits), sixteen));
+          }
         }
       } else {
         for (int j = 0; j < 8; ++j) {
@@ -320,8 +360,8 @@ void group_tile(const RView& w, int64_t g, const Q8Rows& a, int64_t i0, float* o
         const int8_t* xb = a.q_row(i0 + i) + b * kBlock;
         __m256i z[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};  // elements 0..15, 16..31
         for (int j = 0; j < 4; ++j) {
-          z[0] = dot4<K>(z[0], wv[K == Kind::U4 ? 2 * j : j], load_i32(xb + 4 * j));
-          z[1] = dot4<K>(z[1], wv[K == Kind::U4 ? 2 * j + 1 : j + 4], load_i32(xb + 16 + 4 * j));
+          z[0] = dot4<K>(z[0], wv[kNibbles<K> ? 2 * j : j], load_i32(xb + 4 * j));
+          z[1] = dot4<K>(z[1], wv[kNibbles<K> ? 2 * j + 1 : j + 4], load_i32(xb + 16 + 4 * j));
         }
         const __m256 dx = _mm256_set1_ps(a.d_row(i0 + i)[b]);
         if constexpr (H == 1) z[0] = _mm256_add_epi32(z[0], z[1]);
@@ -345,7 +385,7 @@ void group_tile(const RView& w, int64_t g, const Q8Rows& a, int64_t i0, float* o
 #else
 template <Kind K, typename S, int H, int MT>
 void group_tile(const RView& w, int64_t g, const Q8Rows& a, int64_t i0, float* out) {
-  constexpr int J = K == Kind::U4 ? 4 : 8;
+  constexpr int J = kJ<K>;
   const S* scales = static_cast<const S*>(w.scales);
   const S* mins = static_cast<const S*>(w.mins);
   const int64_t valid = std::min<int64_t>(kGroup, w.n - g * kGroup);
@@ -357,16 +397,19 @@ void group_tile(const RView& w, int64_t g, const Q8Rows& a, int64_t i0, float* o
       const float dx = a.d_row(i0 + i)[b];
       for (int r = 0; r < kGroup; ++r) {
         int sums[2] = {0, 0};  // elements 0..15, 16..31
-        for (int j = 0; j < J; ++j)
+        for (int j = 0; j < (kNibbles<K> ? 4 : 8); ++j)
           for (int t = 0; t < 4; ++t) {
             const uint8_t byte = cb[(j * kGroup + r) * 4 + t];
-            if constexpr (K == Kind::U4) {
-              sums[0] += (byte & 0x0F) * xb[4 * j + t];
-              sums[1] += (byte >> 4) * xb[16 + 4 * j + t];
-            } else if constexpr (K == Kind::S8) {
-              sums[j / 4] += static_cast<int8_t>(byte) * xb[4 * j + t];
+            if constexpr (kNibbles<K>) {
+              int low = byte & 0x0F, high = byte >> 4;
+              if constexpr (K == Kind::U5) {
+                low |= static_cast<int>((fifth_bits(cb, 2 * j) >> (4 * r + t)) & 1) << 4;
+                high |= static_cast<int>((fifth_bits(cb, 2 * j + 1) >> (4 * r + t)) & 1) << 4;
+              }
+              sums[0] += low * xb[4 * j + t];
+              sums[1] += high * xb[16 + 4 * j + t];
             } else {
-              sums[j / 4] += byte * xb[4 * j + t];
+              sums[j / 4] += static_cast<int8_t>(byte) * xb[4 * j + t];
             }
           }
         if constexpr (H == 1) sums[0] += sums[1];
@@ -420,7 +463,7 @@ at::Tensor qlinear_q8_cpu(const at::Tensor& x, const at::Tensor& codes, const at
     switch (w.kind) {
       case Kind::U4: stream_any<Kind::U4>(w, a, out.data_ptr<float>()); break;
       case Kind::S8: stream_any<Kind::S8>(w, a, out.data_ptr<float>()); break;
-      case Kind::U8: stream_any<Kind::U8>(w, a, out.data_ptr<float>()); break;
+      case Kind::U5: stream_any<Kind::U5>(w, a, out.data_ptr<float>()); break;
     }
   }
   return out.to(x.scalar_type()).view(out_shape);
