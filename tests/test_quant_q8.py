@@ -217,13 +217,13 @@ def test_layer_structure_tells_the_activation_paths_apart():
 @pytest.mark.parametrize("rows", [1, 3, 6])
 def test_block_weights_run_the_integer_path_with_the_files_values(qtype, rows):
     """K-quants and Q5_x in qlinear_q8's layout (repack.block_rows16): exactly gguf's values
-    (Q4_K repacked two codes a byte, 5-bit codes as nibbles plus a plane of fifth bits, Q6_K's
-    scales per half block), and qlinear_q8 over them equals the quantized activations times those
+    (Q4_K repacked two codes a byte, 5- and 6-bit codes as nibbles plus bit planes, Q6_K's scales
+    per half block), and qlinear_q8 over them equals the quantized activations times those
     values."""
     k = 512
     weight, dense = _block_weight(qtype, 37, k, seed=rows)  # 37 rows: a group of padding
     packed = block_rows16(weight)
-    kind = {"Q4_K": (torch.uint8, 4), "Q6_K": (torch.int8, 8)}.get(qtype, (torch.uint8, 5))
+    kind = {"Q4_K": (torch.uint8, 4), "Q6_K": (torch.uint8, 6)}.get(qtype, (torch.uint8, 5))
     assert (packed.codes.dtype, packed.codes.shape[2]) == kind
     halves = (2,) if qtype == "Q6_K" else ()
     assert packed.scales.shape == (3, k // QBLOCK, *halves, 16)
@@ -234,10 +234,12 @@ def test_block_weights_run_the_integer_path_with_the_files_values(qtype, rows):
     if mins is not None:
         values = values + mins.float().unsqueeze(-1)
     assert torch.equal(values.reshape(37, k), dense)
-    # The fifth bit of row 21, block 3, element 16 + 4 * 2 + 1: mask 2 * 2 + 1, lane 5, bit 4 * 5 + 1.
-    if kind[1] == 5:
-        mask = int.from_bytes(packed.codes[1, 3, 4].flatten()[8 * 5 : 8 * 6].numpy().tobytes(), "little")
-        assert (mask >> 21) & 1 == int(q[21, 3 * QBLOCK + 25]) >> 4
+    # The high bits of row 21, block 3, element 16 + 4 * 2 + 1: mask 2 * 2 + 1, lane 5, bit 4 * 5 + 1
+    # (Q6_K's code is q + 32; its sixth bit sits in the second plane.)
+    code = int(q[21, 3 * QBLOCK + 25]) + (32 if qtype == "Q6_K" else 0)
+    for plane in range(kind[1] - 4):
+        mask = int.from_bytes(packed.codes[1, 3, 4 + plane].flatten()[8 * 5 : 8 * 6].numpy().tobytes(), "little")
+        assert (mask >> 21) & 1 == (code >> (4 + plane)) & 1
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)) * 2
     expected = (fake_quantize_q8(x, torch.float64) @ dense.double().T).float()
     out = torch.ops.graphexec.qlinear_q8(x, packed.codes, packed.scales, packed.mins, packed.rows)

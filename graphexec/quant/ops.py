@@ -111,17 +111,18 @@ def qlinear_q8_reference(x: torch.Tensor, codes: torch.Tensor, scales: torch.Ten
 
 def rows16_codes(codes: torch.Tensor, n: int) -> torch.Tensor:
     """Every weight's integer code, int32 [n, K], from qlinear_q8's interleaved codes of any kind
-    (4-bit, 5-bit with its plane of fifth bits, 8-bit signed; the layout is in qlinear_q8.cpp)."""
+    (4-bit; 5- and 6-bit with their bit planes, 6-bit offset by 32; 8-bit signed; the layout is in
+    qlinear_q8.cpp)."""
     groups, blocks, j = codes.shape[:3]
     if codes.dtype == torch.int8:
         return codes.permute(0, 3, 1, 2, 4).reshape(groups * 16, -1)[:n].int()
     nibbles = codes[:, :, :4].permute(0, 3, 1, 2, 4).reshape(groups * 16, blocks, QBLOCK // 2).int()
     q = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1)  # byte 4j+t: elements 4j+t and 16+4j+t
-    if j == 5:  # mask v = 2j + half, bit 4r+t: the fifth bit of element 16 half + 4j + t of lane r
-        masks = codes[:, :, 4].reshape(groups, blocks, 8, 8, 1).int()
+    for plane in range(j - 4):  # mask v = 2j + half, bit 4r+t: element 16 half + 4j + t of lane r
+        masks = codes[:, :, 4 + plane].reshape(groups, blocks, 8, 8, 1).int()
         bits = ((masks >> torch.arange(8, dtype=torch.int32, device=codes.device)) & 1).view(groups, blocks, 4, 2, 16, 4)
-        q = q | (bits.permute(0, 4, 1, 3, 2, 5).reshape(groups * 16, blocks, QBLOCK) << 4)
-    return q.reshape(groups * 16, -1)[:n]
+        q = q | (bits.permute(0, 4, 1, 3, 2, 5).reshape(groups * 16, blocks, QBLOCK) << (4 + plane))
+    return q.reshape(groups * 16, -1)[:n] - (32 if j == 6 else 0)
 
 
 def qlinear_q8_rows16_reference(

@@ -27,7 +27,8 @@ Q5_TYPES = ("Q5_0", "Q5_1")
 
 @dataclass(frozen=True, eq=False)
 class Rows16:
-    """codes [G, B, J, 16, 4] (uint8 4-bit, J = 4; uint8 5-bit, J = 5; int8 8-bit, J = 8);
+    """codes [G, B, J, 16, 4] (uint8 4-bit, J = 4; 5-bit, J = 5; 6-bit offset by 32, J = 6; int8
+    8-bit, J = 8);
     scales, mins [G, B, 16] per 32-element block, or [G, B, 2, 16] per 16-element half (Q6_K):
     float16 where the file's scales are (Q4_x, Q8_0, Q5_x), float32 where they are products
     (K-quants: d times a sub-block's integer scale)."""
@@ -45,7 +46,7 @@ class Rows16:
     def row_major(self) -> QuantizedWeight:
         """The GGUF-ordered arrays back (a copy), for 4- and 8-bit codes from a QuantizedWeight
         (repack_rows16).  A block weight's (block_rows16) scales stay float32 and Q6_K's come two
-        a block; its codes are read with ops.rows16_codes, which also knows the 5-bit planes."""
+        a block; its codes are read with ops.rows16_codes, which also knows the bit planes."""
         codes, scales, mins = rows16_to_row_major(self.codes, self.scales, self.mins, self.rows)
         return QuantizedWeight(self.qtype, codes.contiguous(), scales.contiguous(), None if mins is None else mins.contiguous())
 
@@ -55,14 +56,16 @@ def repack_rows16(weight: QuantizedWeight) -> Rows16:
 
 
 def block_rows16(weight: BlockWeight) -> Rows16:
-    """A GGUF block weight (K-quant or 5-bit) in qlinear_q8's layout, its values exactly the file's:
-    - Q4_K: 4-bit codes two a byte as Q4_x keeps them, fp32 scale and min per 32 (6 bits a weight
-      against the file's 4.5: the scales are products, d times a 6-bit integer);
-    - Q5_0, Q5_1, Q5_K: the low four bits two a byte and a plane of fifth bits, per-32 scales and
-      mins (Q5_0's d * (q - 16) kept as d * q + m with m = -16 d, exact): 6 bits a weight for Q5_x
-      (the file's 5.5-6), 7 for Q5_K (fp32 scales; the file's 5.5);
-    - Q6_K: codes q - 32 as int8, an fp32 scale per 16-element half, no min (10 bits against 6.6:
-      the price of reading it as 8-bit codes)."""
+    """A GGUF block weight (K-quant or 5-bit) in qlinear_q8's layout, its values exactly the file's.
+    Codes above four bits keep their low four two a byte, as Q4_x does, and each higher bit in a
+    plane of its own (qlinear_q8.cpp has the layout); bits a weight against the file's:
+    - Q4_K: fp32 scale and min per 32 (6 against 4.5: the scales are products, d times a 6-bit
+      integer, exact in fp32 only);
+    - Q5_0, Q5_1: a plane of fifth bits, the file's fp16 scale (and min) per 32 (Q5_0's
+      d * (q - 16) kept as d * q + m with m = -16 d, exact): 6 against 5.5-6;
+    - Q5_K: the same with fp32 scales and mins: 7 against 5.5;
+    - Q6_K: codes q + 32 (0..63) in two planes, an fp32 scale per 16-element half and no min
+      (the kernel subtracts 32 d): 8 against 6.6."""
     n, k = weight.shape
     codes = block_codes(weight.blocks, weight.format.type_id)
     q, scales, mins = codes.q, codes.scales, codes.mins
@@ -72,24 +75,24 @@ def block_rows16(weight: BlockWeight) -> Rows16:
             q, mins = q + 16, scales * -16.0
         else:
             mins = mins.half()
-    mins = None if mins is None else mins.contiguous()
-    if mins is None:  # Q6_K
-        return _interleave(weight.qtype, q.to(torch.int8), scales.contiguous(), None, (n, k))
+    planes = {"Q4_K": 0, "Q6_K": 2}.get(weight.qtype, 1)
+    if weight.qtype == "Q6_K":
+        q = q + 32
     halves = (q & 0x0F).view(n, k // QBLOCK, 2, QBLOCK // 2)  # byte t: element t (low nibble), 16 + t (high)
     nibbles = (halves[:, :, 0] | (halves[:, :, 1] << 4)).to(torch.uint8).reshape(n, k // 2)
-    packed = _interleave(weight.qtype, nibbles, scales.contiguous(), mins, (n, k))
-    if weight.qtype == "Q4_K":
+    packed = _interleave(weight.qtype, nibbles, scales.contiguous(), None if mins is None else mins.contiguous(), (n, k))
+    if not planes:
         return packed
-    planes = _fifth_bit_planes(q >> 4, packed.codes.shape[0])
-    return Rows16(weight.qtype, n, torch.cat([packed.codes, planes], dim=2), packed.scales, packed.mins)
+    high = [_bit_plane((q >> (4 + p)) & 1, packed.codes.shape[0]) for p in range(planes)]
+    return Rows16(weight.qtype, n, torch.cat([packed.codes, *high], dim=2), packed.scales, packed.mins)
 
 
-def _fifth_bit_planes(high: torch.Tensor, groups: int) -> torch.Tensor:
+def _bit_plane(bits: torch.Tensor, groups: int) -> torch.Tensor:
     """[n, K] bits -> uint8 [G, B, 1, 16, 4]: per block, eight 64-bit little-endian masks, mask
     2j + half holding in bit 4r + t the bit of element 16 half + 4j + t of lane r: the lanes and
     bytes of the v-th 4-bit register the kernel builds (qlinear_q8.cpp)."""
-    blocks = high.shape[1] // QBLOCK
-    bits = _pad_rows(high, groups * GROUP - high.shape[0]).view(groups, GROUP, blocks, 2, 4, 4)
+    blocks = bits.shape[1] // QBLOCK
+    bits = _pad_rows(bits, groups * GROUP - bits.shape[0]).view(groups, GROUP, blocks, 2, 4, 4)
     bits = bits.permute(0, 2, 4, 3, 1, 5).reshape(groups, blocks, 8, 8, 8)  # [g, b, v, byte, bit]
     weights = 1 << torch.arange(8, dtype=bits.dtype)
     return (bits * weights).sum(-1).to(torch.uint8).view(groups, blocks, 1, GROUP, 4)

@@ -16,6 +16,8 @@
 //          5-bit (uint8, J = 5): the 4-bit layout's low nibbles, then 64 bytes of fifth bits: eight
 //            little-endian 64-bit masks, mask v's bit 4r+t the fifth bit of the code in lane r,
 //            byte t of the v-th 4-bit register below (so one masked add sets a register's bits);
+//          6-bit (uint8, J = 6): the same with a second plane (sixth bits); codes 0..63 stand for
+//            q - 32 (Q6_K), so the kind takes no mins: its offset is -32 d, as 8-bit's is -128 d
 //          8-bit (int8, J = 8): element 4j+t
 //   scales, mins [G, B, 16]: row 16g+r's block-b d and m (unsigned kinds: value = d*q + m), float16
 //          as Q4_x/Q8_0/Q5_x files hold them, or float32 where a K-quant's d times a sub-block's
@@ -70,23 +72,35 @@ constexpr int64_t kGroup = 16;  // rows interleaved
 // which a prefetch never faults on.
 constexpr int64_t kPrefetchBytes = 4096;
 
-// The three code kinds: 4-bit unsigned (two a byte; Q4_0/Q4_1/Q4_K), 5-bit unsigned (Q5_0/Q5_1/
-// Q5_K: 4-bit plus a plane of fifth bits) and 8-bit signed (Q8_0, Q6_K's q - 32).  Unsigned kinds
-// carry mins (value = d*q + m).
-enum class Kind { U4, U5, S8 };
+// The code kinds: 4-bit unsigned (two a byte; Q4_0/Q4_1/Q4_K), 5-bit unsigned (Q5_0/Q5_1/Q5_K:
+// 4-bit plus a plane of fifth bits), 6-bit offset by 32 (Q6_K: 4-bit plus two planes) and 8-bit
+// signed (Q8_0).  U4 and U5 carry mins (value = d*q + m); U6 and S8 are signed (value = d*q).
+enum class Kind { U4, U5, U6, S8 };
 
 // Kinds whose low four bits come two a byte.
 template <Kind K>
 constexpr bool kNibbles = K != Kind::S8;
 
+// Bit planes above the nibbles.
 template <Kind K>
-constexpr int kJ = K == Kind::U4 ? 4 : K == Kind::U5 ? 5 : 8;
+constexpr int kPlanes = K == Kind::U5 ? 1 : K == Kind::U6 ? 2 : 0;
 
-constexpr int64_t kNibbleBytes = 4 * kGroup * 4;  // a block's low nibbles: where the fifth bits start
+template <Kind K>
+constexpr int kJ = kNibbles<K> ? 4 + kPlanes<K> : 8;
 
-inline uint64_t fifth_bits(const uint8_t* block, int v) {
+// Kinds with mins (value = d*q + m); the others' unsigned forms subtract kBias<K> * d.
+template <Kind K>
+constexpr bool kHasMins = K == Kind::U4 || K == Kind::U5;
+
+template <Kind K>
+constexpr float kBias = K == Kind::U6 ? 32.0f : 128.0f;
+
+constexpr int64_t kNibbleBytes = 4 * kGroup * 4;  // a block's low nibbles: where the bit planes start
+
+// Mask v of bit plane `plane` (the block's fifth bits, then its sixth).
+inline uint64_t plane_bits(const uint8_t* block, int plane, int v) {
   uint64_t bits;
-  std::memcpy(&bits, block + kNibbleBytes + 8 * v, 8);
+  std::memcpy(&bits, block + kNibbleBytes + 64 * plane + 8 * v, 8);
   return bits;
 }
 
@@ -105,11 +119,11 @@ RView view_of(const at::Tensor& codes, const at::Tensor& scales, const c10::opti
               "qlinear_q8: codes must be contiguous [groups, blocks, J, 16, 4] (graphexec/quant/repack.py), got ",
               codes.sizes());
   const bool is_signed = codes.scalar_type() == at::kChar;
-  TORCH_CHECK((codes.scalar_type() == at::kByte && (codes.size(2) == 4 || codes.size(2) == 5)) ||
-                  (is_signed && codes.size(2) == 8),
-              "qlinear_q8: codes must be uint8 with J = 4 (4-bit) or 5 (5-bit), or int8 with J = 8; got ",
-              codes.scalar_type(), " with J = ", codes.size(2));
-  const Kind kind = is_signed ? Kind::S8 : codes.size(2) == 4 ? Kind::U4 : Kind::U5;
+  const int64_t J = codes.size(2);
+  TORCH_CHECK((codes.scalar_type() == at::kByte && J >= 4 && J <= 6) || (is_signed && J == 8),
+              "qlinear_q8: codes must be uint8 with J = 4, 5 or 6 (4-, 5-, 6-bit), or int8 with J = 8; got ",
+              codes.scalar_type(), " with J = ", J);
+  const Kind kind = is_signed ? Kind::S8 : J == 4 ? Kind::U4 : J == 5 ? Kind::U5 : Kind::U6;
   const int64_t groups = codes.size(0), blocks = codes.size(1);
   TORCH_CHECK(n > (groups - 1) * kGroup && n <= groups * kGroup, "qlinear_q8: ", n, " output rows do not fill ", groups,
               " groups of 16");
@@ -121,7 +135,8 @@ RView view_of(const at::Tensor& codes, const at::Tensor& scales, const c10::opti
               "qlinear_q8: scales must be [", groups, ", ", blocks, ", 16] (or float32 [", groups, ", ", blocks,
               ", 2, 16], one per half block), got ", scales.sizes());
   const bool has_mins = mins.has_value() && mins->defined();
-  TORCH_CHECK((kind != Kind::S8) == has_mins, "qlinear_q8: unsigned codes need mins and signed codes take none");
+  TORCH_CHECK((kind == Kind::U4 || kind == Kind::U5) == has_mins,
+              "qlinear_q8: 4- and 5-bit codes need mins; 6-bit (offset) and 8-bit (signed) codes take none");
   if (has_mins) {
     TORCH_CHECK(mins->scalar_type() == scales.scalar_type() && mins->is_contiguous() && mins->sizes() == scales.sizes(),
                 "qlinear_q8: mins must be contiguous, shaped and typed like scales");
@@ -243,8 +258,8 @@ void group_tile(const RView& w, int64_t g, const Q8Rows& a, int64_t i0, float* o
     for (int h = 0; h < H; ++h) {
       dw[h] = load16(scales + (b * H + h) * kGroup);
       mw[h] = _mm512_setzero_ps();
-      if constexpr (K != Kind::S8) mw[h] = load16(mins + (b * H + h) * kGroup);
-      else if constexpr (kHasOffset<K>) mw[h] = _mm512_mul_ps(dw[h], _mm512_set1_ps(-128.0f));
+      if constexpr (kHasMins<K>) mw[h] = load16(mins + (b * H + h) * kGroup);
+      else if constexpr (kHasOffset<K>) mw[h] = _mm512_mul_ps(dw[h], _mm512_set1_ps(-kBias<K>));
     }
     // Element order of wv[]: 4-bit wv[2j] = elements 4j.., wv[2j+1] = 16+4j..; 8-bit wv[j] = 4j..
     __m512i wv[8];
@@ -255,9 +270,9 @@ void group_tile(const RView& w, int64_t g, const Q8Rows& a, int64_t i0, float* o
         wv[2 * j] = _mm512_and_si512(raw, mask);
         wv[2 * j + 1] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask);
       }
-      if constexpr (K == Kind::U5) {
-        const __m512i sixteen = _mm512_set1_epi8(16);
-        for (int v = 0; v < 8; ++v) wv[v] = _mm512_mask_add_epi8(wv[v], _cvtu64_mask64(fifth_bits(cb, v)), wv[v], sixteen);
+      for (int plane = 0; plane < kPlanes<K>; ++plane) {
+        const __m512i bit = _mm512_set1_epi8(static_cast<char>(16 << plane));
+        for (int v = 0; v < 8; ++v) wv[v] = _mm512_mask_add_epi8(wv[v], _cvtu64_mask64(plane_bits(cb, plane, v)), wv[v], bit);
       }
     } else {
       for (int j = 0; j < 8; ++j) {
@@ -330,8 +345,8 @@ void group_tile(const RView& w, int64_t g, const Q8Rows& a, int64_t i0, float* o
       for (int h = 0; h < H; ++h) {
         dw[h] = load8(scales + (b * H + h) * kGroup + 8 * lanes);
         mw[h] = _mm256_setzero_ps();
-        if constexpr (K != Kind::S8) mw[h] = load8(mins + (b * H + h) * kGroup + 8 * lanes);
-        else if constexpr (kHasOffset<K>) mw[h] = _mm256_mul_ps(dw[h], _mm256_set1_ps(-128.0f));
+        if constexpr (kHasMins<K>) mw[h] = load8(mins + (b * H + h) * kGroup + 8 * lanes);
+        else if constexpr (kHasOffset<K>) mw[h] = _mm256_mul_ps(dw[h], _mm256_set1_ps(-kBias<K>));
       }
       __m256i wv[8];
       if constexpr (kNibbles<K>) {
@@ -341,11 +356,11 @@ void group_tile(const RView& w, int64_t g, const Q8Rows& a, int64_t i0, float* o
           wv[2 * j] = _mm256_and_si256(raw, mask);
           wv[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
         }
-        if constexpr (K == Kind::U5) {
-          const __m256i sixteen = _mm256_set1_epi8(16);
+        for (int plane = 0; plane < kPlanes<K>; ++plane) {
+          const __m256i bit = _mm256_set1_epi8(static_cast<char>(16 << plane));
           for (int v = 0; v < 8; ++v) {
-            const auto bits = static_cast<uint32_t>(fifth_bits(cb, v) >> (32 * lanes));
-            wv[v] = _mm256_or_si256(wv[v], _mm256_and_si256(bytes_of_bits(bits), sixteen));
+            const auto bits = static_cast<uint32_t>(plane_bits(cb, plane, v) >> (32 * lanes));
+            wv[v] = _mm256_or_si256(wv[v], _mm256_and_si256(bytes_of_bits(bits), bit));
           }
         }
       } else {
@@ -402,9 +417,9 @@ void group_tile(const RView& w, int64_t g, const Q8Rows& a, int64_t i0, float* o
             const uint8_t byte = cb[(j * kGroup + r) * 4 + t];
             if constexpr (kNibbles<K>) {
               int low = byte & 0x0F, high = byte >> 4;
-              if constexpr (K == Kind::U5) {
-                low |= static_cast<int>((fifth_bits(cb, 2 * j) >> (4 * r + t)) & 1) << 4;
-                high |= static_cast<int>((fifth_bits(cb, 2 * j + 1) >> (4 * r + t)) & 1) << 4;
+              for (int plane = 0; plane < kPlanes<K>; ++plane) {
+                low |= static_cast<int>((plane_bits(cb, plane, 2 * j) >> (4 * r + t)) & 1) << (4 + plane);
+                high |= static_cast<int>((plane_bits(cb, plane, 2 * j + 1) >> (4 * r + t)) & 1) << (4 + plane);
               }
               sums[0] += low * xb[4 * j + t];
               sums[1] += high * xb[16 + 4 * j + t];
@@ -417,7 +432,8 @@ void group_tile(const RView& w, int64_t g, const Q8Rows& a, int64_t i0, float* o
           const int64_t at = ((g * w.blocks + b) * H + h) * kGroup + r;
           const float sx = H == 1 ? a.s_row(i0 + i)[b] : a.s2_row(i0 + i)[2 * b + h];
           acc[r] = std::fma(static_cast<float>(scales[at]) * dx, static_cast<float>(sums[h]), acc[r]);
-          if constexpr (K != Kind::S8) acc[r] = std::fma(static_cast<float>(mins[at]), sx, acc[r]);
+          if constexpr (kHasMins<K>) acc[r] = std::fma(static_cast<float>(mins[at]), sx, acc[r]);
+          else if constexpr (K == Kind::U6) acc[r] = std::fma(-kBias<K> * static_cast<float>(scales[at]), sx, acc[r]);
         }
       }
     }
@@ -462,6 +478,7 @@ at::Tensor qlinear_q8_cpu(const at::Tensor& x, const at::Tensor& codes, const at
     const Q8Rows a = quantize(x32.data_ptr<float>(), m, w.k);
     switch (w.kind) {
       case Kind::U4: stream_any<Kind::U4>(w, a, out.data_ptr<float>()); break;
+      case Kind::U6: stream_any<Kind::U6>(w, a, out.data_ptr<float>()); break;
       case Kind::S8: stream_any<Kind::S8>(w, a, out.data_ptr<float>()); break;
       case Kind::U5: stream_any<Kind::U5>(w, a, out.data_ptr<float>()); break;
     }
