@@ -83,8 +83,8 @@ class ModelSourceConfig:
     # only summation order differs from a dense matmul).  q8: each activation row is quantized
     # per 32-element block to 8 bits first and the block dot products are integer, as llama.cpp
     # computes (graphexec/kernels/csrc/qlinear_q8.cpp): faster, and close to llama.cpp's own
-    # numerics rather than the fp32 reference's.  Applies to Q4_0/Q4_1/Q8_0 and (unpacked to a
-    # byte a code) Q5_0/Q5_1 weights; K-quant ones keep float activations for now.
+    # numerics rather than the fp32 reference's.  Applies to every block-quantized weight (K-quants
+    # and Q5_x converted at load to the kernel's layout, graphexec/quant/repack.py).
     activations: str = "float"
 
     @property
