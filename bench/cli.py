@@ -30,7 +30,6 @@ COMMANDS = {
     "agent_check": "bench.agent_check",
     "attention_kernels": "bench.attention_kernels",
     "compare": "bench.compare",
-    "dp": "bench.dp",
     "gpu_check": "bench.gpu_check",
     "host_overhead": "bench.host_overhead",
     "loader": "bench.loader",
