@@ -42,9 +42,10 @@ COMMANDS = {
     "step_profile": "bench.step_profile",
     "structured_cost": "bench.structured_cost",
     "tp_step": "bench.tp_step",
-    # fresh-process workers of the capture, peer and parallel suites
+    # fresh-process workers of the capture, peer, parallel and spec suites
     "capture_probe": "bench.capture_probe",
     "peer_worker": "bench.peer_worker",
+    "spec_worker": "bench.spec",
 }
 
 
