@@ -57,7 +57,7 @@ def _run(cfg) -> None:
     from bench.suites import SuiteContext, load_suite
 
     hydra_cfg = HydraConfig.get()
-    overrides = tuple(o for o in hydra_cfg.overrides.task if not o.startswith("bench"))
+    overrides = tuple(o for o in hydra_cfg.overrides.task if not o.lstrip("+~").startswith("bench"))
     out_dir = Path(hydra_cfg.runtime.output_dir)
     suite = load_suite(cfg.bench.suite)
     ctx = SuiteContext(out_dir=out_dir, overrides=overrides, progress=bool(cfg.bench.get("progress", True)))

@@ -237,3 +237,5 @@ def test_serve_suite_at_dp_2_spreads_a_shared_prefix_over_both_replicas(tmp_path
     # Replica 0 or 1 holds the shared prefix, the other takes what exceeds the affinity slack (4).
     assert m["replicas"] == ["0", "1"] and m["cached_tokens"] > 0
     assert payload["summary"]["replicas used @inf"] == 2 and "replicas used 0, 1" in (tmp_path / "report.md").read_text()
+    # bench.* options, `+` or not, are the suite's: the server gets the engine overrides only.
+    assert payload["result"]["target"]["overrides"] == ["model=tiny-llama", "capture=eager", "parallel.dp_size=2"]
