@@ -11,7 +11,6 @@ A probe that fails is recorded as that phase's error, not raised, so the other p
 from __future__ import annotations
 
 import os
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -35,12 +34,10 @@ def run(cfg, ctx) -> dict[str, Any]:
     results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="graphexec-capture-cache-") as cache_dir:
         for phase in phases:
-            if ctx.progress:
-                print(f"capture suite: {phase} phase (fresh process, inductor cache {cache_dir}) ...", file=sys.stderr, flush=True)
+            ctx.say(f"capture suite: {phase} phase (fresh process, inductor cache {cache_dir}) ...")
             results[phase] = _run_probe(list(ctx.overrides), cache_dir, float(cfg.bench.probe_timeout_s))
-            if ctx.progress:
-                outcome = results[phase]["error"] or f"engine started in {results[phase]['start_seconds']:.1f} s"
-                print(f"capture suite: {phase} phase done: {outcome}", file=sys.stderr, flush=True)
+            outcome = results[phase]["error"] or f"engine started in {results[phase]['start_seconds']:.1f} s"
+            ctx.say(f"capture suite: {phase} phase done: {outcome}")
     return {
         "phases": results,
         "backends": _merge_backends(results),

@@ -30,24 +30,22 @@ COMMANDS = {
     "agent_check": "bench.agent_check",
     "attention_kernels": "bench.attention_kernels",
     "compare": "bench.compare",
-    "decode_step_split": "bench.decode_step_split",
-    "dp": "bench.dp",
     "gpu_check": "bench.gpu_check",
     "host_overhead": "bench.host_overhead",
     "loader": "bench.loader",
     "lm_eval_check": "bench.lm_eval_check",
     "overload": "bench.overload",
     "penalties": "bench.penalties",
-    "kquant_kernels": "bench.kquant_kernels",
     "quant_kernels": "bench.quant_kernels",
     "startup": "bench.startup",
     "step_message": "bench.step_message",
     "step_profile": "bench.step_profile",
     "structured_cost": "bench.structured_cost",
     "tp_step": "bench.tp_step",
-    # fresh-process workers of the capture, peer and parallel suites
+    # fresh-process workers of the capture, peer, parallel and spec suites
     "capture_probe": "bench.capture_probe",
     "peer_worker": "bench.peer_worker",
+    "spec_worker": "bench.spec",
 }
 
 
@@ -59,7 +57,7 @@ def _run(cfg) -> None:
     from bench.suites import SuiteContext, load_suite
 
     hydra_cfg = HydraConfig.get()
-    overrides = tuple(o for o in hydra_cfg.overrides.task if not o.startswith("bench"))
+    overrides = tuple(o for o in hydra_cfg.overrides.task if not o.lstrip("+~").startswith("bench"))
     out_dir = Path(hydra_cfg.runtime.output_dir)
     suite = load_suite(cfg.bench.suite)
     ctx = SuiteContext(out_dir=out_dir, overrides=overrides, progress=bool(cfg.bench.get("progress", True)))

@@ -19,7 +19,7 @@ from hydra.experimental.callback import Callback
 from bench.plots import grouped_bars
 from bench.report import RESULTS
 from bench.suites import load_suite
-from bench.tables import table
+from bench.tables import sig3, table
 
 COMPARISON = "comparison.md"
 
@@ -49,7 +49,7 @@ def write_comparison(sweep_dir: Path) -> Path | None:
         keys = _keys(group)
         names = _distinct_labels(group)
         common = " ".join(_common_overrides(group))
-        rows = [[names[run["run_dir"]], *([_cell(run["summary"].get(k)) for k in keys] if run["status"] == "ok"
+        rows = [[names[run["run_dir"]], *([sig3(run["summary"].get(k)) for k in keys] if run["status"] == "ok"
                                           else [f"FAILED: {run['error']}", *[""] * (len(keys) - 1)])] for run in group]
         lines += [f"## {suite}", "", f"Overrides every run shares: {common or 'none'}", "", table(["run", *keys], rows), ""]
         plotted = _plot_keys(suite, keys)
@@ -93,12 +93,6 @@ def _plot_keys(suite: str, keys: list[str]) -> list[str]:
     unit = getattr(load_suite(suite), "COMPARE_UNIT", None)
     chosen = [k for k in keys if unit and unit in k]
     return chosen or keys[:6]
-
-
-def _cell(value: Any) -> str:
-    if value is None:
-        return "—"
-    return f"{value:.3g}" if isinstance(value, float) else str(value)
 
 
 class ComparisonReport(Callback):

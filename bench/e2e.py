@@ -37,8 +37,8 @@ def run(cfg, ctx) -> dict[str, Any]:
     # So the sides take turns by block, HF groups first, rather than alternating round by round.
     try:
         if hf_cfg.enabled:
-            hf = call_in_thread(lambda: _hf_side(cfg, engine), "hf-baseline")
-            sides["hf_grouped"] = [call_in_thread(lambda: hf.grouped(items, ctx.progress), "hf-baseline")
+            hf = call_in_thread(lambda: _hf_model(engine), "hf-baseline")
+            sides["hf_grouped"] = [call_in_thread(lambda: _hf_round(hf, items, hf_cfg.group_size, ctx.progress), "hf-baseline")
                                    for _ in range(cfg.bench.rounds)]
         # First calls pay one-off costs (allocator growth, lazy init): not the workload's.
         engine.generate([items[0].prompt_ids[:16]], SamplingParams(max_new_tokens=4, ignore_eos=True))
@@ -49,7 +49,7 @@ def run(cfg, ctx) -> dict[str, Any]:
     finally:
         engine.shutdown()
     if single:
-        sides["hf_single"] = [call_in_thread(lambda: hf.single(single, ctx.progress), "hf-baseline")]
+        sides["hf_single"] = [call_in_thread(lambda: _hf_round(hf, single, 1, ctx.progress), "hf-baseline")]
     return _result(spec, items, sides, cfg, backends)
 
 
@@ -68,34 +68,24 @@ def _engine_round(engine, items: Sequence[WorkItem], progress: bool) -> dict[str
     return _side_round(wall, outputs) | {"cached_prompt_tokens": sum(o.cached_tokens for o in outputs)}
 
 
-class _HFSide:
-    def __init__(self, model, pad_id: int, group_size: int):
-        self.model, self.pad_id, self.group_size = model, pad_id, group_size
+def _hf_round(hf: tuple, items: Sequence[WorkItem], group_size: int, progress: bool) -> dict[str, Any]:
+    """One HF round over `items`, `group_size` left-padded requests at a time (1: one by one)."""
+    from bench.hf_baseline import generate_grouped
 
-    def grouped(self, items: Sequence[WorkItem], progress: bool) -> dict[str, Any]:
-        return self._generate(items, self.group_size, f"HF generate, groups of {self.group_size}", progress)
-
-    def single(self, items: Sequence[WorkItem], progress: bool) -> dict[str, Any]:
-        return self._generate(items, 1, "HF generate, one at a time", progress)
-
-    def _generate(self, items: Sequence[WorkItem], group_size: int, desc: str, progress: bool) -> dict[str, Any]:
-        from bench.hf_baseline import generate_grouped
-
-        with tqdm(total=len(items), desc=desc, disable=not progress) as bar:
-            results, wall = generate_grouped(
-                self.model, [w.prompt_ids for w in items], [w.output_len for w in items], self.pad_id,
-                group_size, on_group=bar.update,
-            )
-        return _side_round(wall, results)
+    (model, pad_id), desc = hf, f"HF generate, groups of {group_size}" if group_size > 1 else "HF generate, one at a time"
+    with tqdm(total=len(items), desc=desc, disable=not progress) as bar:
+        results, wall = generate_grouped(model, [w.prompt_ids for w in items], [w.output_len for w in items], pad_id,
+                                         group_size, on_group=bar.update)
+    return _side_round(wall, results)
 
 
-def _hf_side(cfg, engine) -> _HFSide:
+def _hf_model(engine) -> tuple:
+    """The reference model and its pad id, warmed up as the engine is."""
     from bench.hf_baseline import generate_group, hf_model_for_engine
 
-    model = hf_model_for_engine(engine)
-    pad_id = engine.model_config.eos_token_ids[0]
-    generate_group(model, [[pad_id + 1] * 8], [4], pad_id, time.perf_counter())  # warm-up, as for the engine
-    return _HFSide(model, pad_id, cfg.bench.hf.group_size)
+    model, pad_id = hf_model_for_engine(engine), engine.model_config.eos_token_ids[0]
+    generate_group(model, [[pad_id + 1] * 8], [4], pad_id, time.perf_counter())
+    return model, pad_id
 
 
 def _side_round(wall: float, results: Sequence) -> dict[str, Any]:

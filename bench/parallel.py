@@ -14,7 +14,6 @@ oversubscribes.  The all-reduce's share of a step is measured separately (bench/
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -75,11 +74,9 @@ def run(cfg, ctx) -> dict[str, Any]:
 
     def one(side: str, round_index: int) -> dict[str, Any]:
         tp = int(side.removeprefix("tp="))
-        if ctx.progress:
-            print(f"parallel suite: round {round_index + 1}/{opts['rounds']}, {side} (fresh process) ...", file=sys.stderr, flush=True)
+        ctx.say(f"parallel suite: round {round_index + 1}/{opts['rounds']}, {side} (fresh process) ...")
         result = peer.run_worker("graphexec", spec_path, [*base, f"parallel.tp_size={tp}"], opts["threads"], opts["worker_timeout_s"])
-        if ctx.progress:
-            print(f"parallel suite: {side}: {result['error'] or 'ok'} ({result['process_seconds']:.0f} s)", file=sys.stderr, flush=True)
+        ctx.say(f"parallel suite: {side}: {result['error'] or 'ok'} ({result['process_seconds']:.0f} s)")
         return result
 
     raw, sequence = peer.alternate(sides, opts["rounds"], one)

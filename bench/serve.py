@@ -21,7 +21,6 @@ import dataclasses
 import logging
 import math
 import os
-import sys
 from typing import Any
 
 import httpx
@@ -49,7 +48,7 @@ def run(cfg, ctx) -> dict[str, Any]:
         send = SendOptions(model, opts["stream"], opts["ignore_eos"], opts["temperature"], opts["request_timeout_s"],
                            opts["extra_body"])
         warmup = _warm_up(target.url, requests, send, opts["warmup_requests"])
-        runs = [_one_rate(target.url, requests, send, opts, rate, i) for i, rate in enumerate(opts["request_rates"])]
+        runs = [_one_rate(target.url, requests, send, opts, rate, i, ctx.say) for i, rate in enumerate(opts["request_rates"])]
     return {
         "target": dataclasses.asdict(target) | {"overrides": list(overrides) if target.launched else []},
         "model": model,
@@ -156,17 +155,14 @@ def _load_average() -> float | None:
 
 
 def _one_rate(url: str, requests: list[BenchRequest], send: SendOptions, opts: dict[str, Any], rate: float,
-              index: int) -> dict[str, Any]:
+              index: int, say) -> dict[str, Any]:
     flushed = flush_prefix_cache(url) if opts["flush_cache"] else "not asked"
     schedule = arrival_times(len(requests), rate, opts["burstiness"], opts["seed"] + index)
     before, load_before = server_metrics(url), _load_average()
     label = "inf" if math.isinf(rate) else f"{rate:g}/s"
-    if opts["progress"]:
-        print(f"serve suite: rate {label}: {len(requests)} requests ...", file=sys.stderr, flush=True)
+    say(f"serve suite: rate {label}: {len(requests)} requests ...")
     records, wall = asyncio.run(send_all(url, requests, send, schedule, opts["max_concurrency"]))
-    if opts["progress"]:
-        failed = sum(not r.success for r in records)
-        print(f"serve suite: rate {label}: done in {wall:.1f} s, {failed} failed", file=sys.stderr, flush=True)
+    say(f"serve suite: rate {label}: done in {wall:.1f} s, {sum(not r.success for r in records)} failed")
     return {
         "request_rate": _rate(rate),
         "flush_cache": flushed,

@@ -4,7 +4,8 @@ Boundary: this module turns bench.dataset.* and a tokenizer into a list of `Benc
 to send, and how many prompt tokens the server should count for it).  It sends nothing.
 
 - `random`: prompt and output lengths uniform in [len·(1−r), len·(1+r)] (vLLM's range ratio), sent
-  to /v1/completions either as token ids or as text.  Text is a sequence of whole-word tokens of
+  to /v1/completions either as token ids or as text; with `+bench.dataset.random.shared_prefix_len=N`
+  every prompt starts with the same N tokens (a system prompt: prefix caching, replica affinity).  Text is a sequence of whole-word tokens of
   the tokenizer's own vocabulary (" river", " cart", ...): the pre-tokenizer splits text at word
   boundaries, so n such words encode back to exactly n tokens, and every prompt is checked so.
 - `chat`: conversations with a shared system prompt of a set length, some earlier user/assistant
@@ -101,13 +102,19 @@ def random_dataset(opts: dict[str, Any], tokenizer, vocab: WordVocabulary | None
     fmt = rnd["prompt_format"]
     if fmt not in ("text", "token_ids"):
         raise ValueError(f"bench.dataset.random.prompt_format={fmt!r} must be text or token_ids")
+    shared = rnd.get("shared_prefix_len", 0)
+    if not 0 <= shared < min(inputs):
+        raise ValueError(f"bench.dataset.random.shared_prefix_len={shared} must be at least 0 and below every prompt's "
+                         f"length (the shortest is {min(inputs)})")
     low, high = ordinary_token_range(tokenizer.vocab_size)
+    prefix_ids = [rng.randrange(low, high) for _ in range(shared)] if fmt == "token_ids" else []
+    prefix_text = vocab.content(shared, rng) if fmt == "text" else ""
     requests = []
     for i, (n_in, n_out) in enumerate(zip(inputs, outputs)):
         if fmt == "token_ids":
-            prompt: str | list[int] = [rng.randrange(low, high) for _ in range(n_in)]
-        else:
-            prompt = vocab.text(n_in, rng)
+            prompt: str | list[int] = prefix_ids + [rng.randrange(low, high) for _ in range(n_in - shared)]
+        else:  # the shared words, then a text of the rest (which counts the BOS)
+            prompt = prefix_text + vocab.text(n_in - shared, rng)
         requests.append(BenchRequest(i, "completions", prompt, None, n_in, n_out))
     return requests
 

@@ -68,6 +68,7 @@ def summarize(records: Sequence[RequestRecord], wall_s: float, slos: dict[str, f
         "input_tokens": input_tokens,
         "output_tokens": output_tokens,
         "cached_tokens": sum(r.cached_tokens or 0 for r in ok),
+        "replicas": sorted({r.replica for r in ok if r.replica is not None}),  # those a data-parallel front chose
         "request_throughput": len(ok) / wall_s if wall_s > 0 else None,
         "input_throughput": input_tokens / wall_s if wall_s > 0 else None,
         "output_throughput": output_tokens / wall_s if wall_s > 0 else None,

@@ -76,7 +76,8 @@ def _notes(result: dict[str, Any]) -> list[str]:
             f"- {rate_label(run['request_rate'])}: prefix cache before the run: {run['flush_cache']}; server usage vs "
             f"request: prompt tokens as built {c['prompt_tokens_as_expected']}/{m['completed']}, output tokens as asked "
             f"{c['output_tokens_as_asked']}/{m['completed']}; prompt tokens served from the server's cache "
-            f"{m['cached_tokens']}; client-side wait for a concurrency slot p99 {_f(m['client_wait_ms']['p99'])} ms.")
+            f"{m['cached_tokens']}; client-side wait for a concurrency slot p99 {_f(m['client_wait_ms']['p99'])} ms"
+            + (f"; replicas used {', '.join(m['replicas'])}." if m.get("replicas") else "."))
         load = run.get("load_average_1min") or {}
         if load.get("before") is not None:
             notes.append(f"  - machine load (1-min average) before / after: {load['before']:.1f} / {load['after']:.1f} "
@@ -158,7 +159,9 @@ def summary(result: dict[str, Any]) -> dict[str, float]:
         m, at = run["metrics"], f"@{rate_label(run['request_rate'])}"
         out |= {f"output tok/s {at}": m["output_throughput"], f"req/s {at}": m["request_throughput"],
                 f"TTFT median ms {at}": m["ttft_ms"]["median"], f"TPOT median ms {at}": m["tpot_ms"]["median"],
-                f"failed {at}": m["failed"]}
+                f"failed {at}": m["failed"], f"cached tokens {at}": m["cached_tokens"]}
+        if m.get("replicas"):
+            out[f"replicas used {at}"] = len(m["replicas"])
         if m["goodput"] is not None:
             out[f"goodput req/s {at}"] = m["goodput"]
     return out

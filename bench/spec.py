@@ -1,6 +1,6 @@
 """Spec suite: output tokens/s with speculation against without, per prompt class and batch size.
 
-Each side is a fresh process (`python -m bench.spec worker <json>`): speculative=none, or the
+Each side is a fresh process (`graphexec-bench spec_worker <json>`): speculative=none, or the
 suite's `speculative` overrides plus any speculative.* on the command line; the engine captures
 before it returns (capture.background=false).  A worker warms up once per batch size, then per class and batch
 size generates greedily with the prefix cache flushed before each timed call: B=1 one prompt per
@@ -12,7 +12,6 @@ must produce the same tokens, and the report says loudly when it does not.
 from __future__ import annotations
 
 import json
-import sys
 import time
 from itertools import chain, cycle, islice, zip_longest
 from pathlib import Path
@@ -23,7 +22,7 @@ from omegaconf import OmegaConf
 from bench.plots import grouped_bars
 from bench.stats import median
 from bench.tables import num, table
-from bench.workers import emit, run_python
+from bench.workers import emit, run_command
 
 _SPEC = ("speculative", "+speculative", "++speculative")
 _HEADLINES = (("copy", 1), ("open", 1), ("mixed", 8))
@@ -94,11 +93,9 @@ def run(cfg, ctx) -> dict[str, Any]:
             spec = {"overrides": overrides, "prompts": prompts, "max_tokens": int(b.max_tokens),
                     "batch_sizes": list(b.batch_sizes), "mixed": bool(b.mixed), "chat": bool(b.chat)}
             t0 = time.perf_counter()
-            runs[side].append(run_python(["-m", "bench.spec", "worker", json.dumps(spec)], float(b.worker_timeout_s),
-                                         label=f"{side} worker", option="bench.worker_timeout_s"))
-            if ctx.progress:
-                print(f"spec suite: round {r + 1} {side}: {runs[side][-1].get('error') or 'ok'} "
-                      f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+            runs[side].append(run_command("spec_worker", [json.dumps(spec)], float(b.worker_timeout_s),
+                                          label=f"{side} worker", option="bench.worker_timeout_s"))
+            ctx.say(f"spec suite: round {r + 1} {side}: {runs[side][-1].get('error') or 'ok'} ({time.perf_counter() - t0:.0f} s)")
     ok = {side: [x for x in rs if "error" not in x] for side, rs in runs.items()}
     mismatches, compared = _identity(ok)
     rows = []
@@ -190,7 +187,6 @@ def summary(result: dict[str, Any]) -> dict[str, float]:
     return out | decode | {"greedy mismatches": float(len(result["identity"]["mismatches"]))}
 
 
-if __name__ == "__main__":
-    if sys.argv[1:2] != ["worker"] or len(sys.argv) != 3:
-        raise SystemExit("usage: python -m bench.spec worker <json>")
-    emit("spec worker", lambda: worker(json.loads(sys.argv[2])))
+def main(argv: list[str]) -> None:
+    """`graphexec-bench spec_worker JSON`: one side's run, its result as the last stdout line."""
+    emit("spec worker", lambda: worker(json.loads(argv[0])))

@@ -11,6 +11,7 @@ and is imported only when chosen, so `graphexec-bench bench=e2e` never imports t
 from __future__ import annotations
 
 import importlib
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -35,6 +36,11 @@ class SuiteContext:
     # suite starts (cold/warm capture probes) are configured with exactly these.
     overrides: tuple[str, ...] = field(default_factory=tuple)
     progress: bool = True
+
+    def say(self, message: str) -> None:
+        """A progress line on stderr (stdout is the report's), when bench.progress is on."""
+        if self.progress:
+            print(message, file=sys.stderr, flush=True)
 
 
 def load_suite(name: str) -> ModuleType:

@@ -94,6 +94,13 @@ def test_datasets_are_seeded_and_chat_shares_its_system_prompt(tokenizer):
     assert len({r.prompt_tokens for r in first}) > 1 and all(64 <= r.prompt_tokens <= 192 for r in first)
     ids = build(dataset | {"random": dataset["random"] | {"prompt_format": "token_ids"}}, tokenizer)
     assert [len(r.prompt) for r in ids] == [r.prompt_tokens for r in ids]
+    for fmt in ("text", "token_ids"):  # a shared prefix: every prompt starts with the same 40 tokens
+        shared = build(dataset | {"random": dataset["random"] | {"prompt_format": fmt, "shared_prefix_len": 40}}, tokenizer)
+        encoded = [tokenizer.encode(r.prompt) if fmt == "text" else r.prompt for r in shared]
+        assert [len(e) for e in encoded] == [r.prompt_tokens for r in shared] == [r.prompt_tokens for r in first]
+        assert len({tuple(e[:40]) for e in encoded}) == 1 and len({tuple(e[40:]) for e in encoded}) == len(shared)
+    with pytest.raises(ValueError, match="shared_prefix_len"):
+        build(dataset | {"random": dataset["random"] | {"shared_prefix_len": 200}}, tokenizer)
     chat = build(dataset | {"name": "chat"}, tokenizer)
     systems = {r.messages[0]["content"] for r in chat}
     assert len(systems) == 1 and len(tokenizer.encode(systems.pop())) == dataset["chat"]["system_prompt_len"]
@@ -213,3 +220,22 @@ def test_graphexec_bench_starts_graphexec_serve_passes_overrides_and_stops_it(tm
     with pytest.raises(ProcessLookupError):  # stopped (and reaped) before the suite returned
         os.kill(target["pid"], 0)
     assert (tmp_path / "server.log").is_file()
+
+
+@pytest.mark.slow  # graphexec-serve's data-parallel front and two replicas on the tiny model
+def test_serve_suite_at_dp_2_spreads_a_shared_prefix_over_both_replicas(tmp_path):
+    """What `graphexec-bench dp` measured: one shared system prompt, 16 requests, 8 in flight."""
+    cmd = [sys.executable, "-m", "bench.cli", "bench=serve", "model=tiny-llama", "capture=eager", "parallel.dp_size=2",
+           "bench.progress=false", "bench.dataset.num_prompts=16", "bench.dataset.random.input_len=96",
+           "bench.dataset.random.output_len=4", "bench.dataset.random.prompt_format=token_ids",
+           "+bench.dataset.random.shared_prefix_len=64", "bench.max_concurrency=8", f"hydra.run.dir={tmp_path}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    payload = json.loads((tmp_path / "results.json").read_text())
+    m = payload["result"]["runs"][0]["metrics"]
+    assert (m["completed"], m["failed"]) == (16, 0), m["errors"]
+    # Replica 0 or 1 holds the shared prefix, the other takes what exceeds the affinity slack (4).
+    assert m["replicas"] == ["0", "1"] and m["cached_tokens"] > 0
+    assert payload["summary"]["replicas used @inf"] == 2 and "replicas used 0, 1" in (tmp_path / "report.md").read_text()
+    # bench.* options, `+` or not, are the suite's: the server gets the engine overrides only.
+    assert payload["result"]["target"]["overrides"] == ["model=tiny-llama", "capture=eager", "parallel.dp_size=2"]
