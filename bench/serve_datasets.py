@@ -4,9 +4,9 @@ Boundary: this module turns bench.dataset.* and a tokenizer into a list of `Benc
 to send, and how many prompt tokens the server should count for it).  It sends nothing.
 
 - `random`: prompt and output lengths uniform in [len·(1−r), len·(1+r)] (vLLM's range ratio), sent
-  to /v1/completions either as token ids or as text; with `+bench.dataset.random.shared_prefix_len=N`
-  every prompt starts with the same N tokens (a system prompt: prefix caching, replica affinity).  Text is a sequence of whole-word tokens of
-  the tokenizer's own vocabulary (" river", " cart", ...): the pre-tokenizer splits text at word
+  to /v1/completions either as token ids or as text; with `bench.dataset.random.shared_prefix_len=N`
+  every prompt starts with the same N tokens (a system prompt: prefix caching, replica affinity).
+  Text is a sequence of whole-word tokens of the tokenizer's own vocabulary (" river", " cart", ...): the pre-tokenizer splits text at word
   boundaries, so n such words encode back to exactly n tokens, and every prompt is checked so.
 - `chat`: conversations with a shared system prompt of a set length, some earlier user/assistant
   turns and a last user turn, sent to /v1/chat/completions.  The expected count is the chat

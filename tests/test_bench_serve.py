@@ -228,7 +228,7 @@ def test_serve_suite_at_dp_2_spreads_a_shared_prefix_over_both_replicas(tmp_path
     cmd = [sys.executable, "-m", "bench.cli", "bench=serve", "model=tiny-llama", "capture=eager", "parallel.dp_size=2",
            "bench.progress=false", "bench.dataset.num_prompts=16", "bench.dataset.random.input_len=96",
            "bench.dataset.random.output_len=4", "bench.dataset.random.prompt_format=token_ids",
-           "+bench.dataset.random.shared_prefix_len=64", "bench.max_concurrency=8", f"hydra.run.dir={tmp_path}"]
+           "bench.dataset.random.shared_prefix_len=64", "bench.max_concurrency=8", f"hydra.run.dir={tmp_path}"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     payload = json.loads((tmp_path / "results.json").read_text())
