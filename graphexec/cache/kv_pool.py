@@ -39,7 +39,13 @@ class SlotAllocator:
             return
         if bool((slots == DUMMY_SLOT).any()):
             raise RuntimeError("attempt to free the dummy KV slot")
-        self._free = torch.cat([self._free, slots.to(torch.int64).cpu()])
+        # Freed slots go to the front, so the next allocations reuse them (a stack, not a queue):
+        # the pool's memory is taken from the OS on first touch (_zeros), in transparent huge
+        # pages where the kernel allows, and each first touch of a 2 MiB region in all layers'
+        # K and V at once stalled a 64-token prefill by ~0.2 s on a 2-core Xeon.  Reusing
+        # freed slots keeps those stalls (and resident memory) to the peak the pool has held,
+        # and keeps recently written KV warm in cache.
+        self._free = torch.cat([slots.to(torch.int64).cpu(), self._free])
         if self._free.numel() > self.num_slots:
             raise RuntimeError("KV slots freed twice")
 
