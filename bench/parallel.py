@@ -55,6 +55,7 @@ def _peer_options(o: dict[str, Any]) -> dict[str, Any]:
         "decode": {"prompt_len": o["prompt_len"], "new_tokens": o["decode_new_tokens"]},
         "prefill": {"lengths": [o["prefill_len"]]},
         "batch": {"sizes": [o["batch_size"]], "prompt_len": o["prompt_len"], "new_tokens": o["decode_new_tokens"]},
+        "agreement": {"prompts": 0, "new_tokens": 1, "near_tie_nats": 0.0},  # a peer-only check
         "llamacpp": {"enabled": False, "n_ctx": 1, "n_batch": 1, "flash_attn": False},
     }
 

@@ -134,5 +134,9 @@ def packed_embedding(weight: QuantizedWeight | BlockWeight, dtype: torch.dtype, 
     if isinstance(weight, QuantizedWeight):
         return QuantEmbedding(weight, dtype, activations)
     if isinstance(weight, BlockWeight):
+        # TODO(issue 23): under q8 a K-quant token embedding (Q6_K in Q4_K_M files whose width
+        # divides into 256, e.g. Llama 3.2) keeps float activations as the tied LM head: its rows
+        # are looked up from the file's bytes, and holding block_rows16's copy beside them would
+        # double its memory; a row lookup over the interleaved layout would serve both.
         return BlockEmbedding(weight, dtype)
     raise CheckpointError(f"an embedding cannot be made of row parts in different formats ({weight.qtype})")

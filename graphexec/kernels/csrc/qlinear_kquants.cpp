@@ -164,12 +164,13 @@ inline void decode_chunk_scalar(const uint8_t* blk, int c, float scale, float of
   }
 }
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+// Chunk c's 16 codes as bytes: the low nibbles, with Q5_K/Q6_K's high bits or'ed in; Q5_0/Q5_1's
+// fifth bits come back in hi_mask (bit l: element l), for the caller's wider registers.
 template <int64_t QT>
-inline __m512 decode_chunk(const uint8_t* blk, int c, float scale, float offset) {
+inline __m128i chunk_bytes(const uint8_t* blk, int c, uint32_t& hi_mask) {
   const uint8_t *lo, *hi;
   int lo_shift, hi_shift;
-  uint32_t hi_mask;
   chunk_layout<QT>(blk, c, lo, lo_shift, hi, hi_shift, hi_mask);
   const __m128i low4 = _mm_set1_epi8(0x0F);
   __m128i q = _mm_and_si128(_mm_srl_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(lo)), _mm_cvtsi32_si128(lo_shift)), low4);
@@ -178,7 +179,15 @@ inline __m512 decode_chunk(const uint8_t* blk, int c, float scale, float offset)
     const __m128i h = _mm_and_si128(_mm_srl_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(hi)), _mm_cvtsi32_si128(hi_shift)), bits);
     q = _mm_or_si128(q, _mm_slli_epi16(h, 4));  // h <= 3 per byte: nothing crosses into the next byte
   }
-  __m512i q32 = _mm512_cvtepu8_epi32(q);
+  return q;
+}
+#endif
+
+#if defined(__AVX512F__)
+template <int64_t QT>
+inline __m512 decode_chunk(const uint8_t* blk, int c, float scale, float offset) {
+  uint32_t hi_mask;
+  __m512i q32 = _mm512_cvtepu8_epi32(chunk_bytes<QT>(blk, c, hi_mask));
   if constexpr (QT == kQ5_0 || QT == kQ5_1)
     q32 = _mm512_mask_or_epi32(q32, static_cast<__mmask16>(hi_mask), q32, _mm512_set1_epi32(16));
   if constexpr (kBias<QT> != 0) q32 = _mm512_sub_epi32(q32, _mm512_set1_epi32(kBias<QT>));
@@ -190,17 +199,8 @@ inline __m512 decode_chunk(const uint8_t* blk, int c, float scale, float offset)
 // decode_chunk on 256-bit registers (AVX2 builds), stored: the 16 values of chunk c into out.
 template <int64_t QT>
 inline void decode_chunk_avx2(const uint8_t* blk, int c, float scale, float offset, float* out) {
-  const uint8_t *lo, *hi;
-  int lo_shift, hi_shift;
   uint32_t hi_mask;
-  chunk_layout<QT>(blk, c, lo, lo_shift, hi, hi_shift, hi_mask);
-  const __m128i low4 = _mm_set1_epi8(0x0F);
-  __m128i q = _mm_and_si128(_mm_srl_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(lo)), _mm_cvtsi32_si128(lo_shift)), low4);
-  if constexpr (QT == kQ5_K || QT == kQ6_K) {
-    const __m128i bits = _mm_set1_epi8(QT == kQ5_K ? 0x01 : 0x03);
-    const __m128i h = _mm_and_si128(_mm_srl_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(hi)), _mm_cvtsi32_si128(hi_shift)), bits);
-    q = _mm_or_si128(q, _mm_slli_epi16(h, 4));
-  }
+  const __m128i q = chunk_bytes<QT>(blk, c, hi_mask);
   const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   for (int half = 0; half < 2; ++half) {
     __m256i q32 = _mm256_cvtepu8_epi32(half ? _mm_srli_si128(q, 8) : q);
