@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import math
+import mmap
 
-import numpy as np
 import torch
 
 from graphexec.batch.padding import DUMMY_SLOT
@@ -40,11 +40,10 @@ class SlotAllocator:
         if bool((slots == DUMMY_SLOT).any()):
             raise RuntimeError("attempt to free the dummy KV slot")
         # Freed slots go to the front, so the next allocations reuse them (a stack, not a queue):
-        # the pool's memory is taken from the OS on first touch (_zeros), in transparent huge
-        # pages where the kernel allows, and each first touch of a 2 MiB region in all layers'
-        # K and V at once stalled a 64-token prefill by ~0.2 s on a 2-core Xeon.  Reusing
-        # freed slots keeps those stalls (and resident memory) to the peak the pool has held,
-        # and keeps recently written KV warm in cache.
+        # the pool's memory is taken from the OS on first touch (_zeros), and a queue walked every
+        # request on to untouched pages until the whole pool was resident (with huge pages, a
+        # ~0.2 s stall each 2 MiB on a 2-core Xeon).  Reusing freed slots keeps page faults and
+        # resident memory to the peak the pool has held, and recently written KV warm in cache.
         self._free = torch.cat([slots.to(torch.int64).cpu(), self._free])
         if self._free.numel() > self.num_slots:
             raise RuntimeError("KV slots freed twice")
@@ -103,11 +102,18 @@ class TokenToKVPool:
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A zero pool whose CPU memory is taken only as slots are first written.
 
-    torch.zeros writes every byte up front (the default pool is 720 MiB of fp32 for SmolLM2);
-    numpy's zeros comes from calloc, whose large blocks are fresh zero pages of the OS, so a pool
-    costs resident memory in proportion to the KV actually used.
+    torch.zeros writes every byte up front (the default pool is 720 MiB of fp32 for SmolLM2).  An
+    anonymous mapping is the OS's zero pages until written, so a pool costs resident memory in
+    proportion to the KV actually used, in 4 KiB pages: with transparent huge pages (which
+    numpy's calloc asks for) a request's first write to a 2 MiB region of every layer's K and V
+    faulted in and zeroed 2 MiB each, 120 MiB and ~0.2 s for SmolLM2's first prompt.
     """
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    area = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):  # Linux
+        area.madvise(mmap.MADV_NOHUGEPAGE)
+    return torch.frombuffer(area, dtype=torch.uint8).view(dtype).view(shape)
