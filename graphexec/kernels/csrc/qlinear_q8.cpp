@@ -19,7 +19,7 @@
 //          6-bit (uint8, J = 6): the same with a second plane (sixth bits); codes 0..63 stand for
 //            q - 32 (Q6_K), so the kind takes no mins: its offset is -32 d, as 8-bit's is -128 d
 //          8-bit (int8, J = 8): element 4j+t
-//   scales, mins [G, B, 16]: row 16g+r's block-b d and m (unsigned kinds: value = d*q + m), float16
+//   scales, mins [G, B, 16]: row 16g+r's block-b d and m (4-, 5-bit: value = d*q + m), float16
 //          as Q4_x/Q8_0/Q5_x files hold them, or float32 where a K-quant's d times a sub-block's
 //          integer scale needs more bits; [G, B, 2, 16] float32: one d per 16-element half (Q6_K),
 //          each half then its own integer sum (and its own activation sum for the offset term)
@@ -107,7 +107,7 @@ inline uint64_t plane_bits(const uint8_t* block, int plane, int v) {
 struct RView {
   const uint8_t* codes;
   const void* scales;  // c10::Half or float, as `fp32` says
-  const void* mins;    // null: signed 8-bit
+  const void* mins;    // null: the kinds without mins (U6, S8)
   int64_t n, k, groups, blocks, group_bytes;
   Kind kind;
   bool fp32;    // float32 scales and mins (K-quants), else float16
@@ -206,8 +206,8 @@ Q8Rows quantize(const float* x, int64_t m, int64_t k) {
   return rows;
 }
 
-// Whether the block offsets mw * s enter the sum: unsigned codes always (their mins), signed
-// 8-bit codes only when offset to unsigned for the VNNI instruction.
+// Whether the block offsets mw * s enter the sum: unsigned codes always (their mins, or U6's
+// -32 d), signed 8-bit codes only when offset to unsigned for the VNNI instruction.
 template <Kind K>
 constexpr bool kHasOffset =
 #if defined(GX_Q8_VNNI)
