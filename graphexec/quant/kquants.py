@@ -140,12 +140,13 @@ def _nibbles(qs: torch.Tensor, group: int) -> torch.Tensor:
 
 
 class BlockCodes(NamedTuple):
-    """A block weight's integer codes and per-sub-block scales: value = scale * q (+ min).  Q4_K /
-    Q5_K sub-blocks are 32 elements, Q6_K's 16, Q5_x's the whole 32-element block."""
+    """A block weight's unsigned codes and per-sub-block scales: value = scale * (q - bias)
+    (+ min).  Q4_K / Q5_K sub-blocks are 32 elements, Q6_K's 16, Q5_x's the whole 32-element block."""
 
-    q: torch.Tensor  # int32 [N, K]
+    q: torch.Tensor  # int32 [N, K], as the file stores them (0..63)
+    bias: int  # 32 for Q6_K, 16 for Q5_0, else 0
     scales: torch.Tensor  # float32 [N, K / sub]
-    mins: torch.Tensor | None  # float32 [N, K / sub]; None: signed codes (Q6_K, Q5_0's q - 16)
+    mins: torch.Tensor | None  # float32 [N, K / sub]; None: no min (Q6_K, Q5_0)
 
 
 def block_codes(blocks: torch.Tensor, type_id: int) -> BlockCodes:
@@ -156,7 +157,7 @@ def block_codes(blocks: torch.Tensor, type_id: int) -> BlockCodes:
     n = blocks.shape[0]
     b = blocks.reshape(-1, fmt.nbytes)
     count = b.shape[0]
-    mins = None
+    mins, bias = None, 0
     if qtype in ("Q4_K", "Q5_K"):
         d, dmin = _half(b, 0), _half(b, 2)
         scales, sub_mins = _k_scales_mins(b[:, 4:16])
@@ -169,7 +170,7 @@ def block_codes(blocks: torch.Tensor, type_id: int) -> BlockCodes:
     elif qtype == "Q6_K":
         low = _nibbles(b[:, :128], 64).reshape(count, 8, 32)
         qh = b[:, 128:192].int().reshape(count, 2, 1, 32) >> _shifts(4, 2, b.device).reshape(1, 1, 4, 1)
-        q = (low | ((qh & 3) << 4).reshape(count, 8, 32)) - 32
+        q, bias = low | ((qh & 3) << 4).reshape(count, 8, 32), 32
         scales = _half(b, 208) * b[:, 192:208].clone(memory_format=torch.contiguous_format).view(torch.int8).float()
     else:  # Q5_0, Q5_1: a 32-bit little-endian mask of fifth bits, then 16 bytes of nibbles
         has_min = qtype == "Q5_1"
@@ -183,8 +184,8 @@ def block_codes(blocks: torch.Tensor, type_id: int) -> BlockCodes:
         if has_min:
             mins = _half(b, 2)
         else:
-            q = q - 16
-    return BlockCodes(q.reshape(n, -1), scales.reshape(n, -1), None if mins is None else mins.reshape(n, -1))
+            bias = 16
+    return BlockCodes(q.reshape(n, -1), bias, scales.reshape(n, -1), None if mins is None else mins.reshape(n, -1))
 
 
 def dequantize_blocks_reference(blocks: torch.Tensor, type_id: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -193,7 +194,7 @@ def dequantize_blocks_reference(blocks: torch.Tensor, type_id: int, dtype: torch
     d * (q - 16) too, so a -0.0 stays -0.0)."""
     codes = block_codes(blocks, type_id)
     n, k = codes.q.shape
-    per_sub = codes.q.view(n, codes.scales.shape[1], -1).float()
+    per_sub = (codes.q - codes.bias).view(n, codes.scales.shape[1], -1).float()
     values = codes.scales.unsqueeze(-1) * per_sub
     if codes.mins is not None:
         values = values + codes.mins.unsqueeze(-1)

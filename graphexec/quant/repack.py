@@ -68,17 +68,12 @@ def block_rows16(weight: BlockWeight) -> Rows16:
       (the kernel subtracts 32 d): 8 against 6.6."""
     n, k = weight.shape
     codes = block_codes(weight.blocks, weight.format.type_id)
-    q, scales, mins = codes.q, codes.scales, codes.mins
-    if weight.qtype in Q5_TYPES:
+    scales, mins = codes.scales, codes.mins
+    if weight.qtype in Q5_TYPES:  # the file's fp16 scales; Q5_0's bias of 16 becomes a min
         scales = scales.half()
-        if mins is None:  # Q5_0
-            q, mins = q + 16, scales * -16.0
-        else:
-            mins = mins.half()
-    planes = {"Q4_K": 0, "Q6_K": 2}.get(weight.qtype, 1)
-    if weight.qtype == "Q6_K":
-        q = q + 32
-    q = q.to(torch.uint8)  # 0..63 from here: a quarter of int32's traffic for the shuffles below
+        mins = scales * -float(codes.bias) if mins is None else mins.half()
+    planes = {"Q4_K": 0, "Q6_K": 2}.get(weight.qtype, 1)  # Q6_K's bias of 32 is the 6-bit kind's own
+    q = codes.q.to(torch.uint8)  # 0..63: a quarter of int32's traffic for the shuffles below
     halves = (q & 0x0F).view(n, k // QBLOCK, 2, QBLOCK // 2)  # byte t: element t (low nibble), 16 + t (high)
     nibbles = (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, k // 2)
     packed = _interleave(weight.qtype, nibbles, scales.contiguous(), None if mins is None else mins.contiguous(), (n, k))
