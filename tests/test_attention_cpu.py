@@ -1,11 +1,12 @@
-"""The `cpu` attention backend: its C++ kernels against plain SDPA on random pools, its binding
-against the torch_native backend, and greedy tokens against torch_native through the engine."""
+"""The `cpu` attention backend: its C++ kernels against a plain dense reference on random pools
+(windows, a custom softmax scale, logit soft-capping), its binding against the torch_native
+backend, per-layer windows through every CPU route, and greedy tokens against torch_native
+through the engine."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from graphexec import Engine, SamplingParams
 from graphexec.attention.backend import ForwardContext
@@ -26,12 +27,14 @@ def kernels():
 class Batch:
     """A random pool (slots scattered) and the metadata of one forward over `runs`: (cached
     prefix, new tokens) per request, plus `pad` padded token rows at the end.  `window`: a
-    sliding window (a query at p sees keys p - window + 1 .. p; 0: full attention)."""
+    sliding window (a query at p sees keys p - window + 1 .. p; 0: full attention), or a tuple of
+    one per layer; `scale`: the softmax scale (None: head_dim ** -0.5); `softcap`: scores become
+    softcap * tanh(score / softcap) before the mask (0: none)."""
 
     def __init__(self, runs, heads=9, kv_heads=3, head_dim=64, act=torch.float32, kv=torch.float32, pad=0,
-                 layers=3, seed=0, window=0):
+                 layers=3, seed=0, window=0, scale=None, softcap=0.0):
         gen = torch.Generator().manual_seed(seed)
-        self.window = window
+        self.window, self.scale, self.softcap = window, scale, softcap
         self.runs, self.heads, self.kv_heads, self.head_dim, self.pad = runs, heads, kv_heads, head_dim, pad
         total = sum(p + n for p, n in runs)
         num_slots = total + 8
@@ -57,9 +60,15 @@ class Batch:
         self.lens = torch.tensor([n for _, n in runs])
         self.start = torch.cumsum(self.lens, 0) - self.lens
 
-    def reference(self, layer):
-        """Write k/v then attend, in float64 SDPA over gathered keys; also the expected pools."""
+    def layer_window(self, layer) -> int:
+        return self.window[layer] if isinstance(self.window, tuple) else self.window
+
+    def reference(self, layer, softcap=None):
+        """Write k/v then attend, in plain float64 (see dense_attention) over gathered keys; also
+        the expected pools.  `softcap`: another cap than the batch's (0: none)."""
         d, t = self.head_dim, self.tokens
+        window, softcap = self.layer_window(layer), self.softcap if softcap is None else softcap
+        scale = d**-0.5 if self.scale is None else self.scale
         k_pool, v_pool = self.pool.k_pool.clone(), self.pool.v_pool.clone()
         k_pool[layer, self.loc[:t]] = self.k[:t].view(t, self.kv_heads, d).to(k_pool.dtype)
         v_pool[layer, self.loc[:t]] = self.v[:t].view(t, self.kv_heads, d).to(v_pool.dtype)
@@ -70,15 +79,12 @@ class Batch:
             values = v_pool[layer, slots].double().transpose(0, 1)[None]
             s = int(self.start[r])
             queries = self.q[s : s + n].double().view(n, self.heads, d).transpose(0, 1)[None]
-            q_pos, k_pos = torch.arange(p, p + n)[:, None], torch.arange(p + n)[None, :]
-            mask = k_pos <= q_pos
-            if self.window:
-                mask &= k_pos > q_pos - self.window
-            o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, enable_gqa=True)
+            o = dense_attention(queries, keys, values, p, window, scale, softcap)
             out[s : s + n] = o[0].transpose(0, 1).reshape(n, -1)
         return out, k_pool, v_pool
 
     def run_kernel(self, layer, decode):
+        """paged_attention with every input explicit (its 0s: no window, head_dim ** -0.5, no cap)."""
         out = torch.full_like(self.q, float("nan"))
         if decode:
             req = torch.cat([self.req, torch.zeros(self.pad, dtype=torch.int64)])  # padded rows: request row 0
@@ -88,7 +94,7 @@ class Batch:
             req, seq_lens, extend = self.req, self.seq_lens, (self.prefix, self.lens, self.start)
         torch.ops.graphexec.paged_attention(
             self.q, self.k, self.v, out, self.pool.k_pool, self.pool.v_pool, layer, self.table, req, seq_lens,
-            self.loc, *extend, self.tokens, self.window,
+            self.loc, *extend, self.tokens, self.layer_window(layer), self.scale or 0.0, self.softcap,
         )
         return out
 
@@ -116,6 +122,23 @@ class Batch:
             num_token_non_padded=self.tokens, sampling_info=None, **extend,
             num_token_non_padded_device=torch.tensor([self.tokens]) if self.pad else None,
         )
+
+
+def dense_attention(queries, keys, values, prefix: int, window: int, scale: float, softcap: float) -> torch.Tensor:
+    """The plain definition: queries [1, heads, n, d] at positions prefix.., keys/values
+    [1, kv_heads, prefix + n, d]; scores scale * q.k, soft-capped (cap * tanh(s / cap), before
+    the mask, as transformers' Gemma 2), causal and windowed mask, softmax, times values."""
+    group = queries.shape[1] // keys.shape[1]
+    keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
+    scores = queries @ keys.transpose(-1, -2) * scale
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    n, k_len = scores.shape[-2:]
+    q_pos, k_pos = torch.arange(prefix, prefix + n)[:, None], torch.arange(k_len)[None, :]
+    mask = k_pos <= q_pos
+    if window:
+        mask &= k_pos > q_pos - window
+    return torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1) @ values
 
 
 def _check(batch: Batch, decode: bool, layer: int = 1, tol: float = 2e-5) -> None:
@@ -193,6 +216,23 @@ def test_sliding_window_reduced_precision_pool():
            decode=True, tol=2e-2)
 
 
+@pytest.mark.parametrize("head_dim", [64, 8])  # 8: the portable (non-AVX-512) path
+def test_custom_scale_and_logit_softcap(head_dim):
+    """Gemma's options in the kernels: a softmax scale other than head_dim ** -0.5, and scores
+    soft-capped before the running max (decode rows, split keys, short runs and the blocked
+    extend loop, with and without a window).  Scale 0.5 makes scores of tens, so a cap of 5
+    changes the output (checked against the uncapped reference too)."""
+    decode_runs, extend_runs = [(0, 1), (4, 1), (63, 1), (200, 1)], [(0, 100), (37, 70), (0, 5), (130, 3)]
+    for window in (0, 7):
+        _check(Batch(decode_runs, head_dim=head_dim, pad=2, window=window, scale=0.05), decode=True)
+        _check(Batch(extend_runs, head_dim=head_dim, pad=2, window=window, scale=0.05), decode=False)
+        for runs, decode in ((decode_runs, True), (extend_runs, False), ([(2999, 1)], True)):
+            batch = Batch(runs, head_dim=head_dim, pad=2, window=window, scale=0.5, softcap=5.0)
+            _check(batch, decode=decode, tol=5e-5)
+            uncapped = batch.reference(1, softcap=0.0)[0][: batch.tokens]
+            assert (batch.reference(1)[0][: batch.tokens] - uncapped).abs().max() > 0.1
+
+
 # -- the backend: binding, routes, against torch_native ------------------------------------------
 
 
@@ -218,6 +258,74 @@ def test_backend_matches_torch_native(decode, window):
         torch.testing.assert_close(outputs[0][:-2].double(), reference[:-2], atol=2e-5, rtol=2e-5)
     # The same real slots written (torch_native also writes padded rows into the dummy slot 0).
     assert all(torch.equal(a[:, 1:], b[:, 1:]) for a, b in zip(pools[0], pools[1]))
+
+
+WINDOWS = (4, None, 4)  # per layer, Gemma-style: windowed, full, windowed
+
+
+def _cpu_python_route(*args, **kwargs) -> CpuAttnBackend:
+    """A cpu backend served through Python (paged_attention with the layer's window), not the binding."""
+    backend = CpuAttnBackend(*args, **kwargs)
+    backend.forward = lambda *a: type(backend).forward(backend, *a)
+    return backend
+
+
+class _NativeStatic(TorchNativeAttnBackend):
+    """torch_native building its decode metadata into the fixed buffers of graph capture."""
+
+    def init_forward_metadata(self, fb, req_to_token):
+        if self._static is None:
+            self.enable_static_decode_metadata(8, req_to_token.shape[1], req_to_token.device)
+        super().init_forward_metadata(fb, req_to_token)
+
+
+@pytest.mark.parametrize("options", [{}, dict(scale=0.5, softcap=5.0)], ids=["plain", "scale-softcap"])
+@pytest.mark.parametrize("decode", [True, False])
+@pytest.mark.parametrize("make", [TorchNativeAttnBackend, _NativeStatic, CpuAttnBackend, _cpu_python_route],
+                         ids=["torch_native", "torch_native-static", "cpu", "cpu-python"])
+def test_per_layer_windows_match_dense_reference(make, decode, options):
+    """One backend, sliding_window=(4, None, 4): each layer's call (the op, with the layer id the
+    model passes) attends with its own layer's window, against the dense reference with that
+    window; rows longer than the window, prefixes and none, short and long extend runs, padding.
+    With a custom scale and a soft-cap too."""
+    runs = [(0, 1), (3, 1), (10, 1), (40, 1), (130, 1)] if decode else [(0, 30), (12, 17), (50, 1), (5, 3), (0, 70)]
+    windows = tuple(w or 0 for w in WINDOWS)
+    batch = Batch(runs, pad=2, window=windows, scale=options.get("scale"), softcap=options.get("softcap", 0.0))
+    fb = batch.forward_batch(decode)
+    backend = make(batch.heads, batch.kv_heads, batch.head_dim, sliding_window=WINDOWS, scale=options.get("scale"),
+                   logit_softcap=options.get("softcap"))
+    assert [backend.window(layer) for layer in range(3)] == [4, None, 4]
+    expected = [batch.reference(layer) for layer in range(3)]
+    with torch.inference_mode(), forward_context(ForwardContext(fb, backend, batch.pool, None)):
+        backend.init_forward_metadata(fb, batch.table)
+        try:
+            outputs = [unified_attention(batch.q, batch.k, batch.v, layer) for layer in range(3)]
+        finally:
+            backend.end_forward()
+    t = batch.tokens
+    for layer, (out, (ref, k_pool, v_pool)) in enumerate(zip(outputs, expected)):
+        torch.testing.assert_close(out[:t].double(), ref[:t], atol=5e-5, rtol=5e-5, msg=f"layer {layer}")
+        assert torch.equal(out[t:], torch.zeros_like(out[t:]))
+        assert torch.equal(batch.pool.k_pool[layer, 1:], k_pool[layer, 1:])  # slot 0: torch_native's padding
+    # The windows bite: layer 1 (full) differs from layer 0's window on the same inputs.
+    assert not torch.allclose(expected[0][0][:t], Batch(runs, pad=2, window=0, scale=batch.scale,
+                                                        softcap=batch.softcap).reference(0)[0][:t])
+
+
+def test_window_and_option_arguments():
+    backend = TorchNativeAttnBackend(4, 2, 16, sliding_window=(3, None))
+    assert backend.windows == (3, None) and backend.window(1) is None and backend.scale == 0.25
+    assert backend.logit_softcap is None
+    uniform = TorchNativeAttnBackend(4, 2, 16, sliding_window=9, scale=0.1, logit_softcap=0.0)
+    assert uniform.window(5) == 9 and uniform.windows == (9,) and uniform.scale == 0.1 and uniform.logit_softcap is None
+    # A per-layer tuple of one window is that window (a model config's list for every layer).
+    assert TorchNativeAttnBackend(4, 2, 16, sliding_window=(9, 9, 9)).sliding_window == 9
+    assert TorchNativeAttnBackend(4, 2, 16, sliding_window=[None, None]).sliding_window is None
+    for bad in (0, (4, 0), (), (4, 2.5)):
+        with pytest.raises(ValueError, match="sliding_window"):
+            TorchNativeAttnBackend(4, 2, 16, sliding_window=bad)
+    with pytest.raises(ValueError, match="layer 2 has no sliding_window"):
+        backend.window(2)
 
 
 def test_binding_never_serves_another_backend():

@@ -95,6 +95,13 @@ for qtype in BLOCK_TYPES:
         out[qtype, rows] = torch.ops.graphexec.qlinear_blocks(x, weight.blocks, weight.format.type_id)
         packed = block_rows16(weight)  # the 8-bit activation path's layout
         out[qtype, rows, "q8"] = torch.ops.graphexec.qlinear_q8(x, packed.codes, packed.scales, packed.mins, packed.rows)
+# The C++ attention with Gemma's options (a custom scale, logit soft-capping, the window of the
+# layer called): decode rows with split keys, short and blocked extend runs, AVX-512 and any head_dim.
+from tests.test_attention_cpu import Batch
+for decode, runs in ((True, [(0, 1), (63, 1), (200, 1), (2999, 1)]), (False, [(0, 100), (37, 70), (0, 5), (130, 3)])):
+    for head_dim in (64, 8):
+        batch = Batch(runs, head_dim=head_dim, window=(7, 0, 7), scale=0.5, softcap=5.0)
+        out["attention", decode, head_dim] = batch.run_kernel(0, decode)
 # The C++ attention (decode and extend) inside a real engine's greedy run.
 engine = Engine(["model=tiny-llama", "capture=eager", "attention_backend=cpu", "cache.num_slots=1024"])
 outputs = engine.generate(["hello world, " * 9, "abc"], SamplingParams(max_new_tokens=12, temperature=0.0, logprobs=1))

@@ -67,11 +67,11 @@ class World:
     spare: torch.Tensor  # slots no request holds
 
 
-def _world(lens, kv_heads=KV_HEADS, head_dim=HEAD_DIM, device="cpu", dtype=torch.float32, seed=0) -> World:
+def _world(lens, kv_heads=KV_HEADS, head_dim=HEAD_DIM, device="cpu", dtype=torch.float32, seed=0, layers=1) -> World:
     """Requests holding `lens` tokens each at scattered slots of a random pool."""
     gen = torch.Generator().manual_seed(seed)
     num_slots = sum(lens) + 64
-    pool = TokenToKVPool(num_slots, 1, kv_heads, head_dim, dtype, device)
+    pool = TokenToKVPool(num_slots, layers, kv_heads, head_dim, dtype, device)
     pool.k_pool.copy_(torch.randn(pool.k_pool.shape, generator=gen))
     pool.v_pool.copy_(torch.randn(pool.v_pool.shape, generator=gen))
     table = ReqToTokenPool(len(lens) + 1, max(MAX_CONTEXT, max(lens)), device)
@@ -156,13 +156,13 @@ def _qkv(tokens: int, heads: int, kv_heads=KV_HEADS, head_dim=HEAD_DIM, device="
     return (x.to(device=device, dtype=dtype) for x in (q, k, v))
 
 
-def _attend(backend, world: World, fb: ForwardBatch, q, k, v) -> torch.Tensor:
+def _attend(backend, world: World, fb: ForwardBatch, q, k, v, layer: int = 0) -> torch.Tensor:
     """One layer through the graphexec::attention op, as the model calls it."""
     out = torch.full_like(q, float("nan"))  # a row nobody writes shows up
     with forward_context(ForwardContext(fb, backend, world.pool, world.table)):
         backend.init_forward_metadata(fb, world.table.req_to_token)
         try:
-            torch.ops.graphexec.attention.default(q, k, v, out, 0)
+            torch.ops.graphexec.attention.default(q, k, v, out, layer)
         finally:
             backend.end_forward()
     return out
@@ -286,6 +286,83 @@ def test_sliding_window_matches_torch_native(window):
     )  # fmt: skip
     real = fb.num_token_non_padded
     torch.testing.assert_close(out.view(q.shape)[:real], expected[:real], atol=ATOL_FP32, rtol=0)
+
+
+def _dense_reference(world: World, fb: ForwardBatch, q, layer, window, scale, softcap) -> torch.Tensor:
+    """The plain definition, in float64, over the pool as the call left it (this step's K/V
+    written): each real token's scores scale * q.k, soft-capped (cap * tanh(s / cap), before the
+    mask), causal and windowed mask (a query at p sees p - window + 1 .. p), softmax, times V."""
+    heads = q.shape[1] // HEAD_DIM
+    keys_all, values_all = world.pool.k_buffers[layer].double(), world.pool.v_buffers[layer].double()
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    for r, slots in enumerate(world.slots):
+        n = slots.numel()
+        if fb.forward_mode.is_extend():
+            prefix, first = fb.extend_prefix_lens_cpu[r], int(fb.extend_start_loc[r])
+        else:
+            prefix, first = n - 1, r
+        tokens = slice(first, first + n - prefix)
+        queries = q[tokens].double().view(-1, heads, HEAD_DIM).transpose(0, 1)  # [heads, new, d]
+        group = heads // KV_HEADS
+        keys = keys_all[slots].transpose(0, 1).repeat_interleave(group, 0)  # [heads, n, d]
+        values = values_all[slots].transpose(0, 1).repeat_interleave(group, 0)
+        scores = queries @ keys.transpose(-1, -2) * scale
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
+        q_pos, k_pos = torch.arange(prefix, n)[:, None], torch.arange(n)[None, :]
+        mask = (k_pos <= q_pos) & ((k_pos > q_pos - window) if window else True)
+        o = torch.softmax(scores.masked_fill(~mask, float("-inf")), -1) @ values
+        out[tokens] = o.transpose(0, 1).reshape(n - prefix, -1)
+    return out
+
+
+@ON_CPU
+@pytest.mark.parametrize("options", [{}, dict(scale=1.5, softcap=5.0)], ids=["plain", "scale-softcap"])
+def test_per_layer_windows_scale_and_softcap_match_dense_reference(options):
+    """One backend with sliding_window=(4, None, 4): each layer's call attends with its own
+    window (decode rows and extend runs, with prefixes and without, longer than the window),
+    against the dense reference; with a custom scale and a soft-cap of 5 on scores large enough
+    that capping changes the output.  Then the kernels alone, blocks of 16 and several splits."""
+    heads, windows = KV_HEADS * 2, (4, None, 4)
+    scale, softcap = options.get("scale", HEAD_DIM**-0.5), options.get("softcap", 0.0)
+    backend = create_attention_backend(
+        "triton", heads, KV_HEADS, HEAD_DIM, torch.device("cpu"), sliding_window=windows, scale=options.get("scale"),
+        logit_softcap=options.get("softcap"),
+    )  # fmt: skip
+    runs = [(0, 19), (10, 9), (3, 1), (40, 3)]
+    for decode in (True, False):
+        world = _world([1, 3, 17, 70] if decode else [p + n for p, n in runs], layers=3)
+        fb = _decode_batch(world, pad=1) if decode else _extend_batch(world, [p for p, _ in runs], pad=1)
+        q, k, v = _qkv(fb.num_tokens, heads)
+        real = fb.num_token_non_padded
+        for layer, window in enumerate(windows):
+            got = _attend(backend, world, fb, q, k, v, layer)
+            expected = _dense_reference(world, fb, q, layer, window, scale, softcap)
+            torch.testing.assert_close(got[:real].double(), expected[:real], atol=ATOL_FP32, rtol=0)
+            assert (got[real:] == 0).all()
+            if softcap:
+                uncapped = _dense_reference(world, fb, q, layer, window, scale, 0.0)
+                assert (expected[:real] - uncapped[:real]).abs().max() > 0.1
+        if not softcap:
+            continue
+        # The kernels alone on layer 0 (window 4): small blocks, several splits per row.
+        q3, k_buf, v_buf = q.view(-1, heads, HEAD_DIM), world.pool.k_buffers[0], world.pool.v_buffers[0]
+        out = torch.full_like(q3, float("nan"))
+        if decode:
+            splits = 4
+            acc, lse = torch.empty(fb.batch_size, heads, splits, HEAD_DIM), torch.empty(fb.batch_size, heads, splits)
+            tk.decode(
+                q3, out, k_buf, v_buf, world.table.req_to_token, fb.req_pool_indices, fb.seq_lens, acc, lse, scale,
+                splits, sliding_window=0, logit_softcap=softcap, min_split_len=8, block_n=16,
+            )  # fmt: skip
+        else:
+            tk.extend(
+                q3, out, k_buf, v_buf, world.table.req_to_token, fb.req_pool_indices, fb.extend_prefix_lens,
+                fb.extend_seq_lens, fb.extend_start_loc, scale, max(fb.extend_seq_lens_cpu), sliding_window=4,
+                logit_softcap=softcap, block_m=16, block_n=16,
+            )  # fmt: skip
+        expected = _dense_reference(world, fb, q, 0, 0 if decode else 4, scale, softcap)
+        torch.testing.assert_close(out.view(q.shape)[:real].double(), expected[:real], atol=ATOL_FP32, rtol=0)
 
 
 @ON_CPU

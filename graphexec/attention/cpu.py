@@ -25,7 +25,7 @@ from graphexec.attention.torch_native import TorchNativeAttnBackend
 from graphexec.errors import CheckpointError, ConfigError
 
 if TYPE_CHECKING:
-    from graphexec.attention.backend import ForwardContext
+    from graphexec.attention.backend import ForwardContext, Windows
     from graphexec.batch.forward_batch import ForwardBatch
 
 
@@ -43,10 +43,17 @@ def load_kernels() -> None:
 
 
 class CpuAttnBackend(TorchNativeAttnBackend):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None = None):
-        super().__init__(num_heads, num_kv_heads, head_dim, sliding_window)
-        # paged_attention's arguments after layer_id, for this forward (None: not on the CPU).
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: "Windows" = None,
+                 scale: float | None = None, logit_softcap: float | None = None):  # fmt: skip
+        super().__init__(num_heads, num_kv_heads, head_dim, sliding_window, scale, logit_softcap)
+        # paged_attention's arguments after layer_id up to its window, for this forward (None: not on the CPU).
         self._kernel_args: tuple | None = None
+        # The options as the kernels take them, 0 meaning the default: no window, head_dim ** -0.5
+        # (the kernels' own, so the default scale is computed exactly as before) and no soft-cap.
+        # The binding gets every layer's window, the Python route the called layer's.
+        self._kernel_windows = [w or 0 for w in (self._layer_windows or (self.sliding_window,))]
+        self._kernel_scale = self.scale if self._scale_given else 0.0
+        self._kernel_softcap = self.logit_softcap or 0.0
 
     def init_forward_metadata(self, fb: "ForwardBatch", req_to_token: torch.Tensor) -> None:
         if req_to_token.device.type != "cpu":
@@ -65,11 +72,13 @@ class CpuAttnBackend(TorchNativeAttnBackend):
             fb.extend_seq_lens if extend else None,
             fb.extend_start_loc if extend else None,
             fb.num_token_non_padded,
-            self.sliding_window or 0,  # the kernels' "no window"
         )
         self._pools = (pool.k_pool, pool.v_pool)
         if "forward" not in vars(self):
-            bind_cpu_kernels(*self._pools, *self._kernel_args)
+            # Every layer's window: the kernel picks the called layer's.
+            bind_cpu_kernels(
+                *self._pools, *self._kernel_args, self._kernel_windows, self._kernel_scale, self._kernel_softcap
+            )
 
     def end_forward(self) -> None:
         unbind_cpu_kernels()
@@ -78,4 +87,7 @@ class CpuAttnBackend(TorchNativeAttnBackend):
         """The Python route (the C++ route never comes here)."""
         if self._kernel_args is None:
             return super().forward(q, k, v, out, layer_id, ctx)
-        torch.ops.graphexec.paged_attention.default(q, k, v, out, *self._pools, int(layer_id), *self._kernel_args)
+        torch.ops.graphexec.paged_attention.default(
+            q, k, v, out, *self._pools, int(layer_id), *self._kernel_args,
+            self.window(layer_id) or 0, self._kernel_scale, self._kernel_softcap,
+        )  # fmt: skip

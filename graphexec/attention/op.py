@@ -38,18 +38,23 @@ _LIB.define("attention(Tensor q, Tensor k, Tensor v, Tensor(a!) out, SymInt laye
 _LIB.define("attention_py(Tensor q, Tensor k, Tensor v, Tensor(a!) out, SymInt layer_id) -> ()")
 # The CPU kernels with every input explicit (the cpu backend's Python route, tests, benchmarks).
 # k_pool/v_pool: [layers, slots, kv_heads, head_dim]; extend iff the three extend_* are given.
-# sliding_window: a query at position p attends keys p - sliding_window + 1 .. p; 0 or less: all.
+# sliding_window: layer_id's window, a query at position p attends keys p - sliding_window + 1 .. p;
+# 0 or less: all.  scale: the softmax scale (0 or less: head_dim ** -0.5).  logit_softcap: scores
+# s = scale * q.k become cap * tanh(s / cap) before masking and softmax (0 or less: none).
 _LIB.define(
     "paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) out, Tensor(b!) k_pool, Tensor(c!) v_pool, "
     "int layer_id, Tensor req_to_token, Tensor req_pool_indices, Tensor seq_lens, Tensor out_cache_loc, "
     "Tensor? extend_prefix_lens, Tensor? extend_seq_lens, Tensor? extend_start_loc, int num_token_non_padded, "
-    "int sliding_window=0) -> ()"
+    "int sliding_window=0, float scale=0.0, float logit_softcap=0.0) -> ()"
 )
-# This thread's binding for the C++ route of `attention` (arguments as paged_attention's).
+# This thread's binding for the C++ route of `attention` (arguments as paged_attention's, but the
+# windows of every layer: sliding_windows[layer_id], or sliding_windows[0] for all when it has one
+# entry; the layer is known only when the op is called).
 _LIB.define(
     "attention_bind(Tensor k_pool, Tensor v_pool, Tensor req_to_token, Tensor req_pool_indices, "
     "Tensor seq_lens, Tensor out_cache_loc, Tensor? extend_prefix_lens, Tensor? extend_seq_lens, "
-    "Tensor? extend_start_loc, int num_token_non_padded, int sliding_window=0) -> ()"
+    "Tensor? extend_start_loc, int num_token_non_padded, int[] sliding_windows, float scale=0.0, "
+    "float logit_softcap=0.0) -> ()"
 )
 _LIB.define("attention_unbind() -> ()")
 

@@ -1,4 +1,8 @@
-"""Attention in plain torch (SDPA), correct on any device: the reference every other backend matches."""
+"""Attention in plain torch (SDPA), correct on any device: the reference every other backend matches.
+
+Masks are built once per forward for each distinct sliding window (`AttentionBackend.windows`)
+and each layer picks its own window's (Gemma alternates windowed and full layers).  SDPA cannot
+soft-cap logits: with a `logit_softcap` the scores are computed explicitly in fp32 instead."""
 
 from __future__ import annotations
 
@@ -18,7 +22,8 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class _DecodeMetadata:
     kv_indices: torch.Tensor  # [rows, max_seq_len] KV slots; unused tail points at the dummy slot
-    attn_mask: torch.Tensor  # [rows, 1, 1, max_seq_len] bool, True where the key is live (and in the window)
+    # window -> [rows, 1, 1, max_seq_len] bool, True where the key is live (and in that window)
+    attn_masks: dict[int | None, torch.Tensor]
     rows: torch.Tensor | None = None  # which batch rows (None: all of them, in order)
 
 
@@ -33,7 +38,8 @@ class _ExtendRun:
     q_start: int
     q_len: int
     kv_indices: torch.Tensor  # [seq_len] KV slots of the whole sequence (prefix + new tokens)
-    attn_mask: torch.Tensor | None  # [q_len, seq_len] bool; None means plain causal (no prefix, no window)
+    # window -> [q_len, seq_len] bool; None means plain causal (no prefix, no window that bites)
+    attn_masks: dict[int | None, torch.Tensor | None]
 
 
 class TorchNativeAttnBackend(AttentionBackend):
@@ -48,24 +54,28 @@ class TorchNativeAttnBackend(AttentionBackend):
             self._metadata = self._decode_metadata(fb, req_to_token)
 
     def enable_static_decode_metadata(self, max_rows: int, max_kv_len: int, device: torch.device) -> None:
+        # One fixed-address mask per distinct window: a replayed graph's layers each read theirs.
         self._static = _DecodeMetadata(
             kv_indices=torch.zeros(max_rows, max_kv_len, dtype=torch.int64, device=device),
-            attn_mask=torch.zeros(max_rows, 1, 1, max_kv_len, dtype=torch.bool, device=device),
+            attn_masks={
+                w: torch.zeros(max_rows, 1, 1, max_kv_len, dtype=torch.bool, device=device) for w in self.windows
+            },
         )
         self._key_positions = torch.arange(max_kv_len, device=device)
 
     def _static_decode_metadata(self, fb: "ForwardBatch", req_to_token: torch.Tensor) -> _DecodeMetadata:
         """Shapes depend on the batch size only and addresses never move: safe to replay."""
         bs, max_kv_len = fb.batch_size, self._static.kv_indices.shape[1]
-        kv_indices, mask = self._static.kv_indices[:bs], self._static.attn_mask[:bs]
+        kv_indices = self._static.kv_indices[:bs]
         kv_indices.copy_(req_to_token[fb.req_pool_indices, :max_kv_len])
-        torch.lt(self._key_positions[None, :], fb.seq_lens[:, None], out=mask.view(bs, max_kv_len))
-        if self.sliding_window is not None:
-            # From the device's seq_lens, like the causal bound: a replayed graph windows this step's lengths.
-            mask.view(bs, max_kv_len).logical_and_(
-                self._key_positions[None, :] >= fb.seq_lens[:, None] - self.sliding_window
-            )
-        return _DecodeMetadata(kv_indices=kv_indices, attn_mask=mask)
+        masks = {}
+        for window, buffer in self._static.attn_masks.items():
+            mask = masks[window] = buffer[:bs]
+            torch.lt(self._key_positions[None, :], fb.seq_lens[:, None], out=mask.view(bs, max_kv_len))
+            if window is not None:
+                # From the device's seq_lens, like the causal bound: a replayed graph windows this step's lengths.
+                mask.view(bs, max_kv_len).logical_and_(self._key_positions[None, :] >= fb.seq_lens[:, None] - window)
+        return _DecodeMetadata(kv_indices=kv_indices, attn_masks=masks)
 
     def _decode_metadata(self, fb: "ForwardBatch", req_to_token: torch.Tensor) -> list[_DecodeMetadata]:
         bs = fb.batch_size
@@ -83,12 +93,16 @@ class TorchNativeAttnBackend(AttentionBackend):
             pool_rows = fb.req_pool_indices[:bs] if rows is None else fb.req_pool_indices[rows]
             seq_lens = fb.seq_lens[:bs] if rows is None else fb.seq_lens[rows]
             positions = torch.arange(max_len, device=device)[None, :]
-            live = positions < seq_lens[:, None]
-            if self.sliding_window is not None:
-                # The row's query sits at seq_len - 1 (decode and verify rows alike): its window
-                # is keys seq_len - W .. seq_len - 1.
-                live &= positions >= seq_lens[:, None] - self.sliding_window
-            out.append(_DecodeMetadata(req_to_token[pool_rows, :max_len], live[:, None, None, :], rows))
+            causal = positions < seq_lens[:, None]
+            masks = {}
+            for window in self.windows:
+                live = causal
+                if window is not None:
+                    # The row's query sits at seq_len - 1 (decode and verify rows alike): its window
+                    # is keys seq_len - W .. seq_len - 1.
+                    live = causal & (positions >= seq_lens[:, None] - window)
+                masks[window] = live[:, None, None, :]
+            out.append(_DecodeMetadata(req_to_token[pool_rows, :max_len], masks, rows))
         return out
 
     def _extend_metadata(self, fb: "ForwardBatch", req_to_token: torch.Tensor) -> list[_ExtendRun]:
@@ -97,17 +111,19 @@ class TorchNativeAttnBackend(AttentionBackend):
         device = fb.input_ids.device
         for row, prefix, q_len in zip(rows, fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu):
             seq_len = prefix + q_len
-            mask = None
-            window = self.sliding_window
-            if prefix or (window is not None and seq_len > window):
-                # Query i sits at position prefix + i and sees keys 0..prefix + i, the last W of them
-                # under a window: prefix + i - W + 1 .. prefix + i.
-                q_pos = torch.arange(prefix, seq_len, device=device)
-                k_pos = torch.arange(seq_len, device=device)[None, :]
-                mask = k_pos <= q_pos[:, None]
-                if window is not None:
-                    mask &= k_pos > q_pos[:, None] - window
-            runs.append(_ExtendRun(q_start, q_len, req_to_token[row, :seq_len], mask))
+            masks = {}
+            for window in self.windows:
+                mask = None
+                if prefix or (window is not None and seq_len > window):
+                    # Query i sits at position prefix + i and sees keys 0..prefix + i, the last W of them
+                    # under a window: prefix + i - W + 1 .. prefix + i.
+                    q_pos = torch.arange(prefix, seq_len, device=device)
+                    k_pos = torch.arange(seq_len, device=device)[None, :]
+                    mask = k_pos <= q_pos[:, None]
+                    if window is not None:
+                        mask &= k_pos > q_pos[:, None] - window
+                masks[window] = mask
+            runs.append(_ExtendRun(q_start, q_len, req_to_token[row, :seq_len], masks))
             q_start += q_len
         return runs
 
@@ -116,10 +132,11 @@ class TorchNativeAttnBackend(AttentionBackend):
         kvh, d = self.num_kv_heads, self.head_dim
         ctx.kv_pool.write(layer_id, fb.out_cache_loc, k.view(-1, kvh, d), v.view(-1, kvh, d))
         k_cache, v_cache = ctx.kv_pool.k_buffers[layer_id], ctx.kv_pool.v_buffers[layer_id]
+        window = self.window(layer_id)
         if fb.forward_mode.is_extend():
-            self._extend(q, out, k_cache, v_cache)
+            self._extend(q, out, k_cache, v_cache, window)
         else:
-            self._decode(q, out, k_cache, v_cache, fb.batch_size)
+            self._decode(q, out, k_cache, v_cache, fb.batch_size, window)
         real = fb.num_token_non_padded_device
         if real is not None:
             # A padded batch: rows past the real tokens stay zero (padded extend tokens are in no
@@ -127,37 +144,49 @@ class TorchNativeAttnBackend(AttentionBackend):
             # zeroes this step's padding, not the padding of the batch it was captured on.
             out.masked_fill_(torch.arange(out.shape[0], device=out.device)[:, None] >= real, 0)
 
-    def _decode(self, q, out, k_cache, v_cache, bs: int) -> None:
-        h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
+    def _decode(self, q, out, k_cache, v_cache, bs: int, window: int | None) -> None:
+        h, d = self.num_heads, self.head_dim
         for meta in self._metadata:
             n = meta.kv_indices.shape[0]
             keys = _gather(k_cache, meta.kv_indices, q.dtype).transpose(1, 2)  # [n, kvh, max_len, d]
             values = _gather(v_cache, meta.kv_indices, q.dtype).transpose(1, 2)
             queries = (q[:bs] if meta.rows is None else q.index_select(0, meta.rows)).view(n, h, 1, d)
-            o = F.scaled_dot_product_attention(
-                queries, keys, values, attn_mask=meta.attn_mask, scale=self.scale, enable_gqa=h != kvh
-            ).reshape(n, h * d)
+            o = self._attend(queries, keys, values, meta.attn_masks[window], False).reshape(n, h * d)
             if meta.rows is None:
                 out[:bs] = o
             else:
                 out.index_copy_(0, meta.rows, o)
 
-    def _extend(self, q, out, k_cache, v_cache) -> None:
-        h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
+    def _extend(self, q, out, k_cache, v_cache, window: int | None) -> None:
+        h, d = self.num_heads, self.head_dim
         for run in self._metadata:
             queries = q[run.q_start : run.q_start + run.q_len].view(run.q_len, h, d).transpose(0, 1)
             keys = _gather(k_cache, run.kv_indices, q.dtype).transpose(0, 1)  # [kvh, seq_len, d]
             values = _gather(v_cache, run.kv_indices, q.dtype).transpose(0, 1)
-            o = F.scaled_dot_product_attention(
-                queries[None],
-                keys[None],
-                values[None],
-                attn_mask=run.attn_mask,
-                is_causal=run.attn_mask is None,
-                scale=self.scale,
-                enable_gqa=h != kvh,
-            )
+            mask = run.attn_masks[window]
+            o = self._attend(queries[None], keys[None], values[None], mask, mask is None)
             out[run.q_start : run.q_start + run.q_len] = o[0].transpose(0, 1).reshape(run.q_len, h * d)
+
+    def _attend(self, queries, keys, values, mask: torch.Tensor | None, is_causal: bool) -> torch.Tensor:
+        """softmax(scale q k^T, masked) v over [n, heads, len, d] blocks; `mask` broadcasts to the
+        scores (True: attended), `is_causal` stands for a plain causal one."""
+        h, kvh = self.num_heads, self.num_kv_heads
+        if self.logit_softcap is None:
+            return F.scaled_dot_product_attention(
+                queries, keys, values, attn_mask=mask, is_causal=is_causal, scale=self.scale, enable_gqa=h != kvh
+            )
+        # Soft-capped (Gemma 2, as transformers' eager attention): cap * tanh(s / cap) before the
+        # mask and an fp32 softmax.  SDPA has no hook for it.
+        if h != kvh:
+            keys, values = keys.repeat_interleave(h // kvh, 1), values.repeat_interleave(h // kvh, 1)
+        scores = torch.matmul(queries.float(), keys.float().transpose(-1, -2)) * self.scale
+        scores = torch.tanh(scores / self.logit_softcap) * self.logit_softcap
+        if is_causal:
+            q_len, k_len = scores.shape[-2:]
+            mask = torch.ones(q_len, k_len, dtype=torch.bool, device=scores.device).tril(k_len - q_len)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        return torch.matmul(torch.softmax(scores, dim=-1), values.float()).to(queries.dtype)
 
 
 def _gather(cache: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -26,7 +26,7 @@ from graphexec.attention.backend import AttentionBackend
 from graphexec.errors import ConfigError
 
 if TYPE_CHECKING:
-    from graphexec.attention.backend import ForwardContext
+    from graphexec.attention.backend import ForwardContext, Windows
     from graphexec.batch.forward_batch import ForwardBatch
 
 
@@ -74,9 +74,10 @@ class TritonAttnBackend(AttentionBackend):
                 "(or auto)"
             )
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None = None):
-        super().__init__(num_heads, num_kv_heads, head_dim, sliding_window)
-        self._window = sliding_window or 0  # the kernels' "no window"
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: "Windows" = None,
+                 scale: float | None = None, logit_softcap: float | None = None):  # fmt: skip
+        super().__init__(num_heads, num_kv_heads, head_dim, sliding_window, scale, logit_softcap)
+        self._softcap = self.logit_softcap or 0.0  # the kernels' "no softcap"
         if num_heads % num_kv_heads:
             raise ConfigError(
                 f"attention_backend=triton needs num_heads ({num_heads}) a multiple of num_kv_heads ({num_kv_heads})"
@@ -113,17 +114,18 @@ class TritonAttnBackend(AttentionBackend):
         ctx.kv_pool.write(layer_id, fb.out_cache_loc, k.view(-1, kvh, d), v.view(-1, kvh, d))
         k_buf, v_buf = ctx.kv_pool.k_buffers[layer_id], ctx.kv_pool.v_buffers[layer_id]
         q3, out3 = q.view(-1, h, d), out.view(-1, h, d)
+        window = self.window(layer_id) or 0  # this layer's; the kernels' "no window" is 0
         if fb.forward_mode.is_extend():
             torch.ops.graphexec.triton_extend.default(
                 q3, out3, k_buf, v_buf, self._req_to_token, fb.req_pool_indices,
                 fb.extend_prefix_lens, fb.extend_seq_lens, fb.extend_start_loc, self.scale, self._max_extend_len,
-                self._window,
+                window, self._softcap,
             )  # fmt: skip
         else:
             bs, ws = fb.batch_size, self._workspace
             torch.ops.graphexec.triton_decode.default(
                 q3[:bs], out3[:bs], k_buf, v_buf, self._req_to_token, fb.req_pool_indices[:bs], fb.seq_lens[:bs],
-                ws.acc, ws.lse, self.scale, ws.num_splits, self._window,
+                ws.acc, ws.lse, self.scale, ws.num_splits, window, self._softcap,
             )  # fmt: skip
         real = fb.num_token_non_padded_device
         if real is not None:

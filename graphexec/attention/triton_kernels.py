@@ -13,7 +13,12 @@ the table holds slots); a larger page size changes that line only.
 
 Sliding window (`window` > 0; 0 is full attention): a query at position p sees keys
 p - window + 1 .. p.  Decode starts each row's keys (and its splits) at its window; extend starts
-a block's key loop at its first query's window and masks each query's keys below its own.
+a block's key loop at its first query's window and masks each query's keys below its own.  The
+window is a launch argument (not specialized on): the backend passes each layer its own.
+
+Logit soft-capping (Gemma 2; `softcap` > 0, with SOFTCAP set): each score s = scale * q.k
+becomes softcap * tanh(s / softcap) before masking and the softmax.  SOFTCAP is a constexpr, so
+a launch without a cap compiles to the same kernel as before it existed.
 """
 
 from __future__ import annotations
@@ -37,6 +42,15 @@ def num_splits_for(max_len: int) -> int:
 
 
 @triton.jit
+def _tanh(x):
+    """tanh from exp (not every Triton has a tanh in tl): sign(x) (1 - e) / (1 + e), e = e^(-2|x|)
+    in (0, 1], which never overflows."""
+    e = tl.exp(-2.0 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
 def _online_softmax(
     qv,  # [ROWS, BLOCK_D] queries, already DOT_DTYPE
     q_pos,  # [ROWS] the queries' positions (read only when CAUSAL)
@@ -48,6 +62,7 @@ def _online_softmax(
     start,
     end,
     scale,
+    softcap,  # logit soft-cap (read only when SOFTCAP)
     stride_ks,
     stride_kh,
     stride_vs,
@@ -58,6 +73,7 @@ def _online_softmax(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -78,6 +94,8 @@ def _online_softmax(
         kv_ok = live[:, None] & d_ok[None, :]
         k = tl.load(k_buf + slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :], mask=kv_ok, other=0.0)
         qk = tl.dot(qv, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * scale
+        if SOFTCAP:  # before any mask, as transformers' Gemma 2
+            qk = softcap * _tanh(qk / softcap)
         if CAUSAL:
             seen = live[None, :] & (pos[None, :] <= q_pos[:, None])
             seen = seen & ((window <= 0) | (pos[None, :] > q_pos[:, None] - window))
@@ -95,7 +113,7 @@ def _online_softmax(
     return acc, m_i, l_i
 
 
-@triton.jit(do_not_specialize=["window"])  # one compiled kernel for every window
+@triton.jit(do_not_specialize=["window", "softcap"])  # one compiled kernel for every window and cap
 def _decode_partial(
     q,  # [rows, heads, head_dim]
     out,  # [rows, heads, head_dim]: written here for rows of one split
@@ -107,6 +125,7 @@ def _decode_partial(
     part_acc,  # [>= rows, heads, >= splits, head_dim] fp32: each split's normalized output
     part_lse,  # [>= rows, heads, >= splits] fp32: each split's log-sum-exp
     scale,
+    softcap,  # logit soft-cap (read only when SOFTCAP)
     stride_qr,
     stride_qh,
     stride_or,
@@ -129,6 +148,7 @@ def _decode_partial(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
+    SOFTCAP: tl.constexpr,  # whether scores are soft-capped
     DOT_DTYPE: tl.constexpr,  # what the operands of the dots are cast to
     DOT_PRECISION: tl.constexpr,
 ):
@@ -156,9 +176,9 @@ def _decode_partial(
         qv = tl.load(q + row * stride_qr + heads[:, None] * stride_qh + d[None, :], mask=hd_ok, other=0.0).to(DOT_DTYPE)
         table = req_to_token + tl.load(req_pool_indices + row) * stride_table
         acc, m_i, l_i = _online_softmax(
-            qv, h, 0, table, k_buf, v_buf, kv_head, start, end, scale,
+            qv, h, 0, table, k_buf, v_buf, kv_head, start, end, scale, softcap,
             stride_ks, stride_kh, stride_vs, stride_vh, d, d_ok,
-            ROWS=BLOCK_H, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, CAUSAL=False, PAGE_SIZE=PAGE_SIZE,
+            ROWS=BLOCK_H, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, CAUSAL=False, SOFTCAP=SOFTCAP, PAGE_SIZE=PAGE_SIZE,
             DOT_DTYPE=DOT_DTYPE, DOT_PRECISION=DOT_PRECISION,
         )  # fmt: skip
         o = acc / l_i[:, None]
@@ -224,7 +244,7 @@ def _decode_reduce(
         tl.store(out_ptrs, o.to(out.dtype.element_ty), mask=h_ok[:, None] & d_ok[None, :])
 
 
-@triton.jit(do_not_specialize=["window"])  # one compiled kernel for every window
+@triton.jit(do_not_specialize=["window", "softcap"])  # one compiled kernel for every window and cap
 def _extend(
     q,  # [tokens, heads, head_dim]
     out,
@@ -236,6 +256,7 @@ def _extend(
     extend_seq_lens,
     extend_start_loc,
     scale,
+    softcap,  # logit soft-cap (read only when SOFTCAP)
     stride_qt,
     stride_qh,
     stride_ot,
@@ -252,6 +273,7 @@ def _extend(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
+    SOFTCAP: tl.constexpr,  # whether scores are soft-capped
     DOT_DTYPE: tl.constexpr,  # what the operands of the dots are cast to
     DOT_PRECISION: tl.constexpr,
 ):
@@ -278,9 +300,9 @@ def _extend(
         end = prefix + tl.minimum((m_block + 1) * BLOCK_M, q_len)
         start = tl.where(window > 0, tl.maximum(prefix + m_block * BLOCK_M - window + 1, 0), 0)
         acc, m_i, l_i = _online_softmax(
-            qv, q_pos, window, table, k_buf, v_buf, kv_head, start, end, scale,
+            qv, q_pos, window, table, k_buf, v_buf, kv_head, start, end, scale, softcap,
             stride_ks, stride_kh, stride_vs, stride_vh, d, d_ok,
-            ROWS=BLOCK_M, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, CAUSAL=True, PAGE_SIZE=PAGE_SIZE,
+            ROWS=BLOCK_M, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, CAUSAL=True, SOFTCAP=SOFTCAP, PAGE_SIZE=PAGE_SIZE,
             DOT_DTYPE=DOT_DTYPE, DOT_PRECISION=DOT_PRECISION,
         )  # fmt: skip
         # A real query always sees itself (l > 0); the block's rows past q_len may see no key

@@ -63,12 +63,14 @@ def decode(
     scale: float,
     num_splits: int,
     sliding_window: int = 0,
+    logit_softcap: float = 0.0,
     min_split_len: int = MIN_KEYS_PER_SPLIT,
     block_n: int = DECODE_BLOCK_N,
     page_size: int = 1,
 ) -> None:
     """out[r] = attention of q[r] over the first seq_lens[r] keys of table row req_pool_indices[r]
-    (the last `sliding_window` of them when that is > 0).
+    (the last `sliding_window` of them when that is > 0), scores soft-capped at `logit_softcap`
+    when that is > 0.
 
     q, out: [rows, heads, head_dim]; k_buf, v_buf: [slots, kv_heads, head_dim]; part_acc/part_lse:
     the workspace (see _decode_partial), with room for `num_splits` splits.  The grid depends on
@@ -85,7 +87,7 @@ def decode(
     block_d = _block(head_dim)
     _decode_partial[(rows, kv_heads, num_splits)](
         q, out, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, part_acc, part_lse,
-        scale,
+        scale, max(logit_softcap, 0.0),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         req_to_token.stride(0),
@@ -93,7 +95,7 @@ def decode(
         part_lse.stride(0), part_lse.stride(1),
         head_dim, min_split_len, max(sliding_window, 0),
         GROUP=group, BLOCK_H=_block(group), BLOCK_D=block_d, BLOCK_N=block_n, PAGE_SIZE=page_size,
-        **_dot_args(q.dtype),
+        SOFTCAP=logit_softcap > 0, **_dot_args(q.dtype),
     )  # fmt: skip
     if num_splits == 1:
         return  # every row was one split, written to `out` by _decode_partial
@@ -120,14 +122,15 @@ def extend(
     scale: float,
     max_extend_len: int,
     sliding_window: int = 0,
+    logit_softcap: float = 0.0,
     block_m: int = EXTEND_BLOCK_M,
     block_n: int = EXTEND_BLOCK_N,
     page_size: int = 1,
 ) -> None:
     """Each request's new tokens (rows extend_start_loc[r] ... + extend_seq_lens[r] of q) over its
     prefix and, causally, themselves (a query at p: keys p - sliding_window + 1 .. p when
-    sliding_window > 0).  q, out: [tokens, heads, head_dim]; rows of out that belong to no request
-    are not written."""
+    sliding_window > 0), scores soft-capped at `logit_softcap` when that is > 0.  q, out: [tokens,
+    heads, head_dim]; rows of out that belong to no request are not written."""
     requests = req_pool_indices.shape[0]
     _, heads, head_dim = q.shape
     if requests == 0 or max_extend_len == 0:
@@ -136,13 +139,13 @@ def extend(
     _extend[(requests, triton.cdiv(max_extend_len, block_m), heads)](
         q, out, k_buf, v_buf, req_to_token, req_pool_indices,
         extend_prefix_lens, extend_seq_lens, extend_start_loc,
-        scale,
+        scale, max(logit_softcap, 0.0),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         req_to_token.stride(0),
         head_dim, max(sliding_window, 0),
         GROUP=heads // k_buf.shape[1], BLOCK_M=block_m, BLOCK_D=_block(head_dim), BLOCK_N=block_n,
-        PAGE_SIZE=page_size, **_dot_args(q.dtype),
+        PAGE_SIZE=page_size, SOFTCAP=logit_softcap > 0, **_dot_args(q.dtype),
     )  # fmt: skip
 
 
@@ -151,12 +154,12 @@ _LIB = torch.library.Library("graphexec", "FRAGMENT")  # noqa: the library objec
 _LIB.define(
     "triton_decode(Tensor q, Tensor(a!) out, Tensor k_buf, Tensor v_buf, Tensor req_to_token, "
     "Tensor req_pool_indices, Tensor seq_lens, Tensor(b!) part_acc, Tensor(c!) part_lse, float scale, "
-    "int num_splits, int sliding_window=0) -> ()"
+    "int num_splits, int sliding_window=0, float logit_softcap=0.0) -> ()"
 )
 _LIB.define(
     "triton_extend(Tensor q, Tensor(a!) out, Tensor k_buf, Tensor v_buf, Tensor req_to_token, "
     "Tensor req_pool_indices, Tensor extend_prefix_lens, Tensor extend_seq_lens, Tensor extend_start_loc, "
-    "float scale, int max_extend_len, int sliding_window=0) -> ()"
+    "float scale, int max_extend_len, int sliding_window=0, float logit_softcap=0.0) -> ()"
 )
 _LIB.impl("triton_decode", decode, "CompositeExplicitAutograd")
 _LIB.impl("triton_extend", extend, "CompositeExplicitAutograd")

@@ -21,10 +21,15 @@
 //
 // The sliding window (Mistral's, transformers' semantics: a query at position p sees keys
 // p - window + 1 .. p) is an argument: 0 or less is full attention.  Keys below it stay in the
-// pool (no eviction); they are skipped, never read.
+// pool (no eviction); they are skipped, never read.  It may differ per layer (Gemma alternates
+// windowed and full layers): the binding holds every layer's and the call picks its layer's.
 //
-// Softmax runs in fp32 in base 2 (q is pre-scaled by scale * log2(e)); activations and the pool
-// may each be fp32, bf16 or fp16; every product is accumulated in fp32.
+// Softmax runs in fp32 in base 2 (q is pre-scaled by scale * log2(e); scale is head_dim^-0.5
+// unless the caller gives one, Gemma's query_pre_attn_scalar^-0.5); activations and the pool
+// may each be fp32, bf16 or fp16; every product is accumulated in fp32.  With a logit soft-cap
+// (Gemma 2) each score s becomes cap * tanh(s / cap) before the running max and exponentials, in
+// the same base-2 units (the cap times log2(e)); without one the score path is unchanged (one
+// test per block of scores, never per score).
 //
 // The C++ route of graphexec::attention reads the pool and metadata from a per-thread binding set
 // once per forward (attention_bind); with no binding it redispatches to graphexec::attention_py,
@@ -145,6 +150,37 @@ inline float hsum8(__m256 v) {
 #endif
 
 inline float exp2_scalar(float x) { return std::exp2(std::max(x, -126.0f)); }
+
+// Logit soft-capping of n scores in place: s = cap * tanh(s / cap) (cap > 0, in the scores'
+// base-2 units).  Vectorized through the softmax's exp2: tanh(y) = sign(y) (1 - e) / (1 + e)
+// with e = e^(-2|y|) = 2^(-2 |y| log2(e)) in (0, 1], so nothing overflows; absolute error a few
+// 1e-8 of the cap.  The tail (and the portable build) take std::tanh.
+inline void softcap_scores(float* s, int64_t n, float cap) {
+  const float inv = 1.0f / cap;
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  const __m512 vinv = _mm512_set1_ps(inv), vcap = _mm512_set1_ps(cap), k = _mm512_set1_ps(-2.0f * kLog2e);
+  const __m512 one = _mm512_set1_ps(1.0f);
+  const __m512i sign = _mm512_set1_epi32(static_cast<int>(0x80000000u));
+  for (; j + 16 <= n; j += 16) {
+    const __m512 y = _mm512_mul_ps(_mm512_loadu_ps(s + j), vinv);
+    const __m512 e = exp2_16(_mm512_mul_ps(_mm512_abs_ps(y), k));
+    const __m512 t = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));
+    const __m512i signed_t = _mm512_or_si512(_mm512_castps_si512(t), _mm512_and_si512(_mm512_castps_si512(y), sign));
+    _mm512_storeu_ps(s + j, _mm512_mul_ps(_mm512_castsi512_ps(signed_t), vcap));
+  }
+#elif defined(GX_ATTN_AVX2)
+  const __m256 vinv = _mm256_set1_ps(inv), vcap = _mm256_set1_ps(cap), k = _mm256_set1_ps(-2.0f * kLog2e);
+  const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+  for (; j + 8 <= n; j += 8) {
+    const __m256 y = _mm256_mul_ps(_mm256_loadu_ps(s + j), vinv);
+    const __m256 e = exp2_8(_mm256_mul_ps(_mm256_andnot_ps(sign, y), k));
+    const __m256 t = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));
+    _mm256_storeu_ps(s + j, _mm256_mul_ps(_mm256_or_ps(t, _mm256_and_ps(y, sign)), vcap));
+  }
+#endif
+  for (; j < n; ++j) s[j] = cap * std::tanh(s[j] * inv);
+}
 
 // a . b over 16 running sums: vectorizes without reordering a float reduction (the portable and
 // AVX2 decode scores).
@@ -395,10 +431,11 @@ constexpr int64_t kPrefetchKeys = 8;  // how far ahead key rows are requested
 // One query token against keys [k0, k1) of its request, all kv heads at once (a slot's K or V
 // row, kv_heads * head_dim values, is read whole and in order).  q: [heads][D] pre-scaled;
 // leaves unnormalized acc [heads][D], running max m and sum l per query head; s: [heads][kKeyBlock].
+// cap: the logit soft-cap in base-2 units (0: none).
 template <typename KV, int NC>  // NC: head_dim / 16 for the AVX-512 path; 0: any head_dim, portable
 void attend_keys(const float* q, int64_t KVH, int64_t G, int64_t D, const KV* k_base, const KV* v_base,
                  int64_t slot_stride, const int64_t* slots, int64_t k0, int64_t k1, float* m, float* l, float* acc,
-                 float* s) {
+                 float* s, float cap) {
   const int64_t HQ = KVH * G;
   const int64_t row_bytes = slot_stride * static_cast<int64_t>(sizeof(KV));
   for (int64_t i = 0; i < HQ; ++i) {
@@ -433,6 +470,7 @@ void attend_keys(const float* q, int64_t KVH, int64_t G, int64_t D, const KV* k_
     // online softmax (base 2), then values
     for (int64_t i = 0; i < HQ; ++i) {
       float* si = s + i * kKeyBlock;
+      if (cap > 0.0f) softcap_scores(si, nb, cap);
       const float alpha = softmax_row(si, m[i], l[i], nb);
       float* ai = acc + i * D;
       const KV* vh = v_base + (i / G) * D;
@@ -597,6 +635,7 @@ struct Call {
   int64_t q_stride, k_stride, v_stride, out_stride;  // row strides (elements)
   int64_t tokens, heads, kv_heads, head_dim, group;
   float scale;  // softmax scale * log2(e)
+  float softcap;  // logit soft-cap * log2(e) (the scores' units); 0: none
   // pool (this layer)
   void* k_layer;
   void* v_layer;
@@ -667,7 +706,8 @@ void run_query_tasks(const Call& c, const Meta& m, const std::vector<QueryTask>&
     float* s = ll + HQ;
     load_row(static_cast<const A*>(c.q) + it.token * c.q_stride, qs, HQ * D, c.scale);
     const int64_t* slots = m.table + it.req_row * m.table_stride;
-    attend_keys<KV, NC>(qs, c.kv_heads, c.group, D, kpool, vpool, c.slot_stride, slots, k0, k1, mm, ll, acc, s);
+    attend_keys<KV, NC>(qs, c.kv_heads, c.group, D, kpool, vpool, c.slot_stride, slots, k0, k1, mm, ll, acc, s,
+                        c.softcap);
     if (it.splits == 1) {
       for (int64_t h = 0; h < HQ; ++h) store_out<A>(c, it.token, h, acc + h * D, ll[h] > 0.0f ? 1.0f / ll[h] : 0.0f);
     } else {
@@ -858,6 +898,7 @@ void extend(const Call& c, const Meta& m) {
         const float* Kt = Kp + blk * D * kBK;
         const float* V = Vp + blk * kBK * D;
         for (int64_t i0 = 0; i0 < rows_pad; i0 += kMR) qk_tile(Q + i0 * D, Kt, S_ + i0 * kBK, D);
+        if (c.softcap > 0.0f) softcap_scores(S_, rows * kBK, c.softcap);  // before any masking
         const int64_t key0 = blk * kBK;
         const bool full = key0 + kBK - 1 <= first_limit && key0 >= last_start;
         for (int64_t row = 0; row < rows_pad; ++row) {
@@ -918,8 +959,9 @@ void run_activation(const Call& c, const Meta& m, at::ScalarType kv) {
   }
 }
 
+// scale: the softmax scale (0 or less: head_dim^-0.5); softcap: the logit soft-cap (0 or less: none).
 void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out, int64_t layer_id,
-         const Pool& pool, const Meta& m) {
+         const Pool& pool, const Meta& m, double scale, double softcap) {
   const auto dt = q.scalar_type();
   TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf,
               "paged_attention: activations must be float32, bfloat16 or float16, got ", dt);
@@ -959,7 +1001,8 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
          KVH,
          D,
          HQ / KVH,
-         static_cast<float>(1.0 / std::sqrt(static_cast<double>(D))) * kLog2e,
+         static_cast<float>(scale > 0.0 ? scale : 1.0 / std::sqrt(static_cast<double>(D))) * kLog2e,
+         softcap > 0.0 ? static_cast<float>(softcap * static_cast<double>(kLog2e)) : 0.0f,
          static_cast<char*>(pool.k) + layer_id * layer_bytes,
          static_cast<char*>(pool.v) + layer_id * layer_bytes,
          KVH * D};
@@ -990,11 +1033,11 @@ void paged_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Ten
                          const at::Tensor& out_cache_loc, const c10::optional<at::Tensor>& extend_prefix_lens,
                          const c10::optional<at::Tensor>& extend_seq_lens,
                          const c10::optional<at::Tensor>& extend_start_loc, int64_t num_token_non_padded,
-                         int64_t sliding_window) {
+                         int64_t sliding_window, double scale, double logit_softcap) {
   const Pool pool = pool_of(k_pool, v_pool);
   const Meta m = meta_of(pool, req_to_token, req_pool_indices, seq_lens, out_cache_loc, extend_prefix_lens,
                          extend_seq_lens, extend_start_loc, num_token_non_padded, sliding_window);
-  run(q, k, v, out, layer_id, pool, m);
+  run(q, k, v, out, layer_id, pool, m, scale, logit_softcap);
 }
 
 // This thread's forward.  The binding holds weak references only: a strong one would keep a
@@ -1006,7 +1049,9 @@ struct Binding {
   bool armed = false;
   std::vector<WeakTensor> watched;
   Pool pool;
-  Meta meta;
+  Meta meta;  // its window: every layer's, unless `windows` holds one per layer
+  std::vector<int64_t> windows;  // per layer (empty: meta.window for all)
+  double scale = 0.0, softcap = 0.0;
 
   bool alive() const {
     for (const WeakTensor& w : watched)
@@ -1025,13 +1070,19 @@ void attention_bind(const at::Tensor& k_pool, const at::Tensor& v_pool, const at
                     const c10::optional<at::Tensor>& extend_prefix_lens,
                     const c10::optional<at::Tensor>& extend_seq_lens,
                     const c10::optional<at::Tensor>& extend_start_loc, int64_t num_token_non_padded,
-                    int64_t sliding_window) {
+                    at::IntArrayRef sliding_windows, double scale, double logit_softcap) {
   Binding& b = binding();
   b.armed = false;
   b.watched.clear();
+  TORCH_CHECK(!sliding_windows.empty(), "attention_bind: sliding_windows needs one entry per layer, or one for all");
   b.pool = pool_of(k_pool, v_pool);
   b.meta = meta_of(b.pool, req_to_token, req_pool_indices, seq_lens, out_cache_loc, extend_prefix_lens,
-                   extend_seq_lens, extend_start_loc, num_token_non_padded, sliding_window);
+                   extend_seq_lens, extend_start_loc, num_token_non_padded, sliding_windows[0]);
+  b.windows.clear();
+  if (sliding_windows.size() > 1)
+    for (const int64_t w : sliding_windows) b.windows.push_back(std::max<int64_t>(w, 0));
+  b.scale = scale;
+  b.softcap = logit_softcap;
   for (const at::Tensor* t : {&k_pool, &v_pool, &req_to_token, &req_pool_indices, &seq_lens, &out_cache_loc})
     b.watched.emplace_back(t->getIntrusivePtr());
   for (const auto* t : {&extend_prefix_lens, &extend_seq_lens, &extend_start_loc})
@@ -1057,7 +1108,13 @@ void attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
     python_route.call(q, k, v, out, std::move(layer_id));
     return;
   }
-  run(q, k, v, out, layer_id.expect_int(), b.pool, b.meta);
+  const int64_t layer = layer_id.expect_int();
+  if (b.windows.empty()) return run(q, k, v, out, layer, b.pool, b.meta, b.scale, b.softcap);
+  TORCH_CHECK(0 <= layer && layer < static_cast<int64_t>(b.windows.size()), "attention: layer ", layer,
+              " has no sliding window in the binding (", b.windows.size(), " layers)");
+  Meta m = b.meta;
+  m.window = b.windows[layer];
+  run(q, k, v, out, layer, b.pool, m, b.scale, b.softcap);
 }
 
 }  // namespace
