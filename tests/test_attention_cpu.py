@@ -13,6 +13,7 @@ from graphexec.attention.backend import ForwardContext
 from graphexec.attention.cpu import CpuAttnBackend, load_kernels
 from graphexec.attention.forward_context import forward_context
 from graphexec.attention.op import unified_attention
+from graphexec.attention import torch_native
 from graphexec.attention.torch_native import TorchNativeAttnBackend
 from graphexec.batch.forward_batch import ForwardBatch
 from graphexec.batch.forward_mode import ForwardMode
@@ -283,11 +284,12 @@ class _NativeStatic(TorchNativeAttnBackend):
 @pytest.mark.parametrize("decode", [True, False])
 @pytest.mark.parametrize("make", [TorchNativeAttnBackend, _NativeStatic, CpuAttnBackend, _cpu_python_route],
                          ids=["torch_native", "torch_native-static", "cpu", "cpu-python"])
-def test_per_layer_windows_match_dense_reference(make, decode, options):
+def test_per_layer_windows_match_dense_reference(make, decode, options, monkeypatch):
     """One backend, sliding_window=(4, None, 4): each layer's call (the op, with the layer id the
     model passes) attends with its own layer's window, against the dense reference with that
     window; rows longer than the window, prefixes and none, short and long extend runs, padding.
-    With a custom scale and a soft-cap too."""
+    With a custom scale and a soft-cap too (torch_native's explicit scores in chunks of 16 queries)."""
+    monkeypatch.setattr(torch_native, "_SOFTCAP_QUERY_CHUNK", 16)
     runs = [(0, 1), (3, 1), (10, 1), (40, 1), (130, 1)] if decode else [(0, 30), (12, 17), (50, 1), (5, 3), (0, 70)]
     windows = tuple(w or 0 for w in WINDOWS)
     batch = Batch(runs, pad=2, window=windows, scale=options.get("scale"), softcap=options.get("softcap", 0.0))

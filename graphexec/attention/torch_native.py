@@ -33,6 +33,10 @@ class _DecodeMetadata:
 _DECODE_GROUP_ROWS = 8
 
 
+# Query rows per step of the soft-capped (explicit) attention: bounds its fp32 scores.
+_SOFTCAP_QUERY_CHUNK = 512
+
+
 @dataclass(frozen=True)
 class _ExtendRun:
     q_start: int
@@ -176,17 +180,23 @@ class TorchNativeAttnBackend(AttentionBackend):
                 queries, keys, values, attn_mask=mask, is_causal=is_causal, scale=self.scale, enable_gqa=h != kvh
             )
         # Soft-capped (Gemma 2, as transformers' eager attention): cap * tanh(s / cap) before the
-        # mask and an fp32 softmax.  SDPA has no hook for it.
+        # mask and an fp32 softmax.  SDPA has no hook for it.  Queries go in chunks so that a long
+        # prompt's scores never exist whole ([heads, chunk, keys] fp32 at a time).
         if h != kvh:
             keys, values = keys.repeat_interleave(h // kvh, 1), values.repeat_interleave(h // kvh, 1)
-        scores = torch.matmul(queries.float(), keys.float().transpose(-1, -2)) * self.scale
-        scores = torch.tanh(scores / self.logit_softcap) * self.logit_softcap
+        keys_t, values = keys.float().transpose(-1, -2), values.float()
+        q_len, k_len = queries.shape[-2], keys.shape[-2]
         if is_causal:
-            q_len, k_len = scores.shape[-2:]
-            mask = torch.ones(q_len, k_len, dtype=torch.bool, device=scores.device).tril(k_len - q_len)
-        if mask is not None:
-            scores = scores.masked_fill(~mask, float("-inf"))
-        return torch.matmul(torch.softmax(scores, dim=-1), values.float()).to(queries.dtype)
+            mask = torch.ones(q_len, k_len, dtype=torch.bool, device=queries.device).tril(k_len - q_len)
+        outputs = []
+        for q0 in range(0, q_len, _SOFTCAP_QUERY_CHUNK):
+            q1 = min(q_len, q0 + _SOFTCAP_QUERY_CHUNK)
+            scores = torch.matmul(queries[..., q0:q1, :].float(), keys_t) * self.scale
+            scores = torch.tanh(scores / self.logit_softcap) * self.logit_softcap
+            if mask is not None:
+                scores = scores.masked_fill(~mask[..., q0:q1, :], float("-inf"))
+            outputs.append(torch.matmul(torch.softmax(scores, dim=-1), values))
+        return torch.cat(outputs, dim=-2).to(queries.dtype)
 
 
 def _gather(cache: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
