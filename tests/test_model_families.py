@@ -1,5 +1,5 @@
-"""Dense model families (Llama 3.x RoPE scaling, Mistral, Qwen3, Phi-3 / Phi-4-mini) against
-Hugging Face transformers on the same tiny random weights, from HF directories and GGUF files.
+"""Dense model families (Llama 3.x RoPE scaling, Mistral, Qwen3, Phi-3 / Phi-4-mini, Gemma 2 and 3)
+against Hugging Face transformers on the same tiny random weights, from HF directories and GGUF files.
 
 Tolerance: both sides run fp32 on the CPU with the same weights; they differ only in summation
 order (fused q/k/v and gate/up matmuls, the paged attention kernel), which leaves logits of
@@ -44,7 +44,27 @@ FAMILIES = {
         partial_rotary_factor=0.75, original_max_position_embeddings=64, tie_word_embeddings=True, sliding_window=512,
         rope_scaling=dict(rope_type="longrope", short_factor=[1.0, 1.1, 1.3, 2.1, 3.5, 5.0],
                           long_factor=[2.0, 3.0, 4.0, 8.0, 16.0, 32.0]))),
+    # Gemma: sandwich norms, (1 + w) norms, GeGLU, scaled embeddings, a softmax scale of its own,
+    # sliding layers with a window the prompts outgrow.  Gemma 2: soft-capped scores and logits
+    # (caps the tiny model's values reach), layers alternate.  Gemma 3: q/k norms, five sliding
+    # layers then a full one, the sliding layers on their own RoPE base, linear scaling on the rest.
+    "gemma": ("GemmaForCausalLM", "GemmaConfig", dict(head_dim=16)),  # no sandwich norms, caps or windows
+    "gemma2": ("Gemma2ForCausalLM", "Gemma2Config", dict(
+        head_dim=16, query_pre_attn_scalar=24, sliding_window=8, attn_logit_softcapping=5.0,
+        final_logit_softcapping=20.0)),
+    "gemma3": ("Gemma3ForCausalLM", "Gemma3TextConfig", dict(
+        num_hidden_layers=6, head_dim=16, query_pre_attn_scalar=24, sliding_window=8,
+        rope_scaling=dict(rope_type="linear", factor=4.0))),
+    # Mixtures of experts: every expert routed to somewhere in the prompts, weights renormalised
+    # (Mixtral always, Qwen3-MoE by norm_topk_prob) or not (Qwen2-MoE), Qwen2-MoE's gated shared expert.
+    "mixtral": ("MixtralForCausalLM", "MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2)),
+    "qwen2_moe": ("Qwen2MoeForCausalLM", "Qwen2MoeConfig", dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", dict(
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16, norm_topk_prob=True)),
 }
+GEMMA = ("gemma", "gemma2", "gemma3")
+MOE = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 
 def _peaked_(model) -> None:
@@ -158,14 +178,9 @@ def _save_config(path, config) -> None:
 @pytest.mark.parametrize(
     "config_name, fields, match",
     [
-        # Windows on some layers only (Qwen's max_window_layers, a mixed layer_types): one window for all is run.
-        ("Qwen3Config", dict(use_sliding_window=True, sliding_window=32, max_window_layers=1),
-         r"per-layer sliding-window attention \(sliding_window=32 < context 256 on some layers only"),
-        ("Qwen2Config", dict(use_sliding_window=True, sliding_window=32, layer_types=["sliding_attention", "full_attention"]),
-         r"per-layer sliding-window attention .*layer_types"),
-        ("GemmaConfig", dict(head_dim=16), r"unsupported model \['GemmaForCausalLM'\]"),
-        ("Qwen3MoeConfig", dict(num_experts=4), "mixture-of-experts"),
-        ("MixtralConfig", dict(), "mixture-of-experts"),
+        ("Qwen2Config", dict(use_sliding_window=True, sliding_window=32, layer_types=["chunked_attention"] * 2),
+         r"attention layer types \['chunked_attention'\]"),
+        ("OlmoeConfig", dict(num_experts=4), r"mixture-of-experts model \['OlmoeForCausalLM'\] is not supported"),
         ("LlamaConfig", dict(rope_scaling=dict(rope_type="proportional", factor=2.0)), "RoPE scaling 'proportional'"),
         ("Qwen3Config", dict(attention_bias=True), "attention_bias"),
     ],
@@ -191,47 +206,86 @@ def test_a_window_as_long_as_the_context_is_full_attention(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "config_name, fields, window",
+    "config_name, fields",
     [
-        ("MistralConfig", dict(sliding_window=64), 64),
-        ("Phi3Config", dict(sliding_window=31), 31),
-        # Qwen: the window only with use_sliding_window, on layers from max_window_layers on (here all).
-        ("Qwen3Config", dict(use_sliding_window=True, sliding_window=32, max_window_layers=0), 32),
-        ("Qwen2Config", dict(use_sliding_window=True, sliding_window=32, max_window_layers=0), 32),
-        ("Qwen3Config", dict(use_sliding_window=False, sliding_window=32, max_window_layers=0), None),
-        ("Qwen2Config", dict(use_sliding_window=True, sliding_window=32, max_window_layers=2), None),  # no layer
-        ("MistralConfig", dict(sliding_window=None), None),
+        ("MistralConfig", dict(sliding_window=64)),
+        ("Phi3Config", dict(sliding_window=31)),
+        # Qwen: the window only with use_sliding_window, on layers from max_window_layers on.
+        ("Qwen3Config", dict(use_sliding_window=True, sliding_window=32, max_window_layers=0)),
+        ("Qwen2Config", dict(use_sliding_window=True, sliding_window=32, max_window_layers=1)),
+        ("Qwen3Config", dict(use_sliding_window=False, sliding_window=32, max_window_layers=0)),
+        ("Qwen2Config", dict(use_sliding_window=True, sliding_window=32, max_window_layers=2)),  # no layer
+        ("Qwen2Config", dict(use_sliding_window=True, sliding_window=32, layer_types=["sliding_attention", "full_attention"])),
+        ("MistralConfig", dict(sliding_window=None)),
+        ("Gemma2Config", dict(sliding_window=32, num_hidden_layers=3)),
+        ("Gemma3TextConfig", dict(sliding_window=32, num_hidden_layers=7)),
+        ("Gemma3TextConfig", dict(sliding_window=32, num_hidden_layers=4, sliding_window_pattern=2)),
     ],
 )
-def test_one_window_for_every_layer_is_read(config_name, fields, window, tmp_path):
-    """As transformers reads the config (each case's own layer_types agree)."""
+def test_each_layers_window_is_read_as_transformers_reads_it(config_name, fields, tmp_path):
+    """Per layer, as transformers' attention modules take it: the window on `sliding_attention`
+    layers (Qwen: only with use_sliding_window), none on the others."""
     from graphexec.loader.hf_config import model_config
 
     config = getattr(transformers, config_name)(**{**TINY, **fields})
-    assert model_config(config.to_dict(), "t", True, [], tmp_path).sliding_window == window
-    hf_window = config.sliding_window if "sliding_attention" in (getattr(config, "layer_types", None) or ["sliding_attention"]) else None
-    assert hf_window == window
+    raw = config.to_dict()
+    uses = raw.get("use_sliding_window", True)
+    kinds = getattr(config, "layer_types", None) or ["sliding_attention"] * config.num_hidden_layers
+    expected = tuple(config.sliding_window if kind == "sliding_attention" and uses else None for kind in kinds)
+    assert model_config(raw, "t", True, [], tmp_path).layer_windows == expected
+    if config_name.startswith("Gemma"):  # from transformers 4's spelling too: no layer_types, a pattern
+        raw.pop("layer_types")
+        if "gemma3" in raw["model_type"]:
+            raw["sliding_window_pattern"] = fields.get("sliding_window_pattern", 6)
+        assert model_config(raw, "t", True, [], tmp_path).layer_windows == expected
+
+
+def test_gemma_refusals(tmp_path):
+    from graphexec.loader.hf_config import model_config
+
+    bidirectional = transformers.Gemma3TextConfig(**{**TINY, "use_bidirectional_attention": True}).to_dict()
+    with pytest.raises(CheckpointError, match="use_bidirectional_attention"):
+        model_config(bidirectional, "t", True, [], tmp_path)
+    multimodal = {**transformers.Gemma3TextConfig(**TINY).to_dict(), "architectures": ["Gemma3ForConditionalGeneration"]}
+    with pytest.raises(CheckpointError, match="unsupported model.*Gemma3ForConditionalGeneration"):
+        model_config(multimodal, "t", True, [], tmp_path)
 
 
 # ---- GGUF: what llama.cpp's converter writes for each family --------------------------------
 
-GGUF_ARCH = {"llama3": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}  # Mistral 7B converts as llama
+# Mistral 7B converts as llama
+GGUF_ARCH = {"llama3": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "gemma": "gemma",
+             "gemma2": "gemma2", "gemma3": "gemma3", "mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}
 GGUF_BLOCK_NAMES = {
     "self_attn.q_norm.weight": "attn_q_norm.weight",
     "self_attn.k_norm.weight": "attn_k_norm.weight",
     "self_attn.qkv_proj.weight": "attn_qkv.weight",
     "mlp.gate_up_proj.weight": "ffn_up.weight",  # Phi-3: gate and up stacked, no ffn_gate
+    "mlp.gate.weight": "ffn_gate_inp.weight",  # a mixture's router, stacked experts, shared expert
+    "mlp.experts.gate_proj.weight": "ffn_gate_exps.weight",
+    "mlp.experts.up_proj.weight": "ffn_up_exps.weight",
+    "mlp.experts.down_proj.weight": "ffn_down_exps.weight",
+    "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
+    "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
+    "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
+}
+GGUF_GEMMA_NAMES = {
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
 }
 
 
-def _gguf_name(key: str) -> str:
+def _gguf_name(key: str, arch: str) -> str:
     from tests.test_loader import GGUF_NAMES
 
     if key in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
         return {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                 "lm_head.weight": "output.weight"}[key]
     _, _, layer, rest = key.split(".", 3)
-    return f"blk.{layer}.{GGUF_BLOCK_NAMES.get(rest) or GGUF_NAMES[rest]}"
+    gemma = GGUF_GEMMA_NAMES if arch in ("gemma2", "gemma3") else {}
+    return f"blk.{layer}.{gemma.get(rest) or GGUF_BLOCK_NAMES.get(rest) or GGUF_NAMES[rest]}"
 
 
 def _rope_metadata(writer, family: str, hf_config) -> None:
@@ -250,6 +304,9 @@ def _rope_metadata(writer, family: str, hf_config) -> None:
         writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         writer.add_rope_scaling_factor(4.0)
         writer.add_rope_scaling_orig_ctx_len(64)
+    elif family == "gemma3":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(4.0)
     elif family == "phi3":
         params = hf_config.rope_parameters
         writer.add_rope_dimension_count(12)
@@ -257,6 +314,25 @@ def _rope_metadata(writer, family: str, hf_config) -> None:
         writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(256 / 64) / math.log(64)))
         writer.add_tensor("rope_factors_long.weight", torch.tensor(params["long_factor"]).numpy())
         writer.add_tensor("rope_factors_short.weight", torch.tensor(params["short_factor"]).numpy())
+
+
+def _moe_metadata(writer, family: str, c) -> None:
+    """What llama.cpp's converter writes for a mixture (Mixtral's expert size is feed_forward_length)."""
+    writer.add_expert_count(getattr(c, "num_local_experts", None) or c.num_experts)
+    writer.add_expert_used_count(c.num_experts_per_tok)
+    if family != "mixtral":
+        writer.add_expert_feed_forward_length(c.moe_intermediate_size)
+        writer.add_expert_weights_norm(bool(c.norm_topk_prob))
+    if family == "qwen2_moe":
+        writer.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
+
+
+def _stacked_experts(state: dict, hf_config, path) -> dict:
+    """The per-expert tensors stacked as GGUF files hold them, as the HF loader stacks them."""
+    from graphexec.loader.experts import stack_experts
+    from graphexec.loader.hf_config import model_config
+
+    return stack_experts(dict(state), model_config(hf_config.to_dict(), "t", True, [], path), path)
 
 
 def write_family_gguf(path, family: str, model, sliding_window: int | None = None, types=None) -> None:
@@ -277,12 +353,22 @@ def write_family_gguf(path, family: str, model, sliding_window: int | None = Non
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_layer_norm_rms_eps(c.rms_norm_eps)
-    writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    rope = c.rope_parameters.get("full_attention", c.rope_parameters)  # Gemma 3: per layer kind
+    writer.add_rope_freq_base(rope["rope_theta"])
     writer.add_vocab_size(c.vocab_size)
     if sliding_window is not None:
         writer.add_sliding_window(sliding_window)
+    if arch in ("gemma2", "gemma3"):  # llama.cpp's converter: the window and the caps; the rest is hard-coded there
+        writer.add_sliding_window(c.sliding_window)
+        if c.attn_logit_softcapping is not None:
+            writer.add_attn_logit_softcapping(c.attn_logit_softcapping)
+        if c.final_logit_softcapping is not None:
+            writer.add_final_logit_softcapping(c.final_logit_softcapping)
     _rope_metadata(writer, family, c)
     state = model.state_dict()
+    if family in MOE:
+        _moe_metadata(writer, family, c)
+        state = _stacked_experts(state, c, path)
     if c.tie_word_embeddings:
         state.pop("lm_head.weight")
     for key, tensor in state.items():
@@ -291,7 +377,11 @@ def write_family_gguf(path, family: str, model, sliding_window: int | None = Non
         if arch == "llama" and (".q_proj." in key or ".k_proj." in key):
             heads = c.num_attention_heads if ".q_proj." in key else c.num_key_value_heads
             tensor = llama_cpp_permute(tensor, heads)  # the converter's q/k row interleave
-        name, array = _gguf_name(key), tensor.detach().numpy().astype("float32")
+        if key.endswith("shared_expert_gate.weight"):
+            tensor = tensor.reshape(-1)  # llama.cpp's converter stores the one-row gate as a vector
+        if arch in GEMMA and key.endswith("norm.weight"):
+            tensor = tensor + 1  # the converter stores Gemma's norms as 1 + w
+        name, array = _gguf_name(key, arch), tensor.detach().numpy().astype("float32")
         qtype = (types or {}).get(name.split(".")[-2])
         if qtype is None:
             writer.add_tensor(name, array)
@@ -305,10 +395,14 @@ def write_family_gguf(path, family: str, model, sliding_window: int | None = Non
 
 def test_gguf_matches_transformers(hf_family, tmp_path):
     family, _, reference = hf_family
+    if family in ("gemma2", "gemma3"):
+        # llama.cpp scales Gemma's attention by head_dim (query_pre_attn_scalar is not stored).
+        reference = save_family(family, tmp_path / "hf", query_pre_attn_scalar=16)
     write_family_gguf(tmp_path / "m.gguf", family, reference)
     engine = Engine(overrides=["model=hf", "model.source=gguf", f"model.path={tmp_path / 'm.gguf'}",
                                "capture=eager", "cache.num_slots=512"])
-    assert engine.model_config.architecture == GGUF_ARCH[family]
+    # A llama file with experts is Mixtral; qwen2moe / qwen3moe are the families' own names.
+    assert engine.model_config.architecture == (family if family in MOE else GGUF_ARCH[family])
     _check_engine(engine, reference)
 
 
@@ -350,11 +444,14 @@ def test_decode_graph_equals_transformers(hf_family):
 # ---- tensor parallelism ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("families", [("qwen3", "llama3"), ("phi3", "qwen2")])
+@pytest.mark.parametrize("families", [("qwen3", "gemma2"), ("phi3", "qwen2", "gemma3")])
 def test_tp2_equals_tp1(families, tmp_path):
-    """Qwen3 (replicated per-head q/k norms), RoPE-scaled Llama 3, Phi-3 (fused tensors split,
-    then cut, while loading) and Qwen2 (cut biases) at parallel.tp_size=2 against 1, all ranks as
-    real processes at once; ATOL as tests/test_tp_model.py's (the all-reduce changes the summation order)."""
+    """Qwen3 (replicated per-head q/k norms), Gemma 2 (output norms after the all-reduce,
+    soft-capped logits gathered), Phi-3 (fused tensors split, then cut, while loading), Qwen2
+    (cut biases) and Gemma 3 (two RoPE bases, per-layer windows on each rank's heads) at
+    parallel.tp_size=2 against 1, all ranks as real processes at once; ATOL as
+    tests/test_tp_model.py's (the all-reduce changes the summation order).  (Llama 3's scaled
+    RoPE tables are built as Llama's are.)"""
     from tests.test_tp_model import ATOL, _max_diff, _run_ranks
 
     groups = []

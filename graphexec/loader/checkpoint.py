@@ -42,6 +42,9 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         layer = f"model.layers.{i}"
         shapes[f"{layer}.input_layernorm.weight"] = (hidden,)
         shapes[f"{layer}.post_attention_layernorm.weight"] = (hidden,)
+        if config.sandwich_norms:  # Gemma: the MLP's input and output norms too
+            shapes[f"{layer}.pre_feedforward_layernorm.weight"] = (hidden,)
+            shapes[f"{layer}.post_feedforward_layernorm.weight"] = (hidden,)
         shapes[f"{layer}.self_attn.q_proj.weight"] = (config.q_size, hidden)
         shapes[f"{layer}.self_attn.k_proj.weight"] = (config.kv_size, hidden)
         shapes[f"{layer}.self_attn.v_proj.weight"] = (config.kv_size, hidden)
@@ -53,9 +56,31 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         if config.qk_norm:
             shapes[f"{layer}.self_attn.q_norm.weight"] = (config.head_dim,)
             shapes[f"{layer}.self_attn.k_norm.weight"] = (config.head_dim,)
+        if config.is_sparse_layer(i):
+            shapes.update(_moe_shapes(config, f"{layer}.mlp"))
+            continue
         shapes[f"{layer}.mlp.gate_proj.weight"] = (ffn, hidden)
         shapes[f"{layer}.mlp.up_proj.weight"] = (ffn, hidden)
         shapes[f"{layer}.mlp.down_proj.weight"] = (hidden, ffn)
+    return shapes
+
+
+def _moe_shapes(config: ModelConfig, mlp: str) -> dict[str, tuple[int, ...]]:
+    """A sparse layer's router, its experts stacked [experts, rows, cols] (the loaders stack a
+    checkpoint's per-expert tensors) and its shared expert, if any."""
+    hidden, experts, inter = config.hidden_size, config.num_experts, config.moe_intermediate_size
+    shapes = {
+        f"{mlp}.gate.weight": (experts, hidden),
+        f"{mlp}.experts.gate_proj.weight": (experts, inter, hidden),
+        f"{mlp}.experts.up_proj.weight": (experts, inter, hidden),
+        f"{mlp}.experts.down_proj.weight": (experts, hidden, inter),
+    }
+    shared = config.shared_expert_intermediate_size
+    if shared:
+        shapes[f"{mlp}.shared_expert.gate_proj.weight"] = (shared, hidden)
+        shapes[f"{mlp}.shared_expert.up_proj.weight"] = (shared, hidden)
+        shapes[f"{mlp}.shared_expert.down_proj.weight"] = (hidden, shared)
+        shapes[f"{mlp}.shared_expert_gate.weight"] = (1, hidden)
     return shapes
 
 

@@ -1,5 +1,5 @@
-"""Load a llama.cpp GGUF file (Llama, Mistral, Qwen2, Qwen3, Phi-3: graphexec/loader/gguf_config.py)
-into Hugging Face-named tensors.
+"""Load a llama.cpp GGUF file (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 1, 2 and 3:
+graphexec/loader/gguf_config.py) into Hugging Face-named tensors.
 
 `weights="native"` keeps Q4_0 / Q4_1 / Q8_0 tensors block-quantized (graphexec.quant's packed
 arrays) and Q4_K / Q5_K / Q6_K / Q5_0 / Q5_1 tensors as the file's own block bytes (BlockWeight):
@@ -18,7 +18,7 @@ import torch
 from graphexec.errors import CheckpointError
 from graphexec.loader.checkpoint import LoadedCheckpoint, check_state_dict
 from graphexec.loader.fused import is_fused, split_fused
-from graphexec.loader.gguf_config import ROPE_TENSORS, config_from_metadata
+from graphexec.loader.gguf_config import GEMMA_ARCHITECTURES, ROPE_TENSORS, config_from_metadata
 from graphexec.loader.gguf_file import GGUFFile, GGUFTensor, read_gguf
 from graphexec.models.config import ModelConfig
 from graphexec.models.sharding import Cut, check_block_cut, cut_for, cut_weight
@@ -55,6 +55,23 @@ _BLOCK_TENSORS = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # Mixtures of experts: the router, the stacked experts, the shared expert and its gate.
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+}
+# Gemma 2 / 3's four norms a layer: llama.cpp's ffn_norm is the MLP's input norm, as Llama's is,
+# but their Hugging Face names call that one pre_feedforward_layernorm.
+_GEMMA_BLOCK_TENSORS = {
+    **_BLOCK_TENSORS,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
 }
 _BLOCK_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
@@ -64,10 +81,11 @@ def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
     if gguf_name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[gguf_name]
     match = _BLOCK_NAME.fullmatch(gguf_name)
-    if match is None or match[2] not in _BLOCK_TENSORS:
+    names = _GEMMA_BLOCK_TENSORS if arch in ("gemma2", "gemma3") else _BLOCK_TENSORS
+    if match is None or match[2] not in names:
         return None
     # Phi-3 has no ffn_gate: its ffn_up holds gate and up stacked, as HF's gate_up_proj.
-    module = "mlp.gate_up_proj" if (arch, match[2]) == ("phi3", "ffn_up") else _BLOCK_TENSORS[match[2]]
+    module = "mlp.gate_up_proj" if (arch, match[2]) == ("phi3", "ffn_up") else names[match[2]]
     return f"model.layers.{match[1]}.{module}.{match[3]}"
 
 
@@ -97,19 +115,30 @@ def _state_dict(file: GGUFFile, config: ModelConfig, gguf_arch: str, dtype: torc
         fused = is_fused(hf_name)
         cut = None if fused else cut_for(hf_name, layout)
         weight: Weight
-        if weights == "native" and qtype in NATIVE_GGUF_TYPES:
+        # TODO(issue 25): keep a mixture's stacked experts packed, reading only the routed ones' blocks.
+        experts = len(shape) == 3
+        if weights == "native" and qtype in NATIVE_GGUF_TYPES and not experts:
             raw, part_shape = _cut_blocks(hf_name, tensor.data, qtype, shape, cut)
             if qtype in SUPPORTED_GGUF_TYPES:
                 weight = from_gguf_blocks(raw, qtype, part_shape)
             else:
                 weight = BlockWeight.from_gguf(raw, qtype, part_shape)
         elif weights == "native" and qtype not in _DENSE_TYPES:
+            supported = "no type yet, for stacked experts" if experts else ", ".join(NATIVE_GGUF_TYPES)
             raise CheckpointError(
                 f"{path}: tensor {tensor.name} is {qtype}, which model.weights=native cannot keep quantized "
-                f"(supported: {', '.join(NATIVE_GGUF_TYPES)}); load it with model.weights=dequantize"
+                f"(supported: {supported}); load it with model.weights=dequantize"
             )
         else:
-            weight = _dequantized(tensor, shape, path, cut).to(dtype)
+            weight = _dequantized(tensor, shape, path, cut)
+            if gguf_arch in GEMMA_ARCHITECTURES and hf_name.endswith("norm.weight"):
+                # llama.cpp's converter stores Gemma's norm weights plus one (its RMSNorm scales by
+                # the weight alone); the model adds the one back (RMSNorm's unit_offset).  In fp32,
+                # before any cast, as transformers' GGUF reader does it.
+                weight = weight - 1.0
+            if hf_name.endswith("shared_expert_gate.weight"):
+                weight = weight.reshape(1, -1)  # llama.cpp stores the one-row gate as a vector
+            weight = weight.to(dtype)
         # Only llama-arch files were permuted by the converter; Qwen2 files keep HF's layout.  The
         # permutation is within a head, so a rank's whole heads unpermute on their own.
         if gguf_arch == "llama" and hf_name.split(".")[-2] in ("q_proj", "k_proj"):

@@ -1,5 +1,6 @@
-"""Load a Hugging Face checkpoint directory (config.json + *.safetensors) of a dense family
-graphexec runs (graphexec/loader/hf_config.py says which, and refuses the rest)."""
+"""Load a Hugging Face checkpoint directory (config.json + *.safetensors) of a family graphexec
+runs (graphexec/loader/hf_config.py says which, and refuses the rest); a mixture's experts are
+stacked per layer (graphexec/loader/experts.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from safetensors import safe_open
 
 from graphexec.errors import CheckpointError
 from graphexec.loader.checkpoint import LoadedCheckpoint, check_state_dict
+from graphexec.loader.experts import stack_experts
 from graphexec.loader.fused import is_fused, split_fused
 from graphexec.loader.hf_config import model_config
 from graphexec.models.config import ModelConfig
@@ -109,6 +111,7 @@ def load_hf_dir(
         raise CheckpointError(f"{config_file}: missing or malformed field {error}") from error
     layout = TPLayout.build(config, tp_size, tp_rank)
     state_dict = _read_safetensors(files, lambda key: not _unused(key, config), layout, dtype)
+    state_dict = stack_experts(state_dict, config, directory)
     check_state_dict(config, state_dict, directory, layout)
     tokenizer = Tokenizer.from_hf_dir(directory) if (directory / "tokenizer.json").is_file() else None
     return LoadedCheckpoint(config=config, state_dict=state_dict, tokenizer=tokenizer, tp_shard=(tp_size, tp_rank))

@@ -23,15 +23,21 @@ class Embedding(nn.Embedding):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float):
+    """`unit_offset` (Gemma): scale by 1 + weight, in fp32 before the cast back, as Gemma's
+    reference does; otherwise by weight after the cast, as Llama's does."""
+
+    def __init__(self, hidden_size: int, eps: float, unit_offset: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.unit_offset = unit_offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalize in fp32 whatever the storage dtype, as the reference does.
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.unit_offset:
+            return (x32 * (1.0 + self.weight.float())).to(x.dtype)
         return self.weight * x32.to(x.dtype)
 
 
@@ -71,15 +77,19 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
 
 
-class SwiGLU(nn.Module):
-    """gate and up projections fused into one matmul: one weight read instead of two."""
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)): SwiGLU with silu, GeGLU (Gemma) with gelu_tanh.  gate and up
+    are fused into one matmul: one weight read instead of two."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int):
+    def __init__(self, hidden_size: int, intermediate_size: int, activation: str = "silu"):
         super().__init__()
         self.intermediate_size = intermediate_size
+        self.activation = activation
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=False)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        if self.activation == "gelu_tanh":
+            return self.down_proj(nn.functional.gelu(gate, approximate="tanh") * up)
         return self.down_proj(nn.functional.silu(gate) * up)

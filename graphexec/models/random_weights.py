@@ -36,10 +36,34 @@ def random_state_dict(config: ModelConfig, seed: int) -> dict[str, torch.Tensor]
             sd[f"{p}.self_attn.k_norm.weight"] = norm(config.head_dim)
         sd[f"{p}.self_attn.o_proj.weight"] = linear(h, config.q_size)
         sd[f"{p}.post_attention_layernorm.weight"] = norm(h)
+        if config.sandwich_norms:
+            sd[f"{p}.pre_feedforward_layernorm.weight"] = norm(h)
+            sd[f"{p}.post_feedforward_layernorm.weight"] = norm(h)
+        if config.is_sparse_layer(layer):
+            sd.update(_experts(config, f"{p}.mlp", linear))
+            continue
         sd[f"{p}.mlp.gate_proj.weight"] = linear(i, h)
         sd[f"{p}.mlp.up_proj.weight"] = linear(i, h)
         sd[f"{p}.mlp.down_proj.weight"] = linear(h, i)
     sd["model.norm.weight"] = norm(h)
     if not config.tie_word_embeddings:
         sd["lm_head.weight"] = torch.randn(config.vocab_size, h, generator=gen)
+    return sd
+
+
+def _experts(config: ModelConfig, mlp: str, linear) -> dict[str, torch.Tensor]:
+    """A sparse layer's router and stacked experts (graphexec/loader/checkpoint.py's names)."""
+    h, i, n = config.hidden_size, config.moe_intermediate_size, config.num_experts
+    sd = {
+        f"{mlp}.gate.weight": linear(n, h),
+        f"{mlp}.experts.gate_proj.weight": torch.stack([linear(i, h) for _ in range(n)]),
+        f"{mlp}.experts.up_proj.weight": torch.stack([linear(i, h) for _ in range(n)]),
+        f"{mlp}.experts.down_proj.weight": torch.stack([linear(h, i) for _ in range(n)]),
+    }
+    shared = config.shared_expert_intermediate_size
+    if shared:
+        sd[f"{mlp}.shared_expert.gate_proj.weight"] = linear(shared, h)
+        sd[f"{mlp}.shared_expert.up_proj.weight"] = linear(shared, h)
+        sd[f"{mlp}.shared_expert.down_proj.weight"] = linear(h, shared)
+        sd[f"{mlp}.shared_expert_gate.weight"] = linear(1, h)
     return sd

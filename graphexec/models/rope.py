@@ -20,6 +20,7 @@ equal.  Everything here is static: tables are built once for positions [0, max_c
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 
@@ -44,6 +45,14 @@ def inverse_frequencies(config: ModelConfig) -> tuple[torch.Tensor, float]:
     if scaling.kind == "factors":
         return plain / _factors(scaling.short_factor, dim), scaling.attention_factor or 1.0
     raise ValueError(f"unknown RoPE scaling {scaling.kind!r}")
+
+
+def local_inverse_frequencies(config: ModelConfig) -> torch.Tensor | None:
+    """Gemma 3's sliding layers rotate with plain RoPE at their own base (local_rope_theta); the
+    checkpoint's scaling is the full-attention layers' alone.  None: every layer rotates alike."""
+    if config.local_rope_theta is None:
+        return None
+    return inverse_frequencies(replace(config, rope_theta=config.local_rope_theta, rope_scaling=None))[0]
 
 
 def _factors(values: tuple[float, ...] | None, dim: int) -> torch.Tensor:

@@ -86,6 +86,11 @@ def _check(config: ModelConfig, size: int) -> None:
     heads = f"the model has {config.num_heads} query and {config.num_kv_heads} KV heads"
     if size < 1:
         raise ConfigError(f"parallel.tp_size must be >= 1, got {size}")
+    if config.num_experts and size > 1:
+        # TODO(issue 25): cut each expert's intermediate dimension like a dense MLP's.
+        raise ConfigError(
+            f"parallel.tp_size={size} with a mixture-of-experts model ({config.architecture}) is not supported yet; use 1"
+        )
     if config.num_heads % size:
         raise ConfigError(f"parallel.tp_size={size} must divide the query heads: {heads}")
     if config.num_kv_heads >= size and config.num_kv_heads % size:

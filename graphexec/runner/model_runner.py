@@ -85,7 +85,8 @@ class ModelRunner:
         local = model.layout.local_config()
         self.attn_backend = create_attention_backend(
             config.attention_backend, local.num_heads, local.num_kv_heads, local.head_dim, self.device,
-            sliding_window=self.model_config.sliding_window,
+            sliding_window=self.model_config.layer_windows, scale=self.model_config.attention_scale,
+            logit_softcap=self.model_config.attn_logit_softcap,
         )
         self.logits_processor = LogitsProcessor(self.model.compute_logits)
         self.sampler = Sampler(TokenBitmask(self.model_config.vocab_size, config.scheduler.max_running_requests))
@@ -268,7 +269,7 @@ class ModelRunner:
 
     def weight_nbytes(self) -> int:
         """Bytes of resident weights: parameters and packed quantized arrays, not derived RoPE tables."""
-        derived = {id(t) for t in self.model.rotary.buffers()}
+        derived = {id(t) for t in self.model.rope_tables()}
         tensors = [t for t in [*self.model.parameters(), *self.model.buffers()] if id(t) not in derived]
         return sum(t.numel() * t.element_size() for t in tensors)
 

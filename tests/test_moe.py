@@ -1,0 +1,165 @@
+"""The mixture-of-experts MLP (graphexec/models/moe.py): routing against transformers' routers, the
+grouped expert op against a token-by-token reference, one opaque node under torch.compile, and
+sparse/dense layer patterns end to end.  (tests/test_model_families.py runs Mixtral, Qwen2-MoE and
+Qwen3-MoE against transformers from HF directories and GGUF files, eager and as a decode graph.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from graphexec.models.moe import route
+
+transformers = pytest.importorskip("transformers")
+
+HIDDEN, INTER, EXPERTS = 32, 24, 6
+
+
+def _weights(seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    gate_up = torch.randn(EXPERTS, 2 * INTER, HIDDEN, generator=gen) / HIDDEN**0.5
+    down = torch.randn(EXPERTS, HIDDEN, INTER, generator=gen) / INTER**0.5
+    return gate_up, down
+
+
+def _reference(x, ids, weights, gate_up, down):
+    """Token by token, choice by choice: sum_j w[t, j] * expert_{ids[t, j]}(x[t])."""
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            gate, up = (gate_up[e] @ x[t]).chunk(2)
+            out[t] += weights[t, j] * (down[e] @ (torch.nn.functional.silu(gate) * up))
+    return out
+
+
+def _experts(x, ids, weights, gate_up, down):
+    return torch.ops.graphexec.moe_experts.default(x, ids, weights, gate_up, down, "silu")
+
+
+@pytest.mark.parametrize(
+    "ids",
+    [
+        [[0, 1], [1, 0], [5, 2], [2, 5], [3, 4]],  # every expert used, several tokens per expert
+        [[3, 3], [3, 1], [1, 3]],  # one expert chosen twice by a token (the op allows it)
+        [[4, 2]],  # one token: experts 0, 1, 3 and 5 unused
+    ],
+)
+def test_grouped_experts_equal_the_token_by_token_sum(ids):
+    gate_up, down = _weights()
+    ids = torch.tensor(ids)
+    x = torch.randn(ids.shape[0], HIDDEN, generator=torch.Generator().manual_seed(1))
+    weights = torch.rand(ids.shape, generator=torch.Generator().manual_seed(2))
+    torch.testing.assert_close(_experts(x, ids, weights, gate_up, down), _reference(x, ids, weights, gate_up, down),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_only_the_routed_experts_are_read():
+    """Experts no token chose hold NaN: reading any of their weights would poison the output."""
+    gate_up, down = _weights()
+    unused = [0, 2, 5]
+    gate_up[unused] = float("nan")
+    down[unused] = float("nan")
+    ids = torch.tensor([[1, 3], [4, 1], [3, 4]])
+    x = torch.randn(3, HIDDEN)
+    out = _experts(x, ids, torch.full((3, 2), 0.5), gate_up, down)
+    assert torch.isfinite(out).all()
+
+
+def test_no_tokens():
+    gate_up, down = _weights()
+    out = _experts(torch.empty(0, HIDDEN), torch.empty(0, 2, dtype=torch.long), torch.empty(0, 2), gate_up, down)
+    assert out.shape == (0, HIDDEN)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe_norm", "qwen3_moe", "mixtral"])
+def test_routing_equals_transformers_including_ties(family):
+    """Experts 1 and 4 have identical router rows, so every token's probabilities tie between
+    them: the same top-k choice and weights as transformers' own router."""
+    from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+    if family == "mixtral":
+        config = transformers.MixtralConfig(hidden_size=HIDDEN, num_local_experts=EXPERTS, num_experts_per_tok=2)
+        hf, renormalise = MixtralTopKRouter(config), True
+    else:
+        norm = family.endswith("norm")
+        config = transformers.Qwen3MoeConfig(hidden_size=HIDDEN, num_experts=EXPERTS, num_experts_per_tok=2, norm_topk_prob=norm)
+        hf, renormalise = Qwen3MoeTopKRouter(config), norm
+    with torch.no_grad():
+        hf.weight.copy_(torch.randn(EXPERTS, HIDDEN, generator=torch.Generator().manual_seed(3)))
+        hf.weight[4] = hf.weight[1]
+    x = torch.randn(40, HIDDEN, generator=torch.Generator().manual_seed(4))
+    _, hf_weights, hf_ids = hf(x)
+    weights, ids = route(torch.nn.functional.linear(x, hf.weight), 2, renormalise)
+    assert torch.equal(ids, hf_ids)
+    torch.testing.assert_close(weights, hf_weights.float(), atol=0, rtol=0)
+    assert ((ids == 1) | (ids == 4)).any()  # the tie was exercised
+
+
+def test_the_experts_are_one_opaque_node_of_a_full_graph():
+    """torch.compile(fullgraph=True) over the MoE MLP: routing traced, the experts one call of the
+    op (whatever the routing: the same graph serves a changed routing), results equal eager."""
+    from graphexec.models.config import ModelConfig
+    from graphexec.models.moe import SparseMoE
+
+    config = ModelConfig(
+        name="t", architecture="qwen3_moe", vocab_size=8, hidden_size=HIDDEN, intermediate_size=INTER, num_layers=1,
+        num_heads=2, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=1e4, max_context=16,
+        tie_word_embeddings=True, attention_bias=False, bos_token_id=None, eos_token_ids=(), num_experts=EXPERTS,
+        num_experts_per_tok=2, moe_intermediate_size=INTER,
+    )
+    moe = SparseMoE(config)
+    gate_up, down = _weights()
+    with torch.no_grad():
+        moe.gate.weight = torch.nn.Parameter(torch.randn(EXPERTS, HIDDEN), requires_grad=False)
+        moe.experts.gate_up_proj.copy_(gate_up)
+        moe.experts.down_proj.copy_(down)
+    graphs = []
+
+    def keep_graph(gm, _inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    compiled = torch.compile(moe, backend=keep_graph, fullgraph=True, dynamic=False)
+    for seed in range(3):  # different tokens, different experts, one graph
+        x = torch.randn(5, HIDDEN, generator=torch.Generator().manual_seed(10 + seed))
+        torch.testing.assert_close(compiled(x), moe(x), atol=0, rtol=0)
+    assert len(graphs) == 1
+    calls = [n for n in graphs[0].graph.nodes if n.target is torch.ops.graphexec.moe_experts.default]
+    assert len(calls) == 1
+
+
+def test_dense_and_sparse_layers_mixed_equal_transformers(tmp_path):
+    """Qwen2-MoE with mlp_only_layers (layer 1 dense, layer 0 sparse with a shared expert):
+    logits and greedy tokens as transformers'."""
+    from graphexec import Engine, SamplingParams
+    from tests.reference import hf_greedy, hf_last_logits
+    from tests.test_model_families import ATOL, FAMILIES, PROMPTS, save_family
+
+    reference = save_family("qwen2_moe", tmp_path, mlp_only_layers=[1])
+    assert FAMILIES["qwen2_moe"][2]["shared_expert_intermediate_size"]
+    engine = Engine(overrides=["model=hf", f"model.path={tmp_path}", "capture=eager", "cache.num_slots=256"])
+    assert [engine.model_config.is_sparse_layer(i) for i in range(2)] == [True, False]
+    outputs = engine.generate(PROMPTS[:2], SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True))
+    for prompt, out in zip(PROMPTS[:2], outputs):
+        assert out.token_ids == hf_greedy(reference, prompt, 8)[0]
+    from tests.test_fidelity import _runner_logits
+
+    prefill, _ = _runner_logits(engine, PROMPTS[:1], [7])
+    torch.testing.assert_close(prefill[0], hf_last_logits(reference, PROMPTS[0]), atol=ATOL, rtol=0)
+
+
+def test_tensor_parallel_moe_is_refused_by_name():
+    from graphexec.errors import ConfigError
+    from graphexec.models.config import ModelConfig
+    from graphexec.models.tp_layout import TPLayout
+
+    config = ModelConfig(
+        name="t", architecture="mixtral", vocab_size=8, hidden_size=HIDDEN, intermediate_size=INTER, num_layers=1,
+        num_heads=2, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=1e4, max_context=16,
+        tie_word_embeddings=True, attention_bias=False, bos_token_id=None, eos_token_ids=(), num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=INTER,
+    )
+    with pytest.raises(ConfigError, match="parallel.tp_size=2 with a mixture-of-experts model"):
+        TPLayout.build(config, 2, 0)
