@@ -386,7 +386,10 @@ def write_family_gguf(path, family: str, model, sliding_window: int | None = Non
         if qtype is None:
             writer.add_tensor(name, array)
         else:
-            writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+            from tests.test_kquants import quantize_k  # gguf's own for the types it quantizes
+
+            rows = quantize_k(array.reshape(-1, array.shape[-1]), qtype)  # stacked experts: rows of rows
+            writer.add_tensor(name, rows.reshape(*array.shape[:-1], -1), raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -163,3 +163,34 @@ def test_tensor_parallel_moe_is_refused_by_name():
     )
     with pytest.raises(ConfigError, match="parallel.tp_size=2 with a mixture-of-experts model"):
         TPLayout.build(config, 2, 0)
+
+
+def test_packed_gguf_experts_equal_their_dequantized_values(tmp_path):
+    """A Qwen3-MoE GGUF whose experts are Q4_K (gate), Q5_0 (up) and Q6_K (down): under
+    model.weights=native they stay in the file's bytes (BlockExperts, graphexec::qlinear_blocks
+    per routed expert) and give the logits and tokens of the same file dequantized to float."""
+    from gguf import GGMLQuantizationType as Q
+
+    from graphexec import Engine, SamplingParams
+    from graphexec.models.moe import BlockExperts
+    from tests.test_fidelity import _runner_logits
+    from tests.test_model_families import PROMPTS, save_family, write_family_gguf
+
+    model = save_family("qwen3_moe", tmp_path / "hf", hidden_size=256, moe_intermediate_size=256)
+    path = tmp_path / "m.gguf"
+    write_family_gguf(path, "qwen3_moe", model, types={"ffn_gate_exps": Q.Q4_K, "ffn_up_exps": Q.Q5_0, "ffn_down_exps": Q.Q6_K})
+    engines = {
+        weights: Engine(overrides=["model=hf", "model.source=gguf", f"model.path={path}", f"model.weights={weights}",
+                                   "capture=eager", "cache.num_slots=256"])
+        for weights in ("native", "dequantize")
+    }
+    packed = [m for m in engines["native"].runner.model.modules() if isinstance(m, BlockExperts)]
+    assert len(packed) == 2 and packed[0].qtypes == "Q4_K/Q5_0/Q6_K"
+    assert engines["native"].runner.weight_nbytes() < 0.5 * engines["dequantize"].runner.weight_nbytes()
+    logits = {w: _runner_logits(e, PROMPTS, [7, 8, 9]) for w, e in engines.items()}
+    for native, dense in zip(logits["native"], logits["dequantize"]):
+        for a, b in zip(native, dense):
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
+    params = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    tokens = {w: [o.token_ids for o in e.generate(PROMPTS, params)] for w, e in engines.items()}
+    assert tokens["native"] == tokens["dequantize"]

@@ -1,10 +1,11 @@
-"""Load a llama.cpp GGUF file (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 1, 2 and 3:
-graphexec/loader/gguf_config.py) into Hugging Face-named tensors.
+"""Load a llama.cpp GGUF file (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 1, 2 and 3, Mixtral,
+Qwen2-MoE, Qwen3-MoE: graphexec/loader/gguf_config.py) into Hugging Face-named tensors.
 
 `weights="native"` keeps Q4_0 / Q4_1 / Q8_0 tensors block-quantized (graphexec.quant's packed
 arrays) and Q4_K / Q5_K / Q6_K / Q5_0 / Q5_1 tensors as the file's own block bytes (BlockWeight):
-every type a Q4_K_M / Q5_K_M / Q6_K file holds.  Any other quantized type is dequantized to float
-only under `weights="dequantize"` (the fp32 reference path).
+every type a Q4_K_M / Q5_K_M / Q6_K file holds.  A mixture's stacked experts stay packed in the
+second set of types (StackedBlocks).  Any other quantized type is dequantized to float only under
+`weights="dequantize"` (the fp32 reference path).
 """
 
 from __future__ import annotations
@@ -24,10 +25,12 @@ from graphexec.models.config import ModelConfig
 from graphexec.models.sharding import Cut, check_block_cut, cut_for, cut_weight
 from graphexec.models.tp_layout import TPLayout
 from graphexec.quant import (
+    BLOCK_GGUF_TYPES,
     NATIVE_GGUF_TYPES,
     SUPPORTED_GGUF_TYPES,
     BlockWeight,
     QuantizedWeight,
+    StackedBlocks,
     Weight,
     block_elements,
     from_gguf_blocks,
@@ -115,16 +118,20 @@ def _state_dict(file: GGUFFile, config: ModelConfig, gguf_arch: str, dtype: torc
         fused = is_fused(hf_name)
         cut = None if fused else cut_for(hf_name, layout)
         weight: Weight
-        # TODO(issue 25): keep a mixture's stacked experts packed, reading only the routed ones' blocks.
-        experts = len(shape) == 3
-        if weights == "native" and qtype in NATIVE_GGUF_TYPES and not experts:
+        experts = len(shape) == 3  # a mixture's stacked experts
+        if weights == "native" and experts and qtype in BLOCK_GGUF_TYPES:
+            # Kept in the file's bytes; the experts op reads only the routed experts' rows.
+            weight = StackedBlocks.from_gguf(tensor.data, qtype, shape)
+        elif weights == "native" and qtype in NATIVE_GGUF_TYPES and not experts:
             raw, part_shape = _cut_blocks(hf_name, tensor.data, qtype, shape, cut)
             if qtype in SUPPORTED_GGUF_TYPES:
                 weight = from_gguf_blocks(raw, qtype, part_shape)
             else:
                 weight = BlockWeight.from_gguf(raw, qtype, part_shape)
         elif weights == "native" and qtype not in _DENSE_TYPES:
-            supported = "no type yet, for stacked experts" if experts else ", ".join(NATIVE_GGUF_TYPES)
+            # TODO(issue 25): Q4_0 / Q4_1 / Q8_0 experts (graphexec::qlinear_blocks reads the
+            # K-quant and 5-bit types only).
+            supported = ", ".join(BLOCK_GGUF_TYPES if experts else NATIVE_GGUF_TYPES)
             raise CheckpointError(
                 f"{path}: tensor {tensor.name} is {qtype}, which model.weights=native cannot keep quantized "
                 f"(supported: {supported}); load it with model.weights=dequantize"

@@ -4,7 +4,7 @@ its linears and embedding."""
 
 from graphexec.quant.block_layers import BlockEmbedding, BlockLinear
 from graphexec.quant.formats import SUPPORTED_GGUF_TYPES, QuantizedWeight, concat_rows, from_gguf_blocks
-from graphexec.quant.kquants import BLOCK_GGUF_TYPES, BlockWeight, block_elements
+from graphexec.quant.kquants import BLOCK_GGUF_TYPES, BlockWeight, StackedBlocks, block_elements
 from graphexec.quant.layers import QuantEmbedding, QuantLinear
 from graphexec.quant.ops import dequantize_reference, ensure_kernels
 from graphexec.quant.row_parts import (
@@ -37,6 +37,7 @@ __all__ = [
     "QuantizedWeight",
     "RowParts",
     "SUPPORTED_GGUF_TYPES",
+    "StackedBlocks",
     "Weight",
     "block_elements",
     "concat_rows",

@@ -89,6 +89,35 @@ class BlockWeight:
         return BlockWeight(qtype, torch.from_numpy(rows))
 
 
+@dataclass(frozen=True, eq=False)
+class StackedBlocks:
+    """A mixture's experts of one projection in GGUF's bytes: blocks uint8 [experts, N, row bytes]
+    (a GGUF `ffn_*_exps` tensor as stored; graphexec/models/moe.py reads one expert's rows)."""
+
+    qtype: str
+    blocks: torch.Tensor
+
+    @property
+    def format(self) -> BlockFormat:
+        return BLOCK_FORMATS[self.qtype]
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        e, n, row = self.blocks.shape
+        return (e, n, row // self.format.nbytes * self.format.elements)
+
+    def nbytes(self) -> int:
+        return self.blocks.numel()
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.stack([dequantize_blocks_reference(b, self.format.type_id, dtype) for b in self.blocks])
+
+    @staticmethod
+    def from_gguf(raw: np.ndarray, qtype: str, shape: tuple[int, int, int]) -> "StackedBlocks":
+        rows = np.array(np.ascontiguousarray(raw).view(np.uint8).reshape(shape[0], shape[1], -1))
+        return StackedBlocks(qtype, torch.from_numpy(rows))
+
+
 def concat_blocks(parts: list[BlockWeight]) -> BlockWeight:
     """Stack same-type weights along N (fused q/k/v, gate/up)."""
     assert len({(p.qtype, p.shape[1]) for p in parts}) == 1, [p.qtype for p in parts]
