@@ -59,7 +59,7 @@ FAMILIES = {
     # (Mixtral always, Qwen3-MoE by norm_topk_prob) or not (Qwen2-MoE), Qwen2-MoE's gated shared expert.
     "mixtral": ("MixtralForCausalLM", "MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2)),
     "qwen2_moe": ("Qwen2MoeForCausalLM", "Qwen2MoeConfig", dict(
-        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)),
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=48)),
     "qwen3_moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", dict(
         num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16, norm_topk_prob=True)),
 }
@@ -447,11 +447,12 @@ def test_decode_graph_equals_transformers(hf_family):
 # ---- tensor parallelism ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("families", [("qwen3", "gemma2"), ("phi3", "qwen2", "gemma3")])
+@pytest.mark.parametrize("families", [("qwen3", "gemma2", "qwen2_moe"), ("phi3", "qwen2", "gemma3")])
 def test_tp2_equals_tp1(families, tmp_path):
     """Qwen3 (replicated per-head q/k norms), Gemma 2 (output norms after the all-reduce,
     soft-capped logits gathered), Phi-3 (fused tensors split, then cut, while loading), Qwen2
-    (cut biases) and Gemma 3 (two RoPE bases, per-layer windows on each rank's heads) at
+    (cut biases), Gemma 3 (two RoPE bases, per-layer windows on each rank's heads) and
+    Qwen2-MoE (every expert's rows and the shared expert's cut, the router whole) at
     parallel.tp_size=2 against 1, all ranks as real processes at once; ATOL as
     tests/test_tp_model.py's (the all-reduce changes the summation order).  (Llama 3's scaled
     RoPE tables are built as Llama's are.)"""

@@ -150,7 +150,7 @@ def test_dense_and_sparse_layers_mixed_equal_transformers(tmp_path):
     torch.testing.assert_close(prefill[0], hf_last_logits(reference, PROMPTS[0]), atol=ATOL, rtol=0)
 
 
-def test_tensor_parallel_moe_is_refused_by_name():
+def test_tensor_parallel_needs_enough_expert_rows():
     from graphexec.errors import ConfigError
     from graphexec.models.config import ModelConfig
     from graphexec.models.tp_layout import TPLayout
@@ -159,10 +159,30 @@ def test_tensor_parallel_moe_is_refused_by_name():
         name="t", architecture="mixtral", vocab_size=8, hidden_size=HIDDEN, intermediate_size=INTER, num_layers=1,
         num_heads=2, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=1e4, max_context=16,
         tie_word_embeddings=True, attention_bias=False, bos_token_id=None, eos_token_ids=(), num_experts=4,
-        num_experts_per_tok=2, moe_intermediate_size=INTER,
+        num_experts_per_tok=2, moe_intermediate_size=1,
     )
-    with pytest.raises(ConfigError, match="parallel.tp_size=2 with a mixture-of-experts model"):
+    with pytest.raises(ConfigError, match=r"parallel.tp_size=2 exceeds .*moe_intermediate_size 1"):
         TPLayout.build(config, 2, 0)
+
+
+def test_packed_experts_are_cut_on_block_boundaries():
+    """A rank's part of StackedBlocks (gate/up: every expert's rows; down: whole blocks of its
+    columns) dequantizes to the same part of the dense experts; a cut inside a block is refused."""
+    from gguf import GGMLQuantizationType as Q
+
+    from graphexec.errors import ConfigError
+    from graphexec.models.sharding import Cut, cut_weight
+    from graphexec.quant import StackedBlocks
+    from tests.test_kquants import quantize_k
+
+    values = torch.randn(3, 64, 512, generator=torch.Generator().manual_seed(5)).numpy()
+    stacked = StackedBlocks("Q4_K", torch.from_numpy(quantize_k(values.reshape(-1, 512), Q.Q4_K).reshape(3, 64, -1)))
+    dense = stacked.dequantize()
+    for cut in (Cut(1, 16, 48), Cut(2, 256, 512)):
+        part = cut_weight("model.layers.0.mlp.experts.down_proj.weight", stacked, cut)
+        assert torch.equal(part.dequantize(), dense.narrow(cut.dim, cut.start, cut.stop - cut.start))
+    with pytest.raises(ConfigError, match="inside a 256-element Q4_K block"):
+        cut_weight("model.layers.0.mlp.experts.down_proj.weight", stacked, Cut(2, 0, 128))
 
 
 def test_packed_gguf_experts_equal_their_dequantized_values(tmp_path):
@@ -176,7 +196,7 @@ def test_packed_gguf_experts_equal_their_dequantized_values(tmp_path):
     from tests.test_fidelity import _runner_logits
     from tests.test_model_families import PROMPTS, save_family, write_family_gguf
 
-    model = save_family("qwen3_moe", tmp_path / "hf", hidden_size=256, moe_intermediate_size=256)
+    model = save_family("qwen3_moe", tmp_path / "hf", hidden_size=256, moe_intermediate_size=512)
     path = tmp_path / "m.gguf"
     write_family_gguf(path, "qwen3_moe", model, types={"ffn_gate_exps": Q.Q4_K, "ffn_up_exps": Q.Q5_0, "ffn_down_exps": Q.Q6_K})
     engines = {
@@ -194,3 +214,15 @@ def test_packed_gguf_experts_equal_their_dequantized_values(tmp_path):
     params = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
     tokens = {w: [o.token_ids for o in e.generate(PROMPTS, params)] for w, e in engines.items()}
     assert tokens["native"] == tokens["dequantize"]
+    # Tensor-parallel ranks read their part of the packed experts: the cut of the whole.
+    from graphexec.loader import load_gguf
+    from graphexec.models.sharding import cut_for, cut_weight
+    from graphexec.models.tp_layout import TPLayout
+
+    whole = load_gguf(path, "m", weights="native")
+    for rank in range(2):
+        part = load_gguf(path, "m", weights="native", tp_size=2, tp_rank=rank).state_dict
+        layout = TPLayout.build(whole.config, 2, rank)
+        for key in [k for k in part if ".experts." in k]:
+            expected = cut_weight(key, whole.state_dict[key], cut_for(key, layout))
+            assert torch.equal(part[key].blocks, expected.blocks), (rank, key)

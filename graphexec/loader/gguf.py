@@ -116,9 +116,9 @@ def _state_dict(file: GGUFFile, config: ModelConfig, gguf_arch: str, dtype: torc
         shape, qtype = tensor.shape, tensor.qtype.name
         # A fused tensor is read whole, split per projection, then each part cut.
         fused = is_fused(hf_name)
-        cut = None if fused else cut_for(hf_name, layout)
+        experts = len(shape) == 3  # a mixture's stacked experts: read whole, cut once built
+        cut = None if fused or experts else cut_for(hf_name, layout)
         weight: Weight
-        experts = len(shape) == 3  # a mixture's stacked experts
         if weights == "native" and experts and qtype in BLOCK_GGUF_TYPES:
             # Kept in the file's bytes; the experts op reads only the routed experts' rows.
             weight = StackedBlocks.from_gguf(tensor.data, qtype, shape)
@@ -153,6 +153,8 @@ def _state_dict(file: GGUFFile, config: ModelConfig, gguf_arch: str, dtype: torc
         if fused:
             for part, whole in split_fused(hf_name, weight, config).items():
                 state_dict[part] = cut_weight(part, whole, cut_for(part, layout))
+        elif experts:
+            state_dict[hf_name] = cut_weight(hf_name, weight, cut_for(hf_name, layout))
         else:
             state_dict[hf_name] = weight
     return state_dict

@@ -111,7 +111,9 @@ def load_hf_dir(
         raise CheckpointError(f"{config_file}: missing or malformed field {error}") from error
     layout = TPLayout.build(config, tp_size, tp_rank)
     state_dict = _read_safetensors(files, lambda key: not _unused(key, config), layout, dtype)
-    state_dict = stack_experts(state_dict, config, directory)
+    # Per-expert tensors were read whole; their stacks are cut here (the rest was cut while read).
+    stacked = stack_experts(state_dict, config, directory)
+    state_dict = {k: w if k in state_dict else cut_weight(k, w, cut_for(k, layout)) for k, w in stacked.items()}
     check_state_dict(config, state_dict, directory, layout)
     tokenizer = Tokenizer.from_hf_dir(directory) if (directory / "tokenizer.json").is_file() else None
     return LoadedCheckpoint(config=config, state_dict=state_dict, tokenizer=tokenizer, tp_shard=(tp_size, tp_rank))

@@ -3,7 +3,8 @@ gate/up are fused), for dense tensors, packed QuantizedWeights and GGUF BlockWei
 
 Every cut is one contiguous span of one dimension (graphexec/models/tp_layout.py): output rows
 for the column-parallel q/k/v (per head), gate/up and the vocabulary (embedding, LM head); input
-columns for the row-parallel o_proj and down_proj.  Loaders apply the same `Cut` to the file's
+columns for the row-parallel o_proj and down_proj.  A mixture's stacked experts ([experts, rows,
+cols]) are cut the same way one dimension further in: every expert keeps the same rows.  Loaders apply the same `Cut` to the file's
 bytes while reading (graphexec/loader/), so a rank never holds the whole model.
 """
 
@@ -14,14 +15,14 @@ from typing import Mapping
 
 from graphexec.errors import ConfigError
 from graphexec.models.tp_layout import TPLayout
-from graphexec.quant import BlockWeight, QuantizedWeight, Weight, block_elements
+from graphexec.quant import BlockWeight, QuantizedWeight, StackedBlocks, Weight, block_elements
 from graphexec.quant.ops import QBLOCK
 
 
 
 @dataclass(frozen=True)
 class Cut:
-    dim: int  # 0: output rows (or a 1-D bias), 1: input columns
+    dim: int  # 0: output rows (or a 1-D bias), 1: input columns (stacked experts: 1 rows, 2 columns)
     start: int
     stop: int
 
@@ -39,6 +40,8 @@ def cut_for(name: str, layout: TPLayout) -> Cut | None:
     if name in ("embed_tokens.weight", "lm_head.weight"):
         return Cut(0, *layout.vocab)
     parts = name.split(".")  # layers.<i>.<self_attn|mlp>.<module>.<weight|bias>
+    if len(parts) == 6 and parts[0] == "layers" and parts[3] in ("experts", "shared_expert"):
+        return _expert_cut(parts[3], parts[4], layout)
     if len(parts) != 5 or parts[0] != "layers":
         return None
     module, kind = parts[3], parts[4]
@@ -56,6 +59,18 @@ def cut_for(name: str, layout: TPLayout) -> Cut | None:
     return None
 
 
+def _expert_cut(group: str, module: str, layout: TPLayout) -> Cut | None:
+    """layers.<i>.mlp.experts.<proj>.weight (stacked: the expert dimension first) or
+    layers.<i>.mlp.shared_expert.<proj>.weight (a dense MLP of its own width)."""
+    stacked = group == "experts"
+    span = layout.moe_intermediate if stacked else layout.shared_intermediate
+    if module in ("gate_proj", "up_proj"):
+        return Cut(int(stacked), *span)
+    if module == "down_proj":
+        return Cut(1 + int(stacked), *span)
+    return None
+
+
 def cut_weight(name: str, weight: Weight, cut: Cut | None) -> Weight:
     """weight's part under `cut` (a copy, so the whole tensor can be freed)."""
     if cut is None:
@@ -67,7 +82,18 @@ def cut_weight(name: str, weight: Weight, cut: Cut | None) -> Weight:
             return weight.map_rows(lambda t: t[cut.start : cut.stop].clone())
         check_block_cut(name, cut, weight.qtype)
         return weight.columns(cut.start, cut.stop)
+    if isinstance(weight, StackedBlocks):
+        return _cut_stacked(name, weight, cut)
     return weight.narrow(cut.dim, cut.start, cut.stop - cut.start).clone()
+
+
+def _cut_stacked(name: str, weight: StackedBlocks, cut: Cut) -> StackedBlocks:
+    if cut.dim == 1:
+        return StackedBlocks(weight.qtype, weight.blocks[:, cut.start : cut.stop].clone())
+    check_block_cut(name, Cut(1, cut.start, cut.stop), weight.qtype)  # columns: whole blocks only
+    fmt = weight.format
+    columns = slice(cut.start // fmt.elements * fmt.nbytes, cut.stop // fmt.elements * fmt.nbytes)
+    return StackedBlocks(weight.qtype, weight.blocks[:, :, columns].clone())
 
 
 def check_block_cut(name: str, cut: Cut, qtype: str) -> None:

@@ -4,7 +4,9 @@ Query heads split evenly; KV heads split evenly when there are at least as many 
 each rank keeps a copy of the one KV head its query heads read (SmolLM2: 9 query, 3 KV heads;
 tp_size 3 gives each rank 3 query heads and 1 KV head; tiny-llama at tp_size 4 replicates each of
 its 2 KV heads on 2 ranks).  MLP rows (gate/up outputs, down inputs) split in 32-element units
-when the size allows, so a block-quantized down_proj is cut on block boundaries.  The vocabulary
+when the size allows, so a block-quantized down_proj is cut on block boundaries; a mixture's
+experts split the same way, every expert its own rows of moe_intermediate_size (the router stays
+whole on every rank; each rank's experts sum a part of each row, like a dense MLP's).  The vocabulary
 is padded to a multiple of tp_size; the padding rows exist only in the logits gather and are
 dropped after it.  Every unsupported combination is a ConfigError naming `parallel.tp_size`.
 """
@@ -31,6 +33,8 @@ class TPLayout:
     intermediate: Span
     vocab: Span  # real vocabulary rows this rank holds (may be shorter than vocab_shard)
     vocab_shard: int  # padded rows per rank: every rank's logits are this wide in the gather
+    moe_intermediate: Span = (0, 0)  # every expert's rows this rank holds (a mixture of experts)
+    shared_intermediate: Span = (0, 0)  # the shared expert's (Qwen2-MoE)
 
     @classmethod
     def build(cls, config: ModelConfig, size: int = 1, rank: int = 0) -> "TPLayout":
@@ -55,6 +59,8 @@ class TPLayout:
             intermediate=_unit_span(config.intermediate_size, size, rank),
             vocab=vocab,
             vocab_shard=shard,
+            moe_intermediate=_unit_span(config.moe_intermediate_size, size, rank),
+            shared_intermediate=_unit_span(config.shared_expert_intermediate_size, size, rank),
         )
 
     @property
@@ -69,6 +75,8 @@ class TPLayout:
             num_heads=_len(self.q_heads),
             num_kv_heads=_len(self.kv_heads),
             intermediate_size=_len(self.intermediate),
+            moe_intermediate_size=_len(self.moe_intermediate),
+            shared_expert_intermediate_size=_len(self.shared_intermediate),
         )
 
     @property
@@ -86,11 +94,6 @@ def _check(config: ModelConfig, size: int) -> None:
     heads = f"the model has {config.num_heads} query and {config.num_kv_heads} KV heads"
     if size < 1:
         raise ConfigError(f"parallel.tp_size must be >= 1, got {size}")
-    if config.num_experts and size > 1:
-        # TODO(issue 25): cut each expert's intermediate dimension like a dense MLP's.
-        raise ConfigError(
-            f"parallel.tp_size={size} with a mixture-of-experts model ({config.architecture}) is not supported yet; use 1"
-        )
     if config.num_heads % size:
         raise ConfigError(f"parallel.tp_size={size} must divide the query heads: {heads}")
     if config.num_kv_heads >= size and config.num_kv_heads % size:
@@ -100,12 +103,15 @@ def _check(config: ModelConfig, size: int) -> None:
             f"parallel.tp_size={size} exceeds the KV heads, so it must be a multiple of them (each KV head "
             f"replicated on tp_size / num_kv_heads ranks): {heads}"
         )
-    unit = QBLOCK if config.intermediate_size % QBLOCK == 0 else 1
-    if config.intermediate_size // unit < size:
-        raise ConfigError(
-            f"parallel.tp_size={size} exceeds the MLP's {config.intermediate_size // unit} units of {unit} "
-            f"(intermediate_size {config.intermediate_size})"
-        )
+    widths = {"intermediate_size": config.intermediate_size}
+    if config.num_experts:
+        widths["moe_intermediate_size"] = config.moe_intermediate_size
+    if config.shared_expert_intermediate_size:
+        widths["shared_expert_intermediate_size"] = config.shared_expert_intermediate_size
+    for name, width in widths.items():
+        unit = QBLOCK if width % QBLOCK == 0 else 1
+        if width // unit < size:
+            raise ConfigError(f"parallel.tp_size={size} exceeds the MLP's {width // unit} units of {unit} ({name} {width})")
 
 
 def _unit_span(total: int, size: int, rank: int) -> Span:
