@@ -86,6 +86,11 @@ class ModelSourceConfig:
     # numerics rather than the fp32 reference's.  Applies to every block-quantized weight (K-quants
     # and Q5_x converted at load to the kernel's layout, graphexec/quant/repack.py).
     activations: str = "float"
+    # LongRoPE checkpoints (Phi-3 128k, Phi-4-mini).  false: the original context on the short
+    # factors, where transformers uses them too.  true: the declared context, every position on the
+    # long factors (llama.cpp's choice past the original context; transformers switches per forward,
+    # which a KV cache shared by requests of every length cannot).  Other models: an error.
+    rope_long_factors: bool = False
 
     @property
     def torch_dtype(self) -> torch.dtype:

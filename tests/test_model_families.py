@@ -154,6 +154,38 @@ def test_rope_frequencies_equal_transformers(case, tmp_path):
     assert torch.equal(inv_freq, plain) == (case == "dynamic")
 
 
+def test_longrope_long_factors_equal_transformers_past_the_original_context(tmp_path):
+    """model.rope_long_factors=true: the long factors' frequencies are transformers' long ones,
+    and an 80-token prompt (past Phi-3's original 64) gives transformers' logits and greedy tokens
+    (transformers rotates a whole forward that reaches past the original context with them)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from graphexec import ConfigError
+    from graphexec.loader.hf_config import model_config
+    from graphexec.models.rope import inverse_frequencies, with_long_factors
+
+    model = save_family("phi3", tmp_path)
+    long = with_long_factors(model_config(model.config.to_dict(), "t", True, [], tmp_path))
+    assert long.max_context == 256
+    expected, attention = ROPE_INIT_FUNCTIONS["longrope"](model.config, "cpu", seq_len=65)
+    inv_freq, ours = inverse_frequencies(long)
+    torch.testing.assert_close(inv_freq, expected, atol=0, rtol=1e-6)
+    assert ours == pytest.approx(attention, rel=1e-6)
+    engine = Engine(overrides=["model=hf", f"model.path={tmp_path}", "model.rope_long_factors=true", "capture=eager",
+                               "cache.num_slots=512"])
+    prompt = [(7 * i + 3) % 380 + 2 for i in range(80)]
+    out = engine.generate([prompt], SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))[0]
+    assert out.token_ids == hf_greedy(model, prompt, NEW_TOKENS)[0]
+    from graphexec.loader import load_gguf
+
+    write_family_gguf(tmp_path / "m.gguf", "phi3", model)  # rope_factors_long, as llama.cpp writes it
+    from_gguf, attention_gguf = inverse_frequencies(with_long_factors(load_gguf(tmp_path / "m.gguf", "m").config))
+    torch.testing.assert_close(from_gguf, expected, atol=0, rtol=1e-6)
+    assert attention_gguf == pytest.approx(attention, rel=1e-6)
+    with pytest.raises(ConfigError, match="model.rope_long_factors=true: .* has no LongRoPE long factors"):
+        Engine(overrides=["model=tiny-llama", "model.rope_long_factors=true"])
+
+
 def test_static_only_scalings_cap_the_context(tmp_path):
     from graphexec.loader.hf_config import model_config
 

@@ -48,7 +48,9 @@ def _rope(arch: str, field: Callable, metadata: dict, rope_tensors: dict, contex
     attn = None if attn is None else float32(attn)
     if "rope_factors_short.weight" in rope_tensors:
         short = tuple(float(v) for v in rope_tensors["rope_factors_short.weight"])
-        scaling = RopeScaling("longrope", None, original, context, attention_factor=attn, short_factor=short)
+        long = rope_tensors.get("rope_factors_long.weight")
+        scaling = RopeScaling("longrope", None, original, context, attention_factor=attn, short_factor=short,
+                              long_factor=None if long is None else tuple(float(v) for v in long))
         return scaling, min(context, original)
     if "rope_freqs.weight" in rope_tensors:
         if kind not in ("none", None):

@@ -152,6 +152,7 @@ def rope(config: dict[str, Any], path: Path) -> tuple[float, RopeScaling | None,
         mscale=number("mscale"),
         mscale_all_dim=number("mscale_all_dim"),
         short_factor=tuple(float(f) for f in parameters["short_factor"]) if kind == "longrope" else None,
+        long_factor=tuple(float(f) for f in parameters["long_factor"]) if kind == "longrope" and parameters.get("long_factor") else None,
     )
     if kind in ("linear", "dynamic", "llama3") and scaling.factor is None:
         raise _fail(path, f"RoPE scaling {kind!r} needs rope_parameters.factor")

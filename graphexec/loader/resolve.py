@@ -12,6 +12,7 @@ from graphexec.errors import ConfigError
 from graphexec.loader import LoadedCheckpoint, default_smollm2_gguf, load_gguf, load_hf_dir
 from graphexec.models.config import ModelConfig, RopeScaling
 from graphexec.models.random_weights import random_state_dict
+from graphexec.models.rope import with_long_factors
 from graphexec.models.sharding import shard_state_dict
 from graphexec.models.tp_layout import TPLayout
 from graphexec.text.tokenizer import ByteTokenizer
@@ -19,6 +20,16 @@ from graphexec.text.tokenizer import ByteTokenizer
 
 def load_checkpoint(source: ModelSourceConfig, dtype: torch.dtype, tp_size: int = 1, tp_rank: int = 0) -> LoadedCheckpoint:
     """The checkpoint, its weights cut for tensor-parallel rank tp_rank of tp_size while reading."""
+    checkpoint = _load(source, dtype, tp_size, tp_rank)
+    if not source.rope_long_factors:
+        return checkpoint
+    try:
+        return replace(checkpoint, config=with_long_factors(checkpoint.config))
+    except ValueError as err:
+        raise ConfigError(f"model.rope_long_factors=true: {err}") from err
+
+
+def _load(source: ModelSourceConfig, dtype: torch.dtype, tp_size: int, tp_rank: int) -> LoadedCheckpoint:
     if source.source == "gguf":
         path = source.path if source.path is not None else default_smollm2_gguf()
         return load_gguf(path, name=source.name, dtype=dtype, weights=source.weights, tp_size=tp_size, tp_rank=tp_rank)
@@ -38,8 +49,9 @@ def _random_checkpoint(source: ModelSourceConfig, dtype: torch.dtype) -> LoadedC
     try:
         if isinstance(architecture.get("rope_scaling"), Mapping):  # as a YAML spells it
             scaling = dict(architecture["rope_scaling"])
-            if scaling.get("short_factor") is not None:
-                scaling["short_factor"] = tuple(scaling["short_factor"])
+            for key in ("short_factor", "long_factor"):
+                if scaling.get(key) is not None:
+                    scaling[key] = tuple(scaling[key])
             architecture["rope_scaling"] = RopeScaling(**scaling)
         config = ModelConfig(
             name=source.name,

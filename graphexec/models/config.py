@@ -15,7 +15,9 @@ class RopeScaling:
     """A checkpoint's RoPE scaling (graphexec/models/rope.py computes the frequencies from it).
 
     `short_factor` holds LongRoPE's short factors, or for kind "factors" llama.cpp's per-pair
-    frequency divisors.  `declared_max_positions` is the checkpoint's own max_position_embeddings,
+    frequency divisors; `long_factor` LongRoPE's long ones, which rotate every position when
+    `long` is set (model.rope_long_factors: the declared context, llama.cpp's choice past the
+    original context) instead of the short ones within the original context.  `declared_max_positions` is the checkpoint's own max_position_embeddings,
     which YaRN and LongRoPE derive their factor from when the config gives none.
     """
 
@@ -32,10 +34,14 @@ class RopeScaling:
     mscale: float | None = None
     mscale_all_dim: float | None = None
     short_factor: tuple[float, ...] | None = None
+    long_factor: tuple[float, ...] | None = None
+    long: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in ROPE_SCALINGS:
             raise ValueError(f"RoPE scaling must be one of {ROPE_SCALINGS}, got {self.kind!r}")
+        if self.long and (self.kind != "longrope" or self.long_factor is None):
+            raise ValueError("long RoPE factors need a longrope scaling that has them (long_factor)")
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,12 @@ equal.  Everything here is static: tables are built once for positions [0, max_c
   plain RoPE, and the loaders cap the context there (a batch-wide rescale past it would change
   the rotation of tokens already in the KV cache as the batch grows).
 - yarn: ramp between interpolated and extrapolated frequencies, plus the attention factor.
-- longrope (Phi-3 "su"): per-pair short factors; the context is capped at original_max_positions,
-  where transformers also uses the short factors.  Long factors are not implemented.
+- longrope (Phi-3 "su"): per-pair short factors, and the context capped at original_max_positions,
+  where transformers also uses the short factors; or, with `long` (model.rope_long_factors), the
+  long factors at every position of the declared context.  Not transformers' switch per forward
+  (long for the whole forward once it reaches past the original context): with a KV cache shared
+  by requests of every length, one rotation for every cached key is the consistent choice, and
+  llama.cpp's when its context exceeds the original.
 - factors: llama.cpp's per-pair frequency divisors (a GGUF's rope_freqs tensor, how its converter
   stores Llama 3's scaling).
 """
@@ -41,10 +45,20 @@ def inverse_frequencies(config: ModelConfig) -> tuple[torch.Tensor, float]:
     if scaling.kind == "yarn":
         return _yarn(base**exponents, dim, base, scaling)
     if scaling.kind == "longrope":
-        return 1.0 / (_factors(scaling.short_factor, dim) * base**exponents), _longrope_attention(config, scaling)
+        factors = scaling.long_factor if scaling.long else scaling.short_factor
+        return 1.0 / (_factors(factors, dim) * base**exponents), _longrope_attention(config, scaling)
     if scaling.kind == "factors":
         return plain / _factors(scaling.short_factor, dim), scaling.attention_factor or 1.0
     raise ValueError(f"unknown RoPE scaling {scaling.kind!r}")
+
+
+def with_long_factors(config: ModelConfig) -> ModelConfig:
+    """A LongRoPE model running its declared context on its long factors (model.rope_long_factors);
+    ValueError if it has none."""
+    s = config.rope_scaling
+    if s is None or s.kind != "longrope" or s.long_factor is None:
+        raise ValueError(f"{config.name} has no LongRoPE long factors (its RoPE scaling: {s.kind if s else None})")
+    return replace(config, rope_scaling=replace(s, long=True), max_context=max(config.max_context, s.declared_max_positions))
 
 
 def local_inverse_frequencies(config: ModelConfig) -> torch.Tensor | None:
