@@ -120,3 +120,70 @@ def test_byte_tokenizer_has_no_chat_template():
         ByteTokenizer().apply_chat_template(USER_ONLY)
     with pytest.raises(ValueError):
         ByteTokenizer(vocab_size=100)
+
+
+# ---- GGUF SentencePiece vocabularies ("llama": Llama 2, Mistral, Mixtral, Phi-3, Gemma) ---------
+
+SPM_TEXTS = [
+    "Hello world",
+    "the quick brown fox jumps over the lazy dog",
+    "  two leading spaces and   three inside",
+    "numbers 12345 and punctuation!? (yes)",
+    "naïve café — ünïcödé 日本語 🙂",  # characters outside the learned pieces: byte fallback
+    "line one\nline two\ttab",
+    "",
+]
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_model():
+    """A small SentencePiece BPE model trained here (llama-style: byte fallback, no normalization)."""
+    import io
+    import random
+
+    spm = pytest.importorskip("sentencepiece")
+    words = "the quick brown fox jumps over lazy dog hello world model token graph engine serve cache".split()
+    rng = random.Random(0)
+    corpus = [" ".join(rng.choice(words) for _ in range(rng.randint(3, 12))) for _ in range(2000)]
+    corpus += ["numbers 0123456789 punctuation !?()., and tabs\tnewlines"] * 20
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(corpus), model_writer=model, vocab_size=400, model_type="bpe", byte_fallback=True,
+        normalization_rule_name="identity", remove_extra_whitespaces=False, character_coverage=1.0,
+        bos_id=1, eos_id=2, unk_id=0, minloglevel=2,
+    )
+    return spm.SentencePieceProcessor(model_proto=model.getvalue())
+
+
+def _spm_metadata(sp) -> dict:
+    """What llama.cpp's converter writes for a SentencePiece vocabulary."""
+    def kind(i: int) -> int:
+        return 2 if sp.is_unknown(i) else 3 if sp.is_control(i) else 6 if sp.is_byte(i) else 1
+
+    n = sp.get_piece_size()
+    return {
+        "general.architecture": "llama",
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.tokens": [sp.id_to_piece(i) for i in range(n)],
+        "tokenizer.ggml.scores": [sp.get_score(i) for i in range(n)],
+        "tokenizer.ggml.token_type": [kind(i) for i in range(n)],
+        "tokenizer.ggml.bos_token_id": 1,
+        "tokenizer.ggml.eos_token_id": 2,
+        "tokenizer.ggml.unknown_token_id": 0,
+    }
+
+
+@pytest.mark.parametrize("text", SPM_TEXTS)
+def test_gguf_sentencepiece_encodes_as_sentencepiece(sentencepiece_model, text):
+    ours = Tokenizer.from_gguf(_spm_metadata(sentencepiece_model))
+    assert ours.encode(text) == [1, *sentencepiece_model.encode(text)]  # BOS: llama.cpp's default for "llama"
+    assert ours.decode(ours.encode(text)) == text
+
+
+def test_gguf_sentencepiece_keeps_control_tokens_whole_and_refuses_other_kinds(sentencepiece_model):
+    from graphexec.errors import CheckpointError
+
+    ours = Tokenizer.from_gguf(_spm_metadata(sentencepiece_model))
+    assert ours.encode("hello</s>") == [1, *sentencepiece_model.encode("hello"), 2]
+    with pytest.raises(CheckpointError, match="GGUF tokenizer 'bert' .*not supported"):
+        Tokenizer.from_gguf({**_spm_metadata(sentencepiece_model), "tokenizer.ggml.model": "bert"})

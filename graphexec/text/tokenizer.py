@@ -1,7 +1,10 @@
 """Text <-> token ids, and chat prompts, for the checkpoints graphexec loads.
 
 `Tokenizer` wraps a Hugging Face `tokenizers.Tokenizer`, built either from a GGUF's metadata or from a
-`tokenizer.json`.  `ByteTokenizer` is a dependency-free stand-in for tiny random test models.
+`tokenizer.json`.  A GGUF states its kind in `tokenizer.ggml.model`: "gpt2" (byte-level BPE with
+merges: Llama 3, Qwen, SmolLM2) or "llama" (SentencePiece: Llama 2, Mistral, Mixtral, Phi-3, Gemma),
+whose pieces merge by score, "▁" spells a space and <0xNN> pieces spell the bytes no piece covers.
+`ByteTokenizer` is a dependency-free stand-in for tiny random test models.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import tokenizers
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 
 from graphexec.errors import CheckpointError
 
@@ -23,8 +26,12 @@ from graphexec.errors import CheckpointError
 _GIL_FREE_ENCODE_CHARS = 16_384
 
 # GGUF token types (llama.cpp's llama_token_type) that must be matched whole, never split by BPE.
+_GGUF_NORMAL = 1
+_GGUF_UNKNOWN = 2
 _GGUF_CONTROL = 3
 _GGUF_USER_DEFINED = 4
+_GGUF_BYTE = 6
+_SPACE = "\u2581"  # SentencePiece's spelling of a space
 
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -72,6 +79,49 @@ def _gguf_byte_level_backend(metadata: Mapping[str, Any]) -> tokenizers.Tokenize
     )
     backend.add_tokens(
         [AddedToken(t, normalized=False, special=False) for t, k in zip(tokens, token_types) if k == _GGUF_USER_DEFINED]
+    )
+    return backend
+
+
+def _gguf_sentencepiece_backend(metadata: Mapping[str, Any]) -> tokenizers.Tokenizer:
+    """llama.cpp's SentencePiece tokenizer as a BPE: repeatedly join the adjacent pair whose join
+    is the best-scored piece, over the whole text with spaces as "▁" (and one "▁" in front unless
+    `add_space_prefix` is false), bytes no piece covers as their <0xNN> pieces.
+
+    The merges are every split of every normal piece into two pieces, ranked by the joined
+    piece's score.  Gemma files list their pieces in merge order but with scores that do not
+    follow it (transformers' GGUF reader found the same), so for them the file order ranks; they
+    also store pieces of several spaces as spaces, which are respelled as "▁"s."""
+    tokens: list[str] = list(metadata["tokenizer.ggml.tokens"])
+    types = list(metadata.get("tokenizer.ggml.token_type") or [_GGUF_NORMAL] * len(tokens))
+    gemma = str(metadata.get("general.architecture", "")).startswith("gemma")
+    if gemma:
+        tokens = [_SPACE * len(t) if t and not t.strip(" ") else t for t in tokens]
+        scores = [-float(i) for i in range(len(tokens))]
+    else:
+        scores = [float(v) for v in metadata.get("tokenizer.ggml.scores") or [-float(i) for i in range(len(tokens))]]
+    vocab = {token: i for i, token in reversed(list(enumerate(tokens)))}  # a repeated piece keeps its first id
+    mergeable = {t: scores[i] for i, t in enumerate(tokens) if types[i] in (_GGUF_NORMAL, _GGUF_USER_DEFINED) and vocab[t] == i}
+    ranked = []
+    for token, score in mergeable.items():
+        for cut in range(1, len(token)):
+            left, right = token[:cut], token[cut:]
+            if left in vocab and right in vocab:
+                ranked.append((-score, vocab[token], vocab[left], left, right))
+    merges = [(left, right) for *_, left, right in sorted(ranked)]
+    unknown = next((t for t, k in zip(tokens, types) if k == _GGUF_UNKNOWN), None)
+    backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=unknown, byte_fallback=True,
+                                              fuse_unk=True))
+    prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", not gemma))
+    steps = [normalizers.Prepend(_SPACE)] if prefix else []
+    backend.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", _SPACE)])
+    strip = [decoders.Strip(" ", 1, 0)] if prefix else []
+    backend.decoder = decoders.Sequence([decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse(), *strip])
+    backend.add_special_tokens(
+        [AddedToken(t, normalized=False, special=True) for t, k in zip(tokens, types) if k == _GGUF_CONTROL]
+    )
+    backend.add_tokens(
+        [AddedToken(t, normalized=False, special=False) for t, k in zip(tokens, types) if k == _GGUF_USER_DEFINED]
     )
     return backend
 
@@ -148,19 +198,23 @@ class Tokenizer:
     def from_gguf(cls, metadata: Mapping[str, Any]) -> Tokenizer:
         """Build from a GGUF's decoded metadata (key -> value, as `ReaderField.contents()` gives)."""
         kind = metadata.get("tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise CheckpointError(f"only byte-level BPE ('gpt2') GGUF tokenizers are supported, got {kind!r}")
+        builders = {"gpt2": _gguf_byte_level_backend, "llama": _gguf_sentencepiece_backend}
+        if kind not in builders:
+            raise CheckpointError(
+                f"GGUF tokenizer {kind!r} (tokenizer.ggml.model) is not supported; supported: {sorted(builders)}"
+            )
         eos_ids = [
             metadata[key]
             for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
             if metadata.get(key) is not None
         ]
         return cls(
-            _gguf_byte_level_backend(metadata),
+            builders[kind](metadata),
             bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=eos_ids,
             chat_template=metadata.get("tokenizer.chat_template"),
-            add_bos=bool(metadata.get("tokenizer.ggml.add_bos_token", False)),
+            # llama.cpp's default: a SentencePiece vocabulary starts every text with BOS.
+            add_bos=bool(metadata.get("tokenizer.ggml.add_bos_token", kind == "llama")),
         )
 
     @classmethod
