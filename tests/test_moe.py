@@ -166,46 +166,56 @@ def test_tensor_parallel_needs_enough_expert_rows():
 
 
 def test_packed_experts_are_cut_on_block_boundaries():
-    """A rank's part of StackedBlocks (gate/up: every expert's rows; down: whole blocks of its
-    columns) dequantizes to the same part of the dense experts; a cut inside a block is refused."""
+    """A rank's part of packed experts, in the file's bytes (StackedBlocks) or as arrays
+    (StackedQuantized) (gate/up: every expert's rows; down: whole blocks of its columns),
+    dequantizes to the same part of the dense experts; a cut inside a block is refused."""
     from gguf import GGMLQuantizationType as Q
 
     from graphexec.errors import ConfigError
     from graphexec.models.sharding import Cut, cut_weight
-    from graphexec.quant import StackedBlocks
+    from graphexec.quant import StackedBlocks, StackedQuantized
     from tests.test_kquants import quantize_k
 
     values = torch.randn(3, 64, 512, generator=torch.Generator().manual_seed(5)).numpy()
-    stacked = StackedBlocks("Q4_K", torch.from_numpy(quantize_k(values.reshape(-1, 512), Q.Q4_K).reshape(3, 64, -1)))
-    dense = stacked.dequantize()
-    for cut in (Cut(1, 16, 48), Cut(2, 256, 512)):
-        part = cut_weight("model.layers.0.mlp.experts.down_proj.weight", stacked, cut)
-        assert torch.equal(part.dequantize(), dense.narrow(cut.dim, cut.start, cut.stop - cut.start))
+    name = "model.layers.0.mlp.experts.down_proj.weight"
+    blocks = StackedBlocks("Q4_K", torch.from_numpy(quantize_k(values.reshape(-1, 512), Q.Q4_K).reshape(3, 64, -1)))
+    for qtype in ("Q4_1", "Q8_0"):
+        raw = quantize_k(values.reshape(-1, 512), Q[qtype]).reshape(3, 64, -1)
+        quantized = StackedQuantized.from_gguf(raw, qtype, (3, 64, 512))
+        for stacked, cuts in ((blocks, (Cut(1, 16, 48), Cut(2, 256, 512))), (quantized, (Cut(1, 8, 40), Cut(2, 96, 224)))):
+            dense = stacked.dequantize()
+            for cut in cuts:
+                part = cut_weight(name, stacked, cut)
+                assert torch.equal(part.dequantize(), dense.narrow(cut.dim, cut.start, cut.stop - cut.start))
     with pytest.raises(ConfigError, match="inside a 256-element Q4_K block"):
-        cut_weight("model.layers.0.mlp.experts.down_proj.weight", stacked, Cut(2, 0, 128))
+        cut_weight(name, blocks, Cut(2, 0, 128))
+    with pytest.raises(ConfigError, match="inside a 32-element Q8_0 block"):
+        cut_weight(name, quantized, Cut(2, 0, 48))
 
 
-def test_packed_gguf_experts_equal_their_dequantized_values(tmp_path):
-    """A Qwen3-MoE GGUF whose experts are Q4_K (gate), Q5_0 (up) and Q6_K (down): under
-    model.weights=native they stay in the file's bytes (BlockExperts, graphexec::qlinear_blocks
-    per routed expert) and give the logits and tokens of the same file dequantized to float."""
+@pytest.mark.parametrize("types", [("Q4_K", "Q5_0", "Q6_K"), ("Q8_0", "Q4_1", "Q4_0")])
+def test_packed_gguf_experts_equal_their_dequantized_values(types, tmp_path):
+    """A Qwen3-MoE GGUF whose gate, up and down experts are each of another type: under
+    model.weights=native they stay packed (PackedExperts: graphexec::qlinear_blocks or
+    graphexec::qlinear per routed expert) and give the logits and tokens of the same file
+    dequantized to float; tensor-parallel ranks read their cut of them."""
     from gguf import GGMLQuantizationType as Q
 
     from graphexec import Engine, SamplingParams
-    from graphexec.models.moe import BlockExperts
+    from graphexec.models.moe import PackedExperts
     from tests.test_fidelity import _runner_logits
     from tests.test_model_families import PROMPTS, save_family, write_family_gguf
 
     model = save_family("qwen3_moe", tmp_path / "hf", hidden_size=256, moe_intermediate_size=512)
     path = tmp_path / "m.gguf"
-    write_family_gguf(path, "qwen3_moe", model, types={"ffn_gate_exps": Q.Q4_K, "ffn_up_exps": Q.Q5_0, "ffn_down_exps": Q.Q6_K})
+    write_family_gguf(path, "qwen3_moe", model, types=dict(zip(("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"), (Q[t] for t in types))))
     engines = {
         weights: Engine(overrides=["model=hf", "model.source=gguf", f"model.path={path}", f"model.weights={weights}",
                                    "capture=eager", "cache.num_slots=256"])
         for weights in ("native", "dequantize")
     }
-    packed = [m for m in engines["native"].runner.model.modules() if isinstance(m, BlockExperts)]
-    assert len(packed) == 2 and packed[0].qtypes == "Q4_K/Q5_0/Q6_K"
+    packed = [m for m in engines["native"].runner.model.modules() if isinstance(m, PackedExperts)]
+    assert len(packed) == 2 and packed[0].qtypes == "/".join(types)
     assert engines["native"].runner.weight_nbytes() < 0.5 * engines["dequantize"].runner.weight_nbytes()
     logits = {w: _runner_logits(e, PROMPTS, [7, 8, 9]) for w, e in engines.items()}
     for native, dense in zip(logits["native"], logits["dequantize"]):
@@ -225,4 +235,4 @@ def test_packed_gguf_experts_equal_their_dequantized_values(tmp_path):
         layout = TPLayout.build(whole.config, 2, rank)
         for key in [k for k in part if ".experts." in k]:
             expected = cut_weight(key, whole.state_dict[key], cut_for(key, layout))
-            assert torch.equal(part[key].blocks, expected.blocks), (rank, key)
+            assert torch.equal(part[key].dequantize(), expected.dequantize()), (rank, key)

@@ -3,8 +3,8 @@ Qwen2-MoE, Qwen3-MoE: graphexec/loader/gguf_config.py) into Hugging Face-named t
 
 `weights="native"` keeps Q4_0 / Q4_1 / Q8_0 tensors block-quantized (graphexec.quant's packed
 arrays) and Q4_K / Q5_K / Q6_K / Q5_0 / Q5_1 tensors as the file's own block bytes (BlockWeight):
-every type a Q4_K_M / Q5_K_M / Q6_K file holds.  A mixture's stacked experts stay packed in the
-second set of types (StackedBlocks).  Any other quantized type is dequantized to float only under
+every type a Q4_K_M / Q5_K_M / Q6_K file holds.  A mixture's stacked experts stay packed too
+(StackedQuantized, StackedBlocks).  Any other quantized type is dequantized to float only under
 `weights="dequantize"` (the fp32 reference path).
 """
 
@@ -31,6 +31,7 @@ from graphexec.quant import (
     BlockWeight,
     QuantizedWeight,
     StackedBlocks,
+    StackedQuantized,
     Weight,
     block_elements,
     from_gguf_blocks,
@@ -119,9 +120,10 @@ def _state_dict(file: GGUFFile, config: ModelConfig, gguf_arch: str, dtype: torc
         experts = len(shape) == 3  # a mixture's stacked experts: read whole, cut once built
         cut = None if fused or experts else cut_for(hf_name, layout)
         weight: Weight
-        if weights == "native" and experts and qtype in BLOCK_GGUF_TYPES:
-            # Kept in the file's bytes; the experts op reads only the routed experts' rows.
-            weight = StackedBlocks.from_gguf(tensor.data, qtype, shape)
+        if weights == "native" and experts and qtype in NATIVE_GGUF_TYPES:
+            # Kept packed; the experts op reads only the routed experts' rows.
+            stacked = StackedBlocks if qtype in BLOCK_GGUF_TYPES else StackedQuantized
+            weight = stacked.from_gguf(tensor.data, qtype, shape)
         elif weights == "native" and qtype in NATIVE_GGUF_TYPES and not experts:
             raw, part_shape = _cut_blocks(hf_name, tensor.data, qtype, shape, cut)
             if qtype in SUPPORTED_GGUF_TYPES:
@@ -129,12 +131,9 @@ def _state_dict(file: GGUFFile, config: ModelConfig, gguf_arch: str, dtype: torc
             else:
                 weight = BlockWeight.from_gguf(raw, qtype, part_shape)
         elif weights == "native" and qtype not in _DENSE_TYPES:
-            # TODO(issue 25): Q4_0 / Q4_1 / Q8_0 experts (graphexec::qlinear_blocks reads the
-            # K-quant and 5-bit types only).
-            supported = ", ".join(BLOCK_GGUF_TYPES if experts else NATIVE_GGUF_TYPES)
             raise CheckpointError(
                 f"{path}: tensor {tensor.name} is {qtype}, which model.weights=native cannot keep quantized "
-                f"(supported: {supported}); load it with model.weights=dequantize"
+                f"(supported: {', '.join(NATIVE_GGUF_TYPES)}); load it with model.weights=dequantize"
             )
         else:
             weight = _dequantized(tensor, shape, path, cut)

@@ -28,7 +28,7 @@ from torch import nn
 from graphexec.attention.op import unified_attention
 from graphexec.models.config import ModelConfig
 from graphexec.models.layers import Embedding, GatedMLP, Linear, RMSNorm, RotaryEmbedding
-from graphexec.models.moe import BlockExperts, SparseMoE
+from graphexec.models.moe import PackedExperts, SparseMoE
 from graphexec.models.parallel_layers import embed, gather_logits
 from graphexec.models.rope import inverse_frequencies, local_inverse_frequencies
 from graphexec.models.tp_layout import TPLayout
@@ -37,8 +37,8 @@ from graphexec.quant import (
     EMBEDDINGS,
     PACKED_MODULES,
     PACKED_WEIGHTS,
+    STACKED_WEIGHTS,
     RowParts,
-    StackedBlocks,
     fuse_rows,
     packed_embedding,
     packed_linear,
@@ -190,7 +190,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_scale = float(torch.tensor(self.config.embed_scale, dtype=dtype))
         fused = _fuse_hf_names(state_dict, self.config)
         for name, experts in _packed_experts(fused):
-            self.set_submodule(name, BlockExperts(*experts, self.config.hidden_act))
+            self.set_submodule(name, PackedExperts(*experts, self.config.hidden_act))
         if self.lm_head is None:
             # Tied checkpoints sometimes store the shared matrix twice.
             fused.pop("lm_head.weight", None)
@@ -238,7 +238,7 @@ def _fuse_hf_names(state_dict: Mapping[str, Weight], config: ModelConfig) -> dic
         # and up fused per expert along the rows, as a dense MLP's are; packed ones as they are.
         experts = f"{mlp}.experts"
         stacked = [sd.pop(f"{experts}.{p}_proj.weight") for p in ("gate", "up", "down")]
-        if any(isinstance(w, StackedBlocks) for w in stacked):
+        if any(isinstance(w, STACKED_WEIGHTS) for w in stacked):
             fused.update({f"{experts}.{p}": w for p, w in zip(("gate", "up", "down"), stacked)})
         else:
             fused[f"{experts}.gate_up_proj"] = torch.cat(stacked[:2], dim=1)
@@ -249,14 +249,14 @@ def _fuse_hf_names(state_dict: Mapping[str, Weight], config: ModelConfig) -> dic
     return fused
 
 
-def _packed_experts(fused: dict[str, Weight]) -> list[tuple[str, tuple[StackedBlocks, ...]]]:
+def _packed_experts(fused: dict[str, Weight]) -> list[tuple[str, tuple]]:
     """(module name, (gate, up, down)) of every layer whose experts came packed, taken out of
     `fused`: they replace that layer's float Experts whole."""
     names = [n.removesuffix(".gate") for n, w in fused.items() if n.endswith(".experts.gate")]
     packed = []
     for name in names:
         parts = tuple(fused.pop(f"{name}.{p}") for p in ("gate", "up", "down"))
-        if not all(isinstance(w, StackedBlocks) for w in parts):
+        if not all(isinstance(w, STACKED_WEIGHTS) for w in parts):
             raise ValueError(f"{name}: gate, up and down experts must all be packed or all float")
         packed.append((name, parts))
     return packed

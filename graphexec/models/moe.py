@@ -12,9 +12,10 @@ would break a CUDA graph: TODO(gpu) a device-side grouped GEMM that reads the ex
 Two kinds of expert weights, one op each:
   graphexec::moe_experts         float: gate and up stacked as one [experts, 2 * inter, hidden]
                                  tensor (one matmul per expert), down [experts, hidden, inter].
-  graphexec::moe_experts_blocks  a GGUF file's packed experts (StackedBlocks: K-quants, Q5_x),
-                                 gate, up and down each [experts, rows, row bytes] in their own
-                                 type; each expert's rows go through graphexec::qlinear_blocks.
+  graphexec::moe_experts_packed  a GGUF file's packed experts, gate, up and down each in its own
+                                 type: the file's bytes (StackedBlocks: K-quants, Q5_x) through
+                                 graphexec::qlinear_blocks, or QuantizedWeight's arrays
+                                 (StackedQuantized: Q4_0, Q4_1, Q8_0) through graphexec::qlinear.
 Qwen2-MoE's shared expert is a dense gated MLP every token passes through, scaled by a sigmoid gate.
 """
 
@@ -27,7 +28,7 @@ from torch import nn
 
 from graphexec.models.config import ModelConfig
 from graphexec.models.layers import GatedMLP, Linear
-from graphexec.quant import StackedBlocks
+from graphexec.quant import StackedBlocks, StackedQuantized
 
 _LIB = torch.library.Library("graphexec", "FRAGMENT")  # noqa: the library object keeps the ops alive
 # x: [tokens, hidden]; topk_ids / topk_weights: [tokens, k].  Both return
@@ -36,14 +37,16 @@ _LIB.define(
     "moe_experts(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w_gate_up, Tensor w_down, "
     "str activation) -> Tensor"
 )
-# gate / up / down: uint8 [experts, rows, row bytes]; types: their GGML type ids (gate, up, down).
+# gate / up / down: a projection's stacked arrays, [blocks] (uint8 [experts, rows, row bytes]; its
+# `types` entry the GGML type id) or [codes, scales(, mins)] (its `types` entry -1).
 _LIB.define(
-    "moe_experts_blocks(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor gate, Tensor up, Tensor down, "
-    "int[] types, str activation) -> Tensor"
+    "moe_experts_packed(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor[] gate, Tensor[] up, "
+    "Tensor[] down, int[] types, str activation) -> Tensor"
 )
 
 _ACTIVATIONS = {"silu": nn.functional.silu, "gelu_tanh": lambda x: nn.functional.gelu(x, approximate="tanh")}
 Expert = Callable[[torch.Tensor, int], torch.Tensor]  # (rows of x, expert) -> the expert's output rows
+Stacked = StackedBlocks | StackedQuantized
 
 
 def _grouped(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, expert: Expert) -> torch.Tensor:
@@ -90,19 +93,26 @@ def _moe_experts(x, topk_ids, topk_weights, w_gate_up, w_down, activation: str) 
     return _grouped(x, topk_ids, topk_weights, expert)
 
 
-def _moe_experts_blocks(x, topk_ids, topk_weights, gate, up, down, types, activation: str) -> torch.Tensor:
-    act, qlinear = _ACTIVATIONS[activation], torch.ops.graphexec.qlinear_blocks.default
+def _project(rows: torch.Tensor, arrays: list[torch.Tensor], type_id: int, e: int) -> torch.Tensor:
+    if type_id >= 0:
+        return torch.ops.graphexec.qlinear_blocks.default(rows, arrays[0][e], type_id)
+    mins = arrays[2][e] if len(arrays) > 2 else None
+    return torch.ops.graphexec.qlinear.default(rows, arrays[0][e], arrays[1][e], mins)
+
+
+def _moe_experts_packed(x, topk_ids, topk_weights, gate, up, down, types, activation: str) -> torch.Tensor:
+    act = _ACTIVATIONS[activation]
     gate_type, up_type, down_type = types
 
     def expert(rows: torch.Tensor, e: int) -> torch.Tensor:
-        h = act(qlinear(rows, gate[e], gate_type)) * qlinear(rows, up[e], up_type)
-        return qlinear(h, down[e], down_type)
+        h = act(_project(rows, gate, gate_type, e)) * _project(rows, up, up_type, e)
+        return _project(h, down, down_type, e)
 
     return _grouped(x, topk_ids, topk_weights, expert)
 
 
 _LIB.impl("moe_experts", _moe_experts, "CompositeExplicitAutograd")
-_LIB.impl("moe_experts_blocks", _moe_experts_blocks, "CompositeExplicitAutograd")
+_LIB.impl("moe_experts_packed", _moe_experts_packed, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("graphexec::moe_experts")
@@ -110,8 +120,8 @@ def _moe_experts_fake(x, topk_ids, topk_weights, w_gate_up, w_down, activation):
     return torch.empty_like(x)
 
 
-@torch.library.register_fake("graphexec::moe_experts_blocks")
-def _moe_experts_blocks_fake(x, topk_ids, topk_weights, gate, up, down, types, activation):
+@torch.library.register_fake("graphexec::moe_experts_packed")
+def _moe_experts_packed_fake(x, topk_ids, topk_weights, gate, up, down, types, activation):
     return torch.empty_like(x)
 
 
@@ -139,25 +149,32 @@ class Experts(nn.Module):
         return torch.ops.graphexec.moe_experts.default(x, ids, weights, self.gate_up_proj, self.down_proj, self.activation)
 
 
-class BlockExperts(nn.Module):
-    """A GGUF file's packed experts, kept in its bytes (buffers, like BlockLinear's)."""
+class PackedExperts(nn.Module):
+    """A GGUF file's packed experts, kept packed (buffers, like BlockLinear's and QuantLinear's)."""
 
-    def __init__(self, gate: StackedBlocks, up: StackedBlocks, down: StackedBlocks, activation: str):
+    def __init__(self, gate: Stacked, up: Stacked, down: Stacked, activation: str):
         super().__init__()
         self.activation = activation
-        self.types = [w.format.type_id for w in (gate, up, down)]  # plain ints: constants to Dynamo
         self.qtypes = "/".join(w.qtype for w in (gate, up, down))
-        self.register_buffer("gate", gate.blocks)
-        self.register_buffer("up", up.blocks)
-        self.register_buffer("down", down.blocks)
+        # Plain ints and strings: constants to Dynamo.
+        self.types = [w.format.type_id if isinstance(w, StackedBlocks) else -1 for w in (gate, up, down)]
+        self.counts = {}
+        for name, weight in (("gate", gate), ("up", up), ("down", down)):
+            arrays = (weight.blocks,) if isinstance(weight, StackedBlocks) else weight.tensors()
+            self.counts[name] = len(arrays)
+            for i, array in enumerate(arrays):
+                self.register_buffer(f"{name}_{i}", array)
+
+    def _arrays(self, name: str) -> list[torch.Tensor]:
+        return [getattr(self, f"{name}_{i}") for i in range(self.counts[name])]
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        return torch.ops.graphexec.moe_experts_blocks.default(
-            x, ids, weights, self.gate, self.up, self.down, self.types, self.activation
+        return torch.ops.graphexec.moe_experts_packed.default(
+            x, ids, weights, self._arrays("gate"), self._arrays("up"), self._arrays("down"), self.types, self.activation
         )
 
     def extra_repr(self) -> str:
-        return f"experts={self.gate.shape[0]}, qtypes={self.qtypes}"
+        return f"experts={self.gate_0.shape[0]}, qtypes={self.qtypes}"
 
 
 class SparseMoE(nn.Module):
@@ -166,7 +183,7 @@ class SparseMoE(nn.Module):
         self.top_k = config.num_experts_per_tok
         self.renormalise = config.norm_topk_prob
         self.gate = Linear(config.hidden_size, config.num_experts, bias=False)  # the router
-        self.experts = Experts(config)  # BlockExperts once load_weights is given packed experts
+        self.experts = Experts(config)  # PackedExperts once load_weights is given packed experts
         shared = config.shared_expert_intermediate_size
         self.shared_expert = GatedMLP(config.hidden_size, shared, config.hidden_act) if shared else None
         self.shared_expert_gate = Linear(config.hidden_size, 1, bias=False) if shared else None

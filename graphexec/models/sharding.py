@@ -15,7 +15,7 @@ from typing import Mapping
 
 from graphexec.errors import ConfigError
 from graphexec.models.tp_layout import TPLayout
-from graphexec.quant import BlockWeight, QuantizedWeight, StackedBlocks, Weight, block_elements
+from graphexec.quant import BlockWeight, QuantizedWeight, StackedBlocks, StackedQuantized, Weight, block_elements
 from graphexec.quant.ops import QBLOCK
 
 
@@ -84,7 +84,16 @@ def cut_weight(name: str, weight: Weight, cut: Cut | None) -> Weight:
         return weight.columns(cut.start, cut.stop)
     if isinstance(weight, StackedBlocks):
         return _cut_stacked(name, weight, cut)
+    if isinstance(weight, StackedQuantized):
+        return _cut_stacked_quantized(name, weight, cut)
     return weight.narrow(cut.dim, cut.start, cut.stop - cut.start).clone()
+
+
+def _cut_stacked_quantized(name: str, weight: StackedQuantized, cut: Cut) -> StackedQuantized:
+    if cut.dim == 1:
+        return weight.map(lambda t, _: t[:, cut.start : cut.stop].clone())
+    check_block_cut(name, Cut(1, cut.start, cut.stop), weight.qtype)  # columns: whole blocks only
+    return weight.map(lambda t, per_column: t[:, :, cut.start // per_column : cut.stop // per_column].clone())
 
 
 def _cut_stacked(name: str, weight: StackedBlocks, cut: Cut) -> StackedBlocks:

@@ -3,7 +3,7 @@ bytes for K-quants and 5-bit types), the ops that read them, and the modules a m
 its linears and embedding."""
 
 from graphexec.quant.block_layers import BlockEmbedding, BlockLinear
-from graphexec.quant.formats import SUPPORTED_GGUF_TYPES, QuantizedWeight, concat_rows, from_gguf_blocks
+from graphexec.quant.formats import SUPPORTED_GGUF_TYPES, QuantizedWeight, StackedQuantized, concat_rows, from_gguf_blocks
 from graphexec.quant.kquants import BLOCK_GGUF_TYPES, BlockWeight, StackedBlocks, block_elements
 from graphexec.quant.layers import QuantEmbedding, QuantLinear
 from graphexec.quant.ops import dequantize_reference, ensure_kernels
@@ -21,6 +21,8 @@ from graphexec.quant.row_parts import (
 
 # Every GGUF type `model.weights=native` keeps packed.
 NATIVE_GGUF_TYPES = SUPPORTED_GGUF_TYPES + BLOCK_GGUF_TYPES
+# A mixture's experts of one projection, stacked, in either packed form.
+STACKED_WEIGHTS = (StackedBlocks, StackedQuantized)
 
 __all__ = [
     "BLOCK_GGUF_TYPES",
@@ -36,8 +38,10 @@ __all__ = [
     "QuantLinear",
     "QuantizedWeight",
     "RowParts",
+    "STACKED_WEIGHTS",
     "SUPPORTED_GGUF_TYPES",
     "StackedBlocks",
+    "StackedQuantized",
     "Weight",
     "block_elements",
     "concat_rows",

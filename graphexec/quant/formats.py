@@ -72,6 +72,46 @@ def concat_rows(parts: Sequence[QuantizedWeight], name: str) -> QuantizedWeight:
     return QuantizedWeight(qtype, torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]), mins)
 
 
+@dataclass(frozen=True, eq=False)
+class StackedQuantized:
+    """A mixture's experts of one projection as QuantizedWeight arrays with the expert dimension
+    first: codes [experts, N, K/2 or K], scales and mins [experts, N, K/32] (Q4_0, Q4_1, Q8_0)."""
+
+    qtype: str
+    codes: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor | None
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return (self.codes.shape[0], self.codes.shape[1], self.scales.shape[2] * QBLOCK)
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.codes, self.scales) if self.mins is None else (self.codes, self.scales, self.mins)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def expert(self, e: int) -> QuantizedWeight:
+        return QuantizedWeight(self.qtype, self.codes[e], self.scales[e], None if self.mins is None else self.mins[e])
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.stack([self.expert(e).dequantize(dtype) for e in range(self.codes.shape[0])])
+
+    def map(self, fn: Callable[[torch.Tensor, int], torch.Tensor]) -> "StackedQuantized":
+        """`fn(array, elements per array column)` applied to every array (a tensor-parallel cut)."""
+        per_code = 2 if self.codes.dtype == torch.uint8 else 1
+        mins = None if self.mins is None else fn(self.mins, QBLOCK)
+        return StackedQuantized(self.qtype, fn(self.codes, per_code), fn(self.scales, QBLOCK), mins)
+
+    @staticmethod
+    def from_gguf(raw: np.ndarray, qtype: str, shape: tuple[int, int, int]) -> "StackedQuantized":
+        rows = np.ascontiguousarray(raw).view(np.uint8).reshape(shape[0], shape[1], -1)
+        experts = [from_gguf_blocks(rows[e], qtype, shape[1:]) for e in range(shape[0])]
+        mins = None if experts[0].mins is None else torch.stack([w.mins for w in experts])
+        return StackedQuantized(qtype, torch.stack([w.codes for w in experts]), torch.stack([w.scales for w in experts]), mins)
+
+
 def from_gguf_blocks(raw: np.ndarray, qtype: str, shape: tuple[int, int]) -> QuantizedWeight:
     """Split GGUF blocks (raw bytes, [N, blocks * block_bytes]) into codes, scales and mins.
 
