@@ -224,6 +224,14 @@ def test_packed_gguf_experts_equal_their_dequantized_values(types, tmp_path):
     params = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
     tokens = {w: [o.token_ids for o in e.generate(PROMPTS, params)] for w, e in engines.items()}
     assert tokens["native"] == tokens["dequantize"]
+    # 8-bit activations: the experts in qlinear_q8's layout, logits near the exact ones (the
+    # activations' rounding; the kernel itself against q8 linears: the test below).
+    q8 = Engine(overrides=["model=hf", "model.source=gguf", f"model.path={path}", "model.activations=q8",
+                           "capture=eager", "cache.num_slots=256"])
+    assert {tuple(m.types) for m in q8.runner.model.modules() if isinstance(m, PackedExperts)} == {(-2, -2, -2)}
+    prefill, _ = _runner_logits(q8, PROMPTS, [7, 8, 9])
+    for a, b in zip(prefill, logits["dequantize"][0]):
+        assert (a - b).abs().max() < 0.05 * b.abs().max()
     # Tensor-parallel ranks read their part of the packed experts: the cut of the whole.
     from graphexec.loader import load_gguf
     from graphexec.models.sharding import cut_for, cut_weight
@@ -236,3 +244,46 @@ def test_packed_gguf_experts_equal_their_dequantized_values(types, tmp_path):
         for key in [k for k in part if ".experts." in k]:
             expected = cut_weight(key, whole.state_dict[key], cut_for(key, layout))
             assert torch.equal(part[key].dequantize(), expected.dequantize()), (rank, key)
+
+
+@pytest.mark.parametrize("types", [("Q4_K", "Q5_0", "Q6_K"), ("Q8_0", "Q4_1", "Q4_0")])
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_packed_experts_with_q8_activations_equal_q8_linears_token_by_token(types, tokens):
+    """model.activations=q8: each expert read through qlinear_q8 exactly as a dense weight of its
+    type would be (packed_linear's q8 conversion), summed in expert order."""
+    from gguf import GGMLQuantizationType as Q
+
+    from graphexec.models.moe import PackedExperts
+    from graphexec.quant import BlockWeight, StackedBlocks, StackedQuantized, ensure_kernels, packed_linear
+    from tests.test_kquants import quantize_k
+
+    ensure_kernels()
+    experts, hidden, inter = 4, 256, 256
+    gen = torch.Generator().manual_seed(6)
+
+    def stacked(qtype: str, rows: int, cols: int):
+        values = (torch.randn(experts * rows, cols, generator=gen) / cols**0.5).numpy()
+        raw = quantize_k(values, Q[qtype]).reshape(experts, rows, -1)
+        if qtype in ("Q8_0", "Q4_0", "Q4_1"):
+            return StackedQuantized.from_gguf(raw, qtype, (experts, rows, cols))
+        return StackedBlocks(qtype, torch.from_numpy(raw))
+
+    weights = [stacked(types[0], inter, hidden), stacked(types[1], inter, hidden), stacked(types[2], hidden, inter)]
+    module = PackedExperts(*weights, "silu", activations="q8")
+    assert module.types == [-2, -2, -2]
+
+    def linear(weight, e: int):
+        w = BlockWeight(weight.qtype, weight.blocks[e]) if isinstance(weight, StackedBlocks) else weight.expert(e)
+        return packed_linear(w, None, torch.float32, "q8")
+
+    x = torch.randn(tokens, hidden, generator=gen)
+    ids = torch.tensor([[3, 1], [0, 3], [2, 1], [1, 0], [3, 2]][:tokens])
+    topk = torch.rand(tokens, 2, generator=gen)
+    expected = torch.zeros(tokens, hidden)
+    for t in range(tokens):
+        for j in sorted(range(2), key=lambda j: int(ids[t, j])):
+            e = int(ids[t, j])
+            gate, up, down = (linear(w, e) for w in weights)
+            h = torch.nn.functional.silu(gate(x[t : t + 1])) * up(x[t : t + 1])
+            expected[t] += topk[t, j] * down(h)[0]
+    torch.testing.assert_close(module(x, ids, topk), expected, atol=1e-5, rtol=1e-5)

@@ -190,7 +190,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_scale = float(torch.tensor(self.config.embed_scale, dtype=dtype))
         fused = _fuse_hf_names(state_dict, self.config)
         for name, experts in _packed_experts(fused):
-            self.set_submodule(name, PackedExperts(*experts, self.config.hidden_act))
+            self.set_submodule(name, PackedExperts(*experts, self.config.hidden_act, activations))
         if self.lm_head is None:
             # Tied checkpoints sometimes store the shared matrix twice.
             fused.pop("lm_head.weight", None)

@@ -15,7 +15,9 @@ Two kinds of expert weights, one op each:
   graphexec::moe_experts_packed  a GGUF file's packed experts, gate, up and down each in its own
                                  type: the file's bytes (StackedBlocks: K-quants, Q5_x) through
                                  graphexec::qlinear_blocks, or QuantizedWeight's arrays
-                                 (StackedQuantized: Q4_0, Q4_1, Q8_0) through graphexec::qlinear.
+                                 (StackedQuantized: Q4_0, Q4_1, Q8_0) through graphexec::qlinear;
+                                 under model.activations=q8 every expert converted at load to
+                                 qlinear_q8's layout (graphexec/quant/repack.py), as dense weights are.
 Qwen2-MoE's shared expert is a dense gated MLP every token passes through, scaled by a sigmoid gate.
 """
 
@@ -28,7 +30,8 @@ from torch import nn
 
 from graphexec.models.config import ModelConfig
 from graphexec.models.layers import GatedMLP, Linear
-from graphexec.quant import StackedBlocks, StackedQuantized
+from graphexec.quant import BlockWeight, StackedBlocks, StackedQuantized
+from graphexec.quant.repack import block_rows16, repack_rows16
 
 _LIB = torch.library.Library("graphexec", "FRAGMENT")  # noqa: the library object keeps the ops alive
 # x: [tokens, hidden]; topk_ids / topk_weights: [tokens, k].  Both return
@@ -38,11 +41,13 @@ _LIB.define(
     "str activation) -> Tensor"
 )
 # gate / up / down: a projection's stacked arrays, [blocks] (uint8 [experts, rows, row bytes]; its
-# `types` entry the GGML type id) or [codes, scales(, mins)] (its `types` entry -1).
+# `types` entry the GGML type id), [codes, scales(, mins)] row-major (QuantizedWeight's; type
+# ROW_MAJOR) or interleaved for qlinear_q8 (type Q8, `rows` its real output rows).
 _LIB.define(
     "moe_experts_packed(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor[] gate, Tensor[] up, "
-    "Tensor[] down, int[] types, str activation) -> Tensor"
+    "Tensor[] down, int[] types, int[] rows, str activation) -> Tensor"
 )
+ROW_MAJOR, Q8 = -1, -2
 
 _ACTIVATIONS = {"silu": nn.functional.silu, "gelu_tanh": lambda x: nn.functional.gelu(x, approximate="tanh")}
 Expert = Callable[[torch.Tensor, int], torch.Tensor]  # (rows of x, expert) -> the expert's output rows
@@ -93,20 +98,21 @@ def _moe_experts(x, topk_ids, topk_weights, w_gate_up, w_down, activation: str) 
     return _grouped(x, topk_ids, topk_weights, expert)
 
 
-def _project(rows: torch.Tensor, arrays: list[torch.Tensor], type_id: int, e: int) -> torch.Tensor:
+def _project(x: torch.Tensor, arrays: list[torch.Tensor], type_id: int, rows: int, e: int) -> torch.Tensor:
     if type_id >= 0:
-        return torch.ops.graphexec.qlinear_blocks.default(rows, arrays[0][e], type_id)
+        return torch.ops.graphexec.qlinear_blocks.default(x, arrays[0][e], type_id)
     mins = arrays[2][e] if len(arrays) > 2 else None
-    return torch.ops.graphexec.qlinear.default(rows, arrays[0][e], arrays[1][e], mins)
+    if type_id == Q8:
+        return torch.ops.graphexec.qlinear_q8.default(x, arrays[0][e], arrays[1][e], mins, rows)
+    return torch.ops.graphexec.qlinear.default(x, arrays[0][e], arrays[1][e], mins)
 
 
-def _moe_experts_packed(x, topk_ids, topk_weights, gate, up, down, types, activation: str) -> torch.Tensor:
+def _moe_experts_packed(x, topk_ids, topk_weights, gate, up, down, types, rows, activation: str) -> torch.Tensor:
     act = _ACTIVATIONS[activation]
-    gate_type, up_type, down_type = types
 
-    def expert(rows: torch.Tensor, e: int) -> torch.Tensor:
-        h = act(_project(rows, gate, gate_type, e)) * _project(rows, up, up_type, e)
-        return _project(h, down, down_type, e)
+    def expert(h: torch.Tensor, e: int) -> torch.Tensor:
+        h = act(_project(h, gate, types[0], rows[0], e)) * _project(h, up, types[1], rows[1], e)
+        return _project(h, down, types[2], rows[2], e)
 
     return _grouped(x, topk_ids, topk_weights, expert)
 
@@ -121,7 +127,7 @@ def _moe_experts_fake(x, topk_ids, topk_weights, w_gate_up, w_down, activation):
 
 
 @torch.library.register_fake("graphexec::moe_experts_packed")
-def _moe_experts_packed_fake(x, topk_ids, topk_weights, gate, up, down, types, activation):
+def _moe_experts_packed_fake(x, topk_ids, topk_weights, gate, up, down, types, rows, activation):
     return torch.empty_like(x)
 
 
@@ -150,17 +156,19 @@ class Experts(nn.Module):
 
 
 class PackedExperts(nn.Module):
-    """A GGUF file's packed experts, kept packed (buffers, like BlockLinear's and QuantLinear's)."""
+    """A GGUF file's packed experts, kept packed (buffers, like BlockLinear's and QuantLinear's);
+    under activations=q8 in qlinear_q8's layout instead, every expert converted at load."""
 
-    def __init__(self, gate: Stacked, up: Stacked, down: Stacked, activation: str):
+    def __init__(self, gate: Stacked, up: Stacked, down: Stacked, activation: str, activations: str = "float"):
         super().__init__()
         self.activation = activation
         self.qtypes = "/".join(w.qtype for w in (gate, up, down))
         # Plain ints and strings: constants to Dynamo.
-        self.types = [w.format.type_id if isinstance(w, StackedBlocks) else -1 for w in (gate, up, down)]
-        self.counts = {}
+        self.types, self.rows, self.counts = [], [], {}
         for name, weight in (("gate", gate), ("up", up), ("down", down)):
-            arrays = (weight.blocks,) if isinstance(weight, StackedBlocks) else weight.tensors()
+            type_id, arrays = _q8_arrays(weight) if activations == "q8" else _arrays(weight)
+            self.types.append(type_id)
+            self.rows.append(weight.shape[1])
             self.counts[name] = len(arrays)
             for i, array in enumerate(arrays):
                 self.register_buffer(f"{name}_{i}", array)
@@ -170,11 +178,31 @@ class PackedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         return torch.ops.graphexec.moe_experts_packed.default(
-            x, ids, weights, self._arrays("gate"), self._arrays("up"), self._arrays("down"), self.types, self.activation
+            x, ids, weights, self._arrays("gate"), self._arrays("up"), self._arrays("down"), self.types, self.rows,
+            self.activation,
         )
 
     def extra_repr(self) -> str:
-        return f"experts={self.gate_0.shape[0]}, qtypes={self.qtypes}"
+        return f"experts={self.gate_0.shape[0]}, qtypes={self.qtypes}, types={self.types}"
+
+
+def _arrays(weight: Stacked) -> tuple[int, tuple[torch.Tensor, ...]]:
+    if isinstance(weight, StackedBlocks):
+        return weight.format.type_id, (weight.blocks,)
+    return ROW_MAJOR, weight.tensors()
+
+
+def _q8_arrays(weight: Stacked) -> tuple[int, tuple[torch.Tensor, ...]]:
+    """Each expert in qlinear_q8's layout (as packed_linear converts a dense weight), stacked."""
+    experts = range(weight.shape[0])
+    if isinstance(weight, StackedBlocks):
+        parts = [block_rows16(BlockWeight(weight.qtype, weight.blocks[e])) for e in experts]
+    else:
+        parts = [repack_rows16(weight.expert(e)) for e in experts]
+    arrays = [torch.stack([p.codes for p in parts]), torch.stack([p.scales for p in parts])]
+    if parts[0].mins is not None:
+        arrays.append(torch.stack([p.mins for p in parts]))
+    return Q8, tuple(arrays)
 
 
 class SparseMoE(nn.Module):

@@ -31,6 +31,7 @@ from graphexec.errors import ConfigError
 from graphexec.loader import LoadedCheckpoint
 from graphexec.models.config import ModelConfig
 from graphexec.models.llama import LlamaForCausalLM
+from graphexec.models.moe import PackedExperts
 from graphexec.models.sharding import shard_state_dict
 from graphexec.models.tp_layout import TPLayout
 from graphexec.parallel.group import SINGLE, TPGroup
@@ -77,7 +78,7 @@ class ModelRunner:
         with torch.device("meta"):
             model = LlamaForCausalLM(self.model_config, tp)
         model.load_weights(_rank_state_dict(checkpoint, model.layout), self.dtype, config.model.activations)
-        if self.device.type == "cpu" and any(isinstance(m, PACKED_MODULES) for m in model.modules()):
+        if self.device.type == "cpu" and any(isinstance(m, (*PACKED_MODULES, PackedExperts)) for m in model.modules()):
             ensure_kernels()
         self.model = model.to(device=self.device).eval()
 
