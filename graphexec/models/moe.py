@@ -57,22 +57,28 @@ Stacked = StackedBlocks | StackedQuantized
 def _grouped(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, expert: Expert) -> torch.Tensor:
     if x.shape[0] == 1:
         return _one_token(x, topk_ids, topk_weights, expert)
-    out = torch.zeros_like(x)
-    k = topk_ids.shape[1]
-    flat = topk_ids.reshape(-1)
-    # The (token, choice) slots grouped by expert, in expert order: each expert's rows are one
-    # matmul, and a token's contributions are added in expert order, as the reference adds them.
+    tokens, k = topk_ids.shape
+    # Each token's choices in expert order (slot t * k + j), then the slots grouped by expert: each
+    # expert's rows are one matmul, written to their slots, and a token's k terms are added in
+    # expert order, as the reference adds them.  index_copy_ and k row adds, not index_add_
+    # (a scatter_add: ~0.7 ms a call at SmolLM2's width).
+    order = torch.argsort(topk_ids, dim=1, stable=True)
+    flat = topk_ids.gather(1, order).reshape(-1)
+    weights = topk_weights.gather(1, order).reshape(-1)
     slots = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=1).tolist()
-    weights = topk_weights.reshape(-1)
+    counts = torch.bincount(flat).tolist()
+    terms = x.new_zeros(tokens * k, x.shape[1])
     start = 0
     for e, n in enumerate(counts):
         if n == 0:
             continue  # never read: an expert no token chose costs nothing
         mine = slots[start : start + n]
         start += n
-        rows = mine // k
-        out.index_add_(0, rows, (expert(x[rows], e) * weights[mine, None]).to(out.dtype))
+        terms.index_copy_(0, mine, (expert(x[mine // k], e) * weights[mine, None]).to(x.dtype))
+    terms = terms.view(tokens, k, x.shape[1])
+    out = terms[:, 0].clone()
+    for j in range(1, k):
+        out += terms[:, j]
     return out
 
 
