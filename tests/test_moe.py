@@ -287,3 +287,17 @@ def test_packed_experts_with_q8_activations_equal_q8_linears_token_by_token(type
             h = torch.nn.functional.silu(gate(x[t : t + 1])) * up(x[t : t + 1])
             expected[t] += topk[t, j] * down(h)[0]
     torch.testing.assert_close(module(x, ids, topk), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_experts_that_differ_only_in_type_are_different_layer_structures():
+    """Q5_K and Q5_0 rows of 256 are both 176 bytes: the same buffers' shapes and dtypes.  A
+    compiled layer (module guards skipped) must never serve both: the type is part of the layer
+    structure it is keyed by."""
+    from capture.aot_layer import layer_structure
+    from graphexec.models.moe import PackedExperts
+    from graphexec.quant import StackedBlocks
+
+    blocks = torch.zeros(2, 4, 176, dtype=torch.uint8)
+    q5_k, q5_0 = (PackedExperts(*[StackedBlocks(t, blocks)] * 3, "silu") for t in ("Q5_K", "Q5_0"))
+    assert [b.shape for b in q5_k.buffers()] == [b.shape for b in q5_0.buffers()]
+    assert layer_structure(q5_k) != layer_structure(q5_0)

@@ -169,23 +169,28 @@ class PackedExperts(nn.Module):
         super().__init__()
         self.activation = activation
         self.qtypes = "/".join(w.qtype for w in (gate, up, down))
-        # Plain ints and strings: constants to Dynamo.
-        self.types, self.rows, self.counts = [], [], {}
+        # One plain int or str attribute per setting: constants to Dynamo, and part of the layer
+        # structure a compiled layer is keyed by (capture/aot_layer.py's layer_structure), so
+        # layers whose experts differ only in type never share a graph.
         for name, weight in (("gate", gate), ("up", up), ("down", down)):
             type_id, arrays = _q8_arrays(weight) if activations == "q8" else _arrays(weight)
-            self.types.append(type_id)
-            self.rows.append(weight.shape[1])
-            self.counts[name] = len(arrays)
+            setattr(self, f"{name}_type", type_id)
+            setattr(self, f"{name}_rows", weight.shape[1])
+            setattr(self, f"{name}_arrays", len(arrays))
             for i, array in enumerate(arrays):
                 self.register_buffer(f"{name}_{i}", array)
 
+    @property
+    def types(self) -> list[int]:
+        return [self.gate_type, self.up_type, self.down_type]
+
     def _arrays(self, name: str) -> list[torch.Tensor]:
-        return [getattr(self, f"{name}_{i}") for i in range(self.counts[name])]
+        return [getattr(self, f"{name}_{i}") for i in range(getattr(self, f"{name}_arrays"))]
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         return torch.ops.graphexec.moe_experts_packed.default(
-            x, ids, weights, self._arrays("gate"), self._arrays("up"), self._arrays("down"), self.types, self.rows,
-            self.activation,
+            x, ids, weights, self._arrays("gate"), self._arrays("up"), self._arrays("down"), self.types,
+            [self.gate_rows, self.up_rows, self.down_rows], self.activation,
         )
 
     def extra_repr(self) -> str:
