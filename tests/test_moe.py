@@ -254,7 +254,7 @@ def test_packed_experts_with_q8_activations_equal_q8_linears_token_by_token(type
     from gguf import GGMLQuantizationType as Q
 
     from graphexec.models.moe import PackedExperts
-    from graphexec.quant import BlockWeight, StackedBlocks, StackedQuantized, ensure_kernels, packed_linear
+    from graphexec.quant import StackedBlocks, StackedQuantized, ensure_kernels, packed_linear
     from tests.test_kquants import quantize_k
 
     ensure_kernels()
@@ -273,8 +273,7 @@ def test_packed_experts_with_q8_activations_equal_q8_linears_token_by_token(type
     assert module.types == [-2, -2, -2]
 
     def linear(weight, e: int):
-        w = BlockWeight(weight.qtype, weight.blocks[e]) if isinstance(weight, StackedBlocks) else weight.expert(e)
-        return packed_linear(w, None, torch.float32, "q8")
+        return packed_linear(weight.expert(e), None, torch.float32, "q8")
 
     x = torch.randn(tokens, hidden, generator=gen)
     ids = torch.tensor([[3, 1], [0, 3], [2, 1], [1, 0], [3, 2]][:tokens])

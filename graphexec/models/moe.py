@@ -30,7 +30,7 @@ from torch import nn
 
 from graphexec.models.config import ModelConfig
 from graphexec.models.layers import GatedMLP, Linear
-from graphexec.quant import BlockWeight, StackedBlocks, StackedQuantized
+from graphexec.quant import StackedBlocks, StackedQuantized
 from graphexec.quant.repack import block_rows16, repack_rows16
 
 _LIB = torch.library.Library("graphexec", "FRAGMENT")  # noqa: the library object keeps the ops alive
@@ -205,11 +205,8 @@ def _arrays(weight: Stacked) -> tuple[int, tuple[torch.Tensor, ...]]:
 
 def _q8_arrays(weight: Stacked) -> tuple[int, tuple[torch.Tensor, ...]]:
     """Each expert in qlinear_q8's layout (as packed_linear converts a dense weight), stacked."""
-    experts = range(weight.shape[0])
-    if isinstance(weight, StackedBlocks):
-        parts = [block_rows16(BlockWeight(weight.qtype, weight.blocks[e])) for e in experts]
-    else:
-        parts = [repack_rows16(weight.expert(e)) for e in experts]
+    convert = block_rows16 if isinstance(weight, StackedBlocks) else repack_rows16
+    parts = [convert(weight.expert(e)) for e in range(weight.shape[0])]
     arrays = [torch.stack([p.codes for p in parts]), torch.stack([p.scales for p in parts])]
     if parts[0].mins is not None:
         arrays.append(torch.stack([p.mins for p in parts]))

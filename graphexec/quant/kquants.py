@@ -109,8 +109,11 @@ class StackedBlocks:
     def nbytes(self) -> int:
         return self.blocks.numel()
 
+    def expert(self, e: int) -> BlockWeight:
+        return BlockWeight(self.qtype, self.blocks[e])
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return torch.stack([dequantize_blocks_reference(b, self.format.type_id, dtype) for b in self.blocks])
+        return torch.stack([self.expert(e).dequantize(dtype) for e in range(self.blocks.shape[0])])
 
     @staticmethod
     def from_gguf(raw: np.ndarray, qtype: str, shape: tuple[int, int, int]) -> "StackedBlocks":
