@@ -17,8 +17,9 @@ class RopeScaling:
     `short_factor` holds LongRoPE's short factors, or for kind "factors" llama.cpp's per-pair
     frequency divisors; `long_factor` LongRoPE's long ones, which rotate every position when
     `long` is set (model.rope_long_factors: the declared context, llama.cpp's choice past the
-    original context) instead of the short ones within the original context.  `declared_max_positions` is the checkpoint's own max_position_embeddings,
-    which YaRN and LongRoPE derive their factor from when the config gives none.
+    original context) instead of the short ones within the original context.
+    `declared_max_positions` is the checkpoint's own max_position_embeddings, which YaRN and
+    LongRoPE derive their factor from when the config gives none.
     """
 
     kind: str
@@ -46,7 +47,7 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shapes and constants of a Llama-family decoder.
+    """Shapes and constants of a decoder graphexec runs (models/llama.py).
 
     `architecture` names the family (FAMILIES) for messages and the reference model; the decoder
     itself reads only the switches: attention_bias (Qwen2), qk_norm (Qwen3, Gemma 3: per-head
@@ -62,9 +63,9 @@ class ModelConfig:
     the MLP of the layers `sparse_layers` marks (None: every layer) is num_experts experts of
     moe_intermediate_size, num_experts_per_tok of them per token, their softmax weights
     renormalised to sum to one if norm_topk_prob, plus a sigmoid-gated shared expert of
-    shared_expert_intermediate_size (Qwen2-MoE) when that is > 0.  Weights use Hugging Face tensor names
-    (q/k/v and gate/up unfused), so one model class serves GGUF, safetensors and random
-    checkpoints alike.
+    shared_expert_intermediate_size (Qwen2-MoE) when that is > 0.  Weights use Hugging Face
+    tensor names (q/k/v and gate/up unfused, experts stacked), so one model class serves GGUF,
+    safetensors and random checkpoints alike.
     """
 
     name: str

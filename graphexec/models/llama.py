@@ -1,7 +1,8 @@
-"""Llama-family causal LM over the paged KV pool: one decoder for every dense family (Llama with
-or without RoPE scaling, Mistral, Qwen2, Qwen3, Phi-3, Gemma 1, 2 and 3), told apart only by
-ModelConfig's switches.  Gemma's layers normalise each sublayer's output too (SandwichDecoderLayer,
-with Gemma's Hugging Face names); everything else Gemma changes is a switch of the shared parts.
+"""Llama-family causal LM over the paged KV pool: one decoder for every family (Llama with or
+without RoPE scaling, Mistral, Qwen2, Qwen3, Phi-3, Gemma 1, 2 and 3, and the mixtures Mixtral,
+Qwen2-MoE, Qwen3-MoE), told apart only by ModelConfig's switches.  Gemma's layers normalise each
+sublayer's output too (SandwichDecoderLayer, with Gemma's Hugging Face names); a mixture's MLP is
+SparseMoE (graphexec/models/moe.py); everything else is a switch of the shared parts.
 What differs between one model's layers (Gemma's sliding and full-attention layers, Gemma 3's two
 RoPE bases) is never a Python attribute of the layer: a compiled layer serves every layer.  The
 window is the attention backend's, looked up by layer_id at run time; the RoPE tables are an
@@ -257,7 +258,10 @@ def _packed_experts(fused: dict[str, Weight]) -> list[tuple[str, tuple]]:
     for name in names:
         parts = tuple(fused.pop(f"{name}.{p}") for p in ("gate", "up", "down"))
         if not all(isinstance(w, STACKED_WEIGHTS) for w in parts):
-            raise ValueError(f"{name}: gate, up and down experts must all be packed or all float")
+            raise ValueError(
+                f"{name}: gate, up and down experts come partly packed, partly float; load the file with "
+                "model.weights=dequantize"
+            )
         packed.append((name, parts))
     return packed
 
