@@ -193,12 +193,13 @@ def test_packed_experts_are_cut_on_block_boundaries():
         cut_weight(name, quantized, Cut(2, 0, 48))
 
 
-@pytest.mark.parametrize("types", [("Q4_K", "Q5_0", "Q6_K"), ("Q8_0", "Q4_1", "Q4_0")])
+@pytest.mark.parametrize("types", [("Q4_K", "Q4_K", "Q6_K"), ("Q8_0", "Q4_1", "Q4_0")])
 def test_packed_gguf_experts_equal_their_dequantized_values(types, tmp_path):
-    """A Qwen3-MoE GGUF whose gate, up and down experts are each of another type: under
-    model.weights=native they stay packed (PackedExperts: graphexec::qlinear_blocks or
-    graphexec::qlinear per routed expert) and give the logits and tokens of the same file
-    dequantized to float; tensor-parallel ranks read their cut of them."""
+    """A Qwen3-MoE GGUF's experts as a Q4_K_M file has them (gate and up Q4_K: one kernel call
+    reads both) or each of another type: under model.weights=native they stay packed
+    (PackedExperts: graphexec::qlinear_blocks or graphexec::qlinear per routed expert) and give
+    the logits and tokens of the same file dequantized to float; tensor-parallel ranks read
+    their cut of them."""
     from gguf import GGMLQuantizationType as Q
 
     from graphexec import Engine, SamplingParams
@@ -228,7 +229,9 @@ def test_packed_gguf_experts_equal_their_dequantized_values(types, tmp_path):
     # activations' rounding; the kernel itself against q8 linears: the test below).
     q8 = Engine(overrides=["model=hf", "model.source=gguf", f"model.path={path}", "model.activations=q8",
                            "capture=eager", "cache.num_slots=256"])
-    assert {tuple(m.types) for m in q8.runner.model.modules() if isinstance(m, PackedExperts)} == {(-2, -2, -2)}
+    fused = types[0] == types[1]  # gate and up rows in one projection: no separate up
+    expected_types = (-2, 0, -2) if fused else (-2, -2, -2)
+    assert {tuple(m.types) for m in q8.runner.model.modules() if isinstance(m, PackedExperts)} == {expected_types}
     prefill, _ = _runner_logits(q8, PROMPTS, [7, 8, 9])
     for a, b in zip(prefill, logits["dequantize"][0]):
         assert (a - b).abs().max() < 0.05 * b.abs().max()
@@ -246,7 +249,8 @@ def test_packed_gguf_experts_equal_their_dequantized_values(types, tmp_path):
             assert torch.equal(part[key].dequantize(), expected.dequantize()), (rank, key)
 
 
-@pytest.mark.parametrize("types", [("Q4_K", "Q5_0", "Q6_K"), ("Q8_0", "Q4_1", "Q4_0")])
+@pytest.mark.parametrize("types", [("Q4_K", "Q5_0", "Q6_K"), ("Q4_K", "Q4_K", "Q6_K"), ("Q8_0", "Q4_1", "Q4_0"),
+                                   ("Q8_0", "Q8_0", "Q8_0")])
 @pytest.mark.parametrize("tokens", [1, 5])
 def test_packed_experts_with_q8_activations_equal_q8_linears_token_by_token(types, tokens):
     """model.activations=q8: each expert read through qlinear_q8 exactly as a dense weight of its
@@ -270,7 +274,7 @@ def test_packed_experts_with_q8_activations_equal_q8_linears_token_by_token(type
 
     weights = [stacked(types[0], inter, hidden), stacked(types[1], inter, hidden), stacked(types[2], hidden, inter)]
     module = PackedExperts(*weights, "silu", activations="q8")
-    assert module.types == [-2, -2, -2]
+    assert module.types == ([-2, 0, -2] if types[0] == types[1] else [-2, -2, -2])
 
     def linear(weight, e: int):
         return packed_linear(weight.expert(e), None, torch.float32, "q8")

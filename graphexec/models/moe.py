@@ -42,7 +42,8 @@ _LIB.define(
 )
 # gate / up / down: a projection's stacked arrays, [blocks] (uint8 [experts, rows, row bytes]; its
 # `types` entry the GGML type id), [codes, scales(, mins)] row-major (QuantizedWeight's; type
-# ROW_MAJOR) or interleaved for qlinear_q8 (type Q8, `rows` its real output rows).
+# ROW_MAJOR) or interleaved for qlinear_q8 (type Q8, `rows` its real output rows).  An empty `up`
+# means gate holds gate and up rows together (one kernel call an expert, when their types match).
 _LIB.define(
     "moe_experts_packed(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor[] gate, Tensor[] up, "
     "Tensor[] down, int[] types, int[] rows, str activation) -> Tensor"
@@ -117,7 +118,11 @@ def _moe_experts_packed(x, topk_ids, topk_weights, gate, up, down, types, rows, 
     act = _ACTIVATIONS[activation]
 
     def expert(h: torch.Tensor, e: int) -> torch.Tensor:
-        h = act(_project(h, gate, types[0], rows[0], e)) * _project(h, up, types[1], rows[1], e)
+        if up:
+            h = act(_project(h, gate, types[0], rows[0], e)) * _project(h, up, types[1], rows[1], e)
+        else:
+            g, u = _project(h, gate, types[0], rows[0], e).chunk(2, dim=-1)
+            h = act(g) * u
         return _project(h, down, types[2], rows[2], e)
 
     return _grouped(x, topk_ids, topk_weights, expert)
@@ -172,7 +177,14 @@ class PackedExperts(nn.Module):
         # One plain int or str attribute per setting: constants to Dynamo, and part of the layer
         # structure a compiled layer is keyed by (capture/aot_layer.py's layer_structure), so
         # layers whose experts differ only in type never share a graph.
-        for name, weight in (("gate", gate), ("up", up), ("down", down)):
+        projections = [("gate", gate), ("up", up), ("down", down)]
+        if gate.qtype == up.qtype:
+            # One kernel call an expert reads both (and under q8 quantizes the activations once).
+            projections = [("gate", _rows_together(gate, up)), ("up", None), ("down", down)]
+        for name, weight in projections:
+            if weight is None:
+                self.up_type, self.up_rows, self.up_arrays = 0, 0, 0
+                continue
             type_id, arrays = _q8_arrays(weight) if activations == "q8" else _arrays(weight)
             setattr(self, f"{name}_type", type_id)
             setattr(self, f"{name}_rows", weight.shape[1])
@@ -195,6 +207,15 @@ class PackedExperts(nn.Module):
 
     def extra_repr(self) -> str:
         return f"experts={self.gate_0.shape[0]}, qtypes={self.qtypes}, types={self.types}"
+
+
+def _rows_together(gate: Stacked, up: Stacked) -> Stacked:
+    """Each expert's gate rows then its up rows, as one projection of the same type."""
+    if isinstance(gate, StackedBlocks):
+        return StackedBlocks(gate.qtype, torch.cat([gate.blocks, up.blocks], dim=1))
+    mins = None if gate.mins is None else torch.cat([gate.mins, up.mins], dim=1)
+    return StackedQuantized(gate.qtype, torch.cat([gate.codes, up.codes], dim=1),
+                            torch.cat([gate.scales, up.scales], dim=1), mins)
 
 
 def _arrays(weight: Stacked) -> tuple[int, tuple[torch.Tensor, ...]]:
