@@ -34,6 +34,7 @@ COMMANDS = {
     "host_overhead": "bench.host_overhead",
     "loader": "bench.loader",
     "lm_eval_check": "bench.lm_eval_check",
+    "moe_decode": "bench.moe_decode",
     "overload": "bench.overload",
     "penalties": "bench.penalties",
     "quant_kernels": "bench.quant_kernels",
