@@ -61,7 +61,7 @@ FAMILIES = {
     "qwen2_moe": ("Qwen2MoeForCausalLM", "Qwen2MoeConfig", dict(
         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=48)),
     "qwen3_moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", dict(
-        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16, norm_topk_prob=True)),
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, head_dim=16, norm_topk_prob=True)),
 }
 GEMMA = ("gemma", "gemma2", "gemma3")
 MOE = ("mixtral", "qwen2_moe", "qwen3_moe")
@@ -476,15 +476,37 @@ def test_decode_graph_equals_transformers(hf_family):
     assert backend.stats.executions == NEW_TOKENS - 1 and backend.stats.fallbacks == 0
 
 
+@pytest.mark.slow
+def test_gemma3_compiled_decode_graph_equals_transformers(tmp_path):
+    """The default plan's compiled decode layer (AOT, regional, module guards skipped) on Gemma 3:
+    one compiled layer serves sliding and full layers, their two RoPE tables handed in as an
+    argument and their windows looked up by layer id; greedy tokens are transformers'."""
+    from graphexec.batch.forward_mode import ForwardMode
+
+    reference = save_family("gemma3", tmp_path / "hf")
+    engine = Engine(overrides=[
+        "model=hf", f"model.path={tmp_path / 'hf'}", "cache.num_slots=512", "capture.background=false",
+        "capture.decode.keep=all", "capture.decode.buckets=[4]", "capture.decode.progress=false",
+        f"capture.cache_dir={tmp_path / 'capture'}",
+    ])
+    outputs = engine.generate(PROMPTS, SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))
+    for prompt, out in zip(PROMPTS, outputs):
+        assert out.token_ids == hf_greedy(reference, prompt, NEW_TOKENS)[0]
+    stats = engine.runner.backends[ForwardMode.DECODE].stats
+    assert stats.executions == NEW_TOKENS - 1 and stats.fallbacks == 0
+
+
 # ---- tensor parallelism ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("families", [("qwen3", "gemma2", "qwen2_moe"), ("phi3", "qwen2", "gemma3")])
+@pytest.mark.parametrize("families", [("qwen3", "gemma2", "qwen2_moe", "mixtral", "gemma"),
+                                      ("phi3", "qwen2", "gemma3", "qwen3_moe", "mistral")])
 def test_tp2_equals_tp1(families, tmp_path):
     """Qwen3 (replicated per-head q/k norms), Gemma 2 (output norms after the all-reduce,
     soft-capped logits gathered), Phi-3 (fused tensors split, then cut, while loading), Qwen2
-    (cut biases), Gemma 3 (two RoPE bases, per-layer windows on each rank's heads) and
-    Qwen2-MoE (every expert's rows and the shared expert's cut, the router whole) at
+    (cut biases), Gemma 3 (two RoPE bases, per-layer windows on each rank's heads), Qwen2-MoE
+    (every expert's rows and the shared expert's cut, the router whole), Mixtral, Qwen3-MoE,
+    Mistral and Gemma at
     parallel.tp_size=2 against 1, all ranks as real processes at once; ATOL as
     tests/test_tp_model.py's (the all-reduce changes the summation order).  (Llama 3's scaled
     RoPE tables are built as Llama's are.)"""
