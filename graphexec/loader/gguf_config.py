@@ -7,7 +7,7 @@ rope_factors_short / rope_factors_long), `gemma`, `gemma2` and `gemma3` (llama.c
 sliding layers alternate (Gemma 2) or five of every six slide (Gemma 3), the attention scale is
 head_dim's except for the 27B shapes, Gemma 3's sliding layers rotate at base 10000).
 `<arch>.attention.sliding_window` is the window (shorter than the context: sliding-window
-attention), for every layer outside Gemma.  Everything else is refused by name.
+attention) of every layer, or of Gemma's sliding layers.  Everything else is refused by name.
 """
 
 from __future__ import annotations
