@@ -30,7 +30,6 @@ _GGUF_NORMAL = 1
 _GGUF_UNKNOWN = 2
 _GGUF_CONTROL = 3
 _GGUF_USER_DEFINED = 4
-_GGUF_BYTE = 6
 _SPACE = "\u2581"  # SentencePiece's spelling of a space
 
 _LLAMA3_SPLIT = (
