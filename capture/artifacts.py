@@ -1,7 +1,7 @@
 """Compiled-code artifacts on disk, beside the capture plan of the same key (capture/plan_store.py).
 
 An artifact is opaque bytes a backend produced (full_graph's ahead-of-time compiled layer,
-capture/aot_layer.py) under a name the backend chose.  The store adds what makes it safe to load
+capture/aot_region.py) under a name the backend chose.  The store adds what makes it safe to load
 on a later start: the key it was built for, its name and a checksum over both and the bytes.  A
 file that cannot be trusted (unreadable, truncated, another key's or another name's, a checksum
 that does not match) raises UntrustedArtifact; the backend logs it once (`reject`), compiles

@@ -66,7 +66,7 @@ class PreparedForward:
 @dataclass
 class BackendStats:
     """What a backend did, for benchmarks and /metrics: its one set of counters, moved only by the
-    backend (and the helpers it owns, such as its AotLayer)."""
+    backend (and the helpers it owns, such as its AotRegion)."""
 
     capture_seconds: dict[int, float] = field(default_factory=dict)  # per bucket
     capture_bytes: dict[int, int] = field(default_factory=dict)  # per bucket (device or host RSS)
@@ -80,7 +80,7 @@ class BackendStats:
     # Per bucket that became ready: seconds from the backend's creation (about the weights being
     # loaded) until it could serve.
     ready_after_seconds: dict[int, float] = field(default_factory=dict)
-    # Compiled code persisted across starts (full_graph `compile.aot`, capture/aot_layer.py): what
+    # Compiled code persisted across starts (full_graph `compile.aot`, capture/aot_region.py): what
     # each ready bucket runs ("artifact" loaded, "compiled" ahead of time here, "dynamo" when it
     # could not be), layers compiled ahead of time in this process, artifacts written, loaded,
     # and stored ones rejected (damaged, foreign, stale) and rebuilt.

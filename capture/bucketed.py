@@ -92,9 +92,10 @@ class BucketedBackend(CaptureBackend):
     # -- what a backend says ---------------------------------------------------------------------
 
     @abstractmethod
-    def _bucket_forward(self) -> BucketRunner:
-        """What runs a padded batch under this backend's mechanism before any recording: compiled
-        code (compiled per bucket on its first call), or the forward a recorder records."""
+    def _bucket_forward(self, bucket: int) -> BucketRunner:
+        """What runs a padded batch of `bucket` under this backend's mechanism before any
+        recording: compiled code (compiled for the bucket on its first call), or the forward a
+        recorder records."""
 
     def _before_capture(self) -> None:
         """Once, before the first bucket is captured (eagerly or lazily)."""
@@ -196,7 +197,7 @@ class BucketedBackend(CaptureBackend):
     def _make_runner(self, bucket: int, batch: BucketableBatch) -> BucketRunner:
         if self.mechanism == "eager":
             return self._run_model
-        forward = self._bucket_forward()
+        forward = self._bucket_forward(bucket)
         if self.recorder is None:
             forward(batch)  # compiles this bucket's static shape
             return forward

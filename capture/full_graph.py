@@ -13,9 +13,12 @@ batch, run, slice back; the `graph` option picks the mechanism).  What a bucket 
   eager       debug: the same padding and static buffers, plain module calls inside, so "is it
               the capture or the model?" is one override away.
 
-`compile.regional` compiles the repeated decoder layer once and calls it for every layer.  With
-`compile.aot` (the `compile` mechanism only) that layer is compiled ahead of time per bucket
-(capture/aot_layer.py): no Dynamo frame per call, and, given the plan's artifact store
+`compile.regional` compiles the repeated decoder layer once and calls it for every layer, but for
+the buckets in `compile.whole_forward_buckets`, which compile the whole forward as one graph: a
+compile as many times longer as there are layers, for a step without a call per layer and with
+fusion across layers (B=1's, where those calls weigh most).  With `compile.aot` (the `compile`
+mechanism only) each bucket's region, layer or whole forward, is compiled ahead of time
+(capture/aot_region.py): no Dynamo frame per call, and, given the plan's artifact store
 (`preset`), saved beside the plan so a later start with the same key loads it instead of
 tracing and compiling.  Every option, checked, is capture/options.py's `FullGraphOptions`.
 """
@@ -26,7 +29,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from capture.aot_layer import AotLayer, layer_structure
+from capture.aot_region import AotRegion, layer_structure
 from capture.backend import CaptureEnv
 from capture.batch import BucketableBatch, Phase
 from capture.bucketed import BucketedBackend, BucketRunner
@@ -45,30 +48,48 @@ class FullGraphBackend(BucketedBackend):
 
     def __init__(self, env: CaptureEnv, options: FullGraphOptions | Mapping[str, Any], config_path: str = "capture.decode"):
         super().__init__(env, options, config_path)
-        self._compiled: Callable | None = None
-        self._aots: list[AotLayer] = []  # one per distinct layer structure
+        self._regional: Callable | None = None
+        self._whole: Callable | None = None
+        self._aots: list[AotRegion] = []  # one per distinct layer structure, and the whole forward's
 
-    def _bucket_forward(self) -> BucketRunner:
+    def pending_buckets(self) -> list[int]:
+        # A whole forward compiles as many times longer as the model is deep: every regional
+        # bucket goes first, so while they are captured in the background a request waits at
+        # most one short compile.
+        pending = super().pending_buckets()
+        return sorted(pending, key=self._is_whole)
+
+    def _is_whole(self, bucket: int) -> bool:
+        opts = self.options.compile
+        return not opts.regional or bucket in opts.whole_forward_buckets
+
+    def _bucket_forward(self, bucket: int) -> BucketRunner:
         # `compile.enabled` is a cuda_graph option: the tape records aten calls, which compiled
         # kernels do not make, so it always records the plain forward.
         over_compiled = self.mechanism == "cuda_graph" and self.options.compile.enabled
         compiled = self.mechanism == "compile" or over_compiled
-        forward = self._compiled_forward() if compiled else self.env.model
+        forward = self._compiled_forward(bucket) if compiled else self.env.model
         return lambda fb: forward(fb.input_ids, fb.positions)
 
-    def _compiled_forward(self) -> Callable:
-        if self._compiled is None:
-            opts = self.options.compile
-            options = self._inductor_options()
-            compile_kwargs = dict(
-                fullgraph=True,
-                dynamic=opts.dynamic,
-                # A mode is torch.compile's alternative to inductor options (capture/option_parser.py
-                # refuses both at once).
-                **({"options": options} if options else {"mode": None if opts.mode == "default" else opts.mode}),
-            )
-            self._compiled = self._regional_forward(compile_kwargs) if opts.regional else self._whole_forward(compile_kwargs)
-        return self._compiled
+    def _compiled_forward(self, bucket: int) -> Callable:
+        if not self._is_whole(bucket):
+            if self._regional is None:
+                self._regional = self._regional_forward(self._compile_kwargs())
+            return self._regional
+        if self._whole is None:
+            self._whole = self._whole_forward(self._compile_kwargs())
+        return self._whole
+
+    def _compile_kwargs(self) -> dict[str, Any]:
+        opts = self.options.compile
+        options = self._inductor_options()
+        return dict(
+            fullgraph=True,
+            dynamic=opts.dynamic,
+            # A mode is torch.compile's alternative to inductor options (capture/option_parser.py
+            # refuses both at once).
+            **({"options": options} if options else {"mode": None if opts.mode == "default" else opts.mode}),
+        )
 
     def _inductor_options(self) -> dict[str, Any]:
         opts = self.options.compile
@@ -88,11 +109,6 @@ class FullGraphBackend(BucketedBackend):
         scaling with depth.  layer_id must become symbolic for the layers to share a graph, so
         shapes are pinned with mark_static instead of dynamic=False (which would specialize every
         int)."""
-        # TODO(issue 22, part 4): the 30 calls cost ~19 % of a B=1 step in Dynamo/AOT
-        # wrappers (docs/STATUS.md has the profile; `aot` removes the Dynamo share).
-        # nested_compile_region over this call fails (its guards see 30 layer modules); a
-        # functional call over stacked per-layer weights would let one subgraph serve every layer
-        # inside one whole-forward graph.
         dynamic = compile_kwargs.pop("dynamic")
         model = self.env.model
         # One compiled layer per layer structure: a file may mix weight types between layers (a
@@ -126,13 +142,28 @@ class FullGraphBackend(BucketedBackend):
         if not self._uses_aot():
             return run
         name = f"{self.config_path}.layer" + (f".s{index}" if index else "")
-        aot = AotLayer(own_code(_call_layer), compile_kwargs.get("options", {}), self.artifacts, name, self.stats,
-                       fallback=run, option=f"{self.config_path}.compile.aot")
-        self._aots.append(aot)
-        return aot
+        return self._aot(_call_layer, compile_kwargs, name, fallback=run)
 
     def _whole_forward(self, compile_kwargs: dict[str, Any]) -> Callable:
-        return torch.compile(own_forward(self.env.model), **compile_kwargs)
+        options = compile_kwargs.get("options", {})
+        if options.get("cpp_wrapper"):
+            # The wrapper of a whole forward is as long as the model is deep: built with its
+            # kernels at -O3 it took 188 s of a 236 s compile (SmolLM2, 30 layers); built apart, at
+            # inductor's -O1, 16 s, its kernels still at -O3.
+            compile_kwargs = compile_kwargs | {"options": options | {"cpp_wrapper_build_separate": True}}
+        compiled = torch.compile(own_forward(self.env.model), **compile_kwargs)
+        if not self._uses_aot():
+            return compiled
+        aot = self._aot(_call_forward, compile_kwargs, f"{self.config_path}.forward",
+                        fallback=lambda model, ids, positions: compiled(ids, positions), symbolic_ints=False)
+        return lambda ids, positions: aot(self.env.model, ids, positions)
+
+    def _aot(self, fn: Callable, compile_kwargs: dict[str, Any], name: str, fallback: Callable,
+             symbolic_ints: bool = True) -> AotRegion:
+        aot = AotRegion(own_code(fn), compile_kwargs.get("options", {}), self.artifacts, name, self.stats,
+                        fallback=fallback, option=f"{self.config_path}.compile.aot", symbolic_ints=symbolic_ints)
+        self._aots.append(aot)
+        return aot
 
     def _uses_aot(self) -> bool:
         # TODO(gpu): the cuda_graph mechanism records over the Dynamo-compiled layer; an artifact
@@ -150,3 +181,7 @@ class FullGraphBackend(BucketedBackend):
 
 def _call_layer(layer, positions, x, rotary, layer_id):
     return layer(positions, x, rotary, layer_id)
+
+
+def _call_forward(model, input_ids, positions):
+    return model(input_ids, positions)

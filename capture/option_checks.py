@@ -35,6 +35,11 @@ def buckets(value: Any, option: str) -> tuple[int, ...]:
     return validate_buckets(value, option)
 
 
+def bucket_subset(value: Any, option: str) -> tuple[int, ...]:
+    """Some of a backend's buckets (which ones: capture/option_parser.py checks), maybe none."""
+    return validate_buckets(value, option) if value else ()
+
+
 def fraction(value: Any, option: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
         raise CaptureConfigError(f"{option} must be a fraction in [0, 1], got {value!r}")

@@ -92,15 +92,21 @@ class CompileOptions:
     regional: bool = _option(False, check.flag)
     """Compile the repeated decoder layer once and call it for every layer, so compile time stops
     growing with depth (false: the whole forward as one graph)."""
+    whole_forward_buckets: tuple[int, ...] = _option((), check.bucket_subset)
+    """With regional: the buckets that compile the whole forward as one graph anyway.  Their
+    compile takes about as many times longer as the model has layers; their steps make no call per
+    layer and fuse across layers (SmolLM2 B=1: ~1.2x the regional layer's step, bench=decode).
+    Each must be one of `buckets`."""
     skip_module_guards: bool = _option(False, check.flag)
     """Drop Dynamo's per-call guards on module attributes: weights never change identity or shape
     after loading (25 -> 6 us a layer call)."""
     cpp_wrapper: bool = _option(False, check.flag)
     """Inductor's per-call wrapper in C++: a graph's kernels launch with no Python between them."""
     aot: bool = _option(False, check.flag)
-    """The regional layer compiled ahead of time per bucket (no Dynamo frame per call) and, with
-    capture.cache_dir set, saved beside the plan so a later start loads it instead of compiling.
-    Needs regional, mode default, no freezing, dynamic false; graph=compile only."""
+    """Each bucket's region (the regional layer, or the whole forward) compiled ahead of time (no
+    Dynamo frame per call) and, with capture.cache_dir set, saved beside the plan so a later start
+    loads it instead of compiling.  Needs regional, mode default, no freezing, dynamic false;
+    graph=compile only."""
 
 
 @dataclass(frozen=True)

@@ -50,5 +50,5 @@ class PiecewiseBackend(BucketedBackend):
     def _before_capture(self) -> None:
         self._forward = self._build_forward()
 
-    def _bucket_forward(self) -> BucketRunner:
+    def _bucket_forward(self, bucket: int) -> BucketRunner:
         return self._run_pieces

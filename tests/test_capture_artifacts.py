@@ -1,8 +1,8 @@
-"""A warm start compiles nothing: full_graph's regional layer compiled ahead of time per bucket
+"""A warm start compiles nothing: full_graph's regions compiled ahead of time per bucket
 (`compile.aot`), saved beside the capture plan and loaded by a later start with the same key; a
 damaged, foreign or stale artifact is rejected with one warning and rebuilt (capture/artifacts.py,
-capture/aot_layer.py).  One engine builds the artifacts for the whole module (tiny model, one
-bucket); the round trip runs in a fresh process."""
+capture/aot_region.py).  One engine builds the artifacts for the whole module (tiny model, bucket 1
+the whole forward, bucket 2 the regional layer); the round trip runs in a fresh process."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from capture import CaptureEnv, vec_isa
-from capture.aot_layer import _changed_source
+from capture.aot_region import _changed_source
 from capture.artifacts import ArtifactStore, UntrustedArtifact
 from capture.errors import CaptureConfigError
 from capture.full_graph import FullGraphBackend
@@ -26,9 +26,11 @@ from graphexec import Engine, SamplingParams
 from graphexec.config import EngineConfig
 from graphexec.runner.capture_key import capture_key
 
-PLAN = ["model=tiny-llama", "capture=auto", "capture.decode.buckets=[1]", "capture.decode.progress=false",
-        "capture.background=false", "capture.decode.keep=all", "cache.num_slots=2048"]
-ARTIFACT = "capture.decode.layer.b1.aot"
+PLAN = ["model=tiny-llama", "capture=auto", "capture.decode.buckets=[1,2]", "capture.decode.progress=false",
+        "capture.decode.compile.whole_forward_buckets=[1]", "capture.background=false", "capture.decode.keep=all",
+        "cache.num_slots=2048"]
+ARTIFACT = "capture.decode.forward.b1.aot"  # the one the B=1 steps below run
+ARTIFACTS = [ARTIFACT, "capture.decode.layer.b2.aot"]
 PROMPTS = [[5, 6, 7, 8, 9], [40, 41, 42]]
 
 
@@ -110,12 +112,22 @@ def test_aot_refuses_what_it_cannot_persist(option):
         FullGraphBackend(env, {"buckets": [1], "compile": compile_options})
 
 
+def test_whole_forward_buckets_are_some_buckets_captured_after_the_regional_ones():
+    env = CaptureEnv(model=lambda *a, **k: None, device=torch.device("cpu"), padding=None, empty_batches={})
+    compile_options = {"regional": True, "whole_forward_buckets": [1]}
+    backend = FullGraphBackend(env, {"buckets": [1, 2, 4], "compile": compile_options})
+    # A request waits for the bucket being compiled; the long one comes when the short ones are done.
+    assert backend.pending_buckets() == [2, 4, 1]
+    with pytest.raises(CaptureConfigError, match=r"capture.decode.compile.whole_forward_buckets: \[8\] not in"):
+        FullGraphBackend(env, {"buckets": [1, 2, 4], "compile": compile_options | {"whole_forward_buckets": [1, 8]}})
+
+
 # ---- the engine -------------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    """A plan directory whose one kept bucket's layer was compiled and saved, and its tokens."""
+    """A plan directory whose kept buckets' regions were compiled and saved, and its tokens."""
     cache_dir = tmp_path_factory.mktemp("plans")
     with Engine(overrides=[*PLAN, f"capture.cache_dir={cache_dir}"]) as engine:
         tokens = _greedy(engine)
@@ -125,9 +137,9 @@ def built(tmp_path_factory):
 
 def test_capture_compiles_ahead_of_time_and_saves_one_artifact_per_bucket(built, tiny):
     stats = built.stats
-    assert (stats["aot_compiles"], stats["artifacts_saved"], stats["artifacts_loaded"]) == (1, 1, 0)
-    assert stats["buckets"][1]["origin"] == "compiled" and stats["executions"] > 0
-    assert [p.name for p in built.cache_dir.glob("*/capture.*.aot")] == [ARTIFACT]
+    assert (stats["aot_compiles"], stats["artifacts_saved"], stats["artifacts_loaded"]) == (2, 2, 0)
+    assert stats["buckets"][1]["origin"] == stats["buckets"][2]["origin"] == "compiled" and stats["executions"] > 0
+    assert sorted(p.name for p in built.cache_dir.glob("*/capture.*.aot")) == ARTIFACTS
     # What inductor's ISA probe answered in this process, recorded for the next one (capture/vec_isa.py).
     (record,) = built.cache_dir.glob(f"*/{vec_isa.NAME}.aot")
     assert json.loads(ArtifactStore(record.parent, record.parent.name).load(vec_isa.NAME))["isas"]
@@ -165,8 +177,8 @@ def test_a_fresh_process_loads_the_artifact_and_compiles_nothing(built, tiny):
     assert result.returncode == 0, result.stderr[-2000:]
     out = json.loads(result.stdout.strip().splitlines()[-1])
     stats = out["stats"]
-    assert (stats["aot_compiles"], stats["artifacts_loaded"], stats["artifacts_rejected"]) == (0, 1, 0)
-    assert stats["buckets"]["1"]["origin"] == "artifact" and stats["executions"] > 0
+    assert (stats["aot_compiles"], stats["artifacts_loaded"], stats["artifacts_rejected"]) == (0, 2, 0)
+    assert stats["buckets"]["1"]["origin"] == stats["buckets"]["2"]["origin"] == "artifact" and stats["executions"] > 0
     # Neither Dynamo nor AOTAutograd/inductor compiled a graph in that process.
     assert out["dynamo"].get("unique_graphs", 0) == 0 and out["aot_autograd"].get("total", 0) == 0
     assert out["tokens"] == built.tokens == _greedy(tiny)
@@ -197,31 +209,35 @@ def test_a_damaged_or_foreign_artifact_is_rebuilt_with_one_warning(built, tmp_pa
     with caplog.at_level(logging.WARNING, logger="capture.artifacts"), Engine(overrides=overrides) as engine:
         assert _greedy(engine) == built.tokens
         stats = engine.runner.backend_stats()["decode"]
-    assert (stats["artifacts_rejected"], stats["aot_compiles"], stats["artifacts_saved"]) == (1, 1, 1)
+    # A foreign folder holds only the copied artifact: bucket 2's layer is compiled there too.
+    compiled = 2 if damage == "foreign" else 1
+    assert (stats["artifacts_rejected"], stats["aot_compiles"], stats["artifacts_saved"]) == (1, compiled, compiled)
     warnings = [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
     assert len(warnings) == 1 and ARTIFACT in warnings[0]
     rebuilt = engine.runner.plan_path.parent / ARTIFACT
     assert ArtifactStore(rebuilt.parent, rebuilt.parent.name).load(ARTIFACT.removesuffix(".aot"))  # rewritten, trusted
 
 
-def test_a_layer_that_cannot_be_compiled_ahead_of_time_falls_back_to_dynamo(tmp_path, caplog, monkeypatch, built):
+def test_a_region_that_cannot_be_compiled_ahead_of_time_falls_back_to_dynamo(tmp_path, caplog, monkeypatch, built):
     """Guards torch cannot serialize (what an unserializable graph looks like to aot_compile): every
-    bucket is compiled by Dynamo instead, with one warning, and serves the same tokens."""
-    from capture import aot_layer
+    bucket is compiled by Dynamo instead, with one warning per region, and serves the same tokens."""
+    from capture import aot_region
 
-    monkeypatch.setattr(aot_layer, "_serializable_guards", lambda keep_first: lambda entries: [True] * len(entries))
-    with caplog.at_level(logging.WARNING, logger="capture.aot_layer"), Engine(overrides=[*PLAN, f"capture.cache_dir={tmp_path}"]) as engine:
+    monkeypatch.setattr(aot_region, "_serializable_guards", lambda keep_first: lambda entries: [True] * len(entries))
+    with caplog.at_level(logging.WARNING, logger="capture.aot_region"), Engine(overrides=[*PLAN, f"capture.cache_dir={tmp_path}"]) as engine:
         assert _greedy(engine) == built.tokens
         stats = engine.runner.backend_stats()["decode"]
-    assert stats["buckets"][1]["origin"] == "dynamo" and (stats["aot_compiles"], stats["artifacts_saved"]) == (0, 0)
-    assert len([r for r in caplog.records if "cannot be compiled ahead of time" in r.getMessage()]) == 1
+    assert stats["buckets"][1]["origin"] == stats["buckets"][2]["origin"] == "dynamo"
+    assert (stats["aot_compiles"], stats["artifacts_saved"]) == (0, 0)
+    warned = [r.getMessage() for r in caplog.records if "cannot be compiled ahead of time" in r.getMessage()]
+    assert len(warned) == 2 and any(".forward" in m for m in warned) and any(".layer" in m for m in warned)
     assert not list(tmp_path.glob("*/*.aot"))
 
 
 def test_a_layer_whose_guards_reject_a_later_layer_hands_the_bucket_to_dynamo(tmp_path, caplog, monkeypatch):
     """Under tensor parallelism layer 0's input is a collective's tensor subclass and the others'
     plain tensors: one ahead-of-time graph cannot serve both, so Dynamo takes over, nothing is saved."""
-    from capture import aot_layer
+    from capture import aot_region
     from capture.backend import BackendStats
 
     class Compiled:  # what aot_compile returns, its guards holding for layer 0 only
@@ -231,13 +247,13 @@ def test_a_layer_whose_guards_reject_a_later_layer_hands_the_bucket_to_dynamo(tm
         def __call__(self, *args):
             return "aot"
 
-    monkeypatch.setattr(aot_layer.AotLayer, "_compile", lambda self, bucket, args: Compiled())
+    monkeypatch.setattr(aot_region.AotRegion, "_compile", lambda self, bucket, args: Compiled())
     stats = BackendStats()
-    layer = aot_layer.AotLayer(lambda *a: None, {}, ArtifactStore(tmp_path, "k"), "capture.decode.layer", stats,
-                               fallback=lambda *args: "dynamo")
+    layer = aot_region.AotRegion(lambda *a: None, {}, ArtifactStore(tmp_path, "k"), "capture.decode.layer", stats,
+                                 fallback=lambda *args: "dynamo")
     x = torch.zeros(1, 4)
     same = torch.nn.Identity()
-    with caplog.at_level(logging.WARNING, logger="capture.aot_layer"):
+    with caplog.at_level(logging.WARNING, logger="capture.aot_region"):
         assert [layer(same, x, x, None, i) for i in (0, 1, 2)] == ["aot", "dynamo", "dynamo"]
         layer.trust(1)
     assert stats.origins[1] == "dynamo" and not list(tmp_path.iterdir())
@@ -247,7 +263,7 @@ def test_a_layer_whose_guards_reject_a_later_layer_hands_the_bucket_to_dynamo(tm
 def test_a_later_layer_built_differently_hands_the_bucket_to_dynamo(tmp_path, caplog, monkeypatch):
     """An artifact carries no module guards: a layer whose modules differ from the one it was
     compiled on (another weight type, another op choice) must not run it, even with its guards holding."""
-    from capture import aot_layer
+    from capture import aot_region
     from capture.backend import BackendStats
 
     class Compiled:
@@ -257,11 +273,11 @@ def test_a_later_layer_built_differently_hands_the_bucket_to_dynamo(tmp_path, ca
         def __call__(self, *args):
             return "aot"
 
-    monkeypatch.setattr(aot_layer.AotLayer, "_compile", lambda self, bucket, args: Compiled())
-    layer = aot_layer.AotLayer(lambda *a: None, {}, ArtifactStore(tmp_path, "k"), "capture.decode.layer", BackendStats(),
-                               fallback=lambda *args: "dynamo")
+    monkeypatch.setattr(aot_region.AotRegion, "_compile", lambda self, bucket, args: Compiled())
+    layer = aot_region.AotRegion(lambda *a: None, {}, ArtifactStore(tmp_path, "k"), "capture.decode.layer", BackendStats(),
+                                 fallback=lambda *args: "dynamo")
     x = torch.zeros(1, 4)
     layers = [torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 8)]
-    with caplog.at_level(logging.WARNING, logger="capture.aot_layer"):
+    with caplog.at_level(logging.WARNING, logger="capture.aot_region"):
         assert [layer(m, x, x, None, i) for i, m in enumerate(layers)] == ["aot", "aot", "dynamo"]
     assert len([r for r in caplog.records if "layer 2's modules differ" in r.getMessage()]) == 1

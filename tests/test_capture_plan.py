@@ -114,8 +114,8 @@ def slow_bucket_two(monkeypatch):
     """Bucket 2's graph made slower than eager on purpose (an injected delay)."""
     real = FullGraphBackend._bucket_forward
 
-    def slowed(self):
-        forward = real(self)
+    def slowed(self, bucket):
+        forward = real(self, bucket)
 
         def run(fb):
             if fb.batch_size == 2:

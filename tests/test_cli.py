@@ -33,7 +33,7 @@ def test_capture_builds_the_plan_a_later_start_uses(tmp_path):
     assert row[1:3] == ["1", "ready"] and row[-1] == "keep=all"
     (plan,) = tmp_path.glob("*/plan.json")
     assert str(plan) in result.stderr
-    assert (plan.parent / "capture.decode.layer.b1.aot").exists()  # the compiled layer, shipped with the plan
+    assert (plan.parent / "capture.decode.forward.b1.aot").exists()  # the compiled forward, shipped with the plan
     # The same overrides find it; graphexec-generate with them loads it (nothing is measured).
     from graphexec.config import EngineConfig
     from graphexec.runner.capture_key import capture_key

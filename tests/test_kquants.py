@@ -341,7 +341,7 @@ def test_default_plan_compiles_one_layer_per_layer_structure(tiny_k_gguf, tmp_pa
     structure, each its own artifact, tokens equal eager's, and a second engine loads them all."""
     params = [SamplingParams(max_new_tokens=6 + i, temperature=0.0, ignore_eos=True) for i in range(3)]
     auto = ["capture=auto", "capture.background=false", "capture.decode.buckets=[1,2]", "capture.decode.keep=all",
-            f"capture.cache_dir={tmp_path / 'plans'}"]
+            "capture.decode.compile.whole_forward_buckets=[]", f"capture.cache_dir={tmp_path / 'plans'}"]
     eager = [o.token_ids for o in _engine(tiny_k_gguf, "capture=eager").generate(_prompts()[:3], params)]
     for expected_origin in ("compiled", "artifact"):
         engine = _engine(tiny_k_gguf, *auto)

@@ -296,7 +296,7 @@ def test_experts_that_differ_only_in_type_are_different_layer_structures():
     """Q5_K and Q5_0 rows of 256 are both 176 bytes: the same buffers' shapes and dtypes.  A
     compiled layer (module guards skipped) must never serve both: the type is part of the layer
     structure it is keyed by."""
-    from capture.aot_layer import layer_structure
+    from capture.aot_region import layer_structure
     from graphexec.models.moe import PackedExperts
     from graphexec.quant import StackedBlocks
 

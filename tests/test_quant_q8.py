@@ -205,8 +205,8 @@ def test_q8_reaches_every_block_quantized_weight_of_a_mixed_file(tmp_path):
 
 
 def test_layer_structure_tells_the_activation_paths_apart():
-    """What keeps one compiled layer from serving a differently built one (capture/aot_layer.py)."""
-    from capture.aot_layer import layer_structure
+    """What keeps one compiled layer from serving a differently built one (capture/aot_region.py)."""
+    from capture.aot_region import layer_structure
 
     weight, _ = _packed("Q4_1", 48, 64)
     same = [layer_structure(torch.nn.Sequential(QuantLinear(weight, activations=a))) for a in ("float", "float", "q8")]

@@ -175,7 +175,7 @@ class PackedExperts(nn.Module):
         self.activation = activation
         self.qtypes = "/".join(w.qtype for w in (gate, up, down))
         # One plain int or str attribute per setting: constants to Dynamo, and part of the layer
-        # structure a compiled layer is keyed by (capture/aot_layer.py's layer_structure), so
+        # structure a compiled layer is keyed by (capture/aot_region.py's layer_structure), so
         # layers whose experts differ only in type never share a graph.
         projections = [("gate", gate), ("up", up), ("down", down)]
         if gate.qtype == up.qtype:

@@ -7,7 +7,7 @@ beside it under the same key, the compiled-code artifacts (full_graph's `compile
 capture/artifacts.py), so the key errs on the side of measuring and compiling again: the model
 file's identity, every resolved option but progress bars, library versions, device, thread count
 and CPU.  What the key cannot see, an artifact checks itself on load: the sources it inlined
-(an edited model file) and torch's own version and device checks (capture/aot_layer.py).
+(an edited model file) and torch's own version and device checks (capture/aot_region.py).
 Kernels' shared objects stay in inductor's own cache (TORCHINDUCTOR_CACHE_DIR).
 """
 

@@ -1,22 +1,23 @@
-"""The regional decoder layer compiled ahead of time, one callable per bucket, persisted as an
-artifact (full_graph's `compile.aot`).
+"""A compiled region ahead of time, one callable per bucket, persisted as an artifact
+(full_graph's `compile.aot`).  The region is the regional decoder layer, called once per layer,
+or the whole forward (`compile.whole_forward_buckets`), called once a step; either way its first
+argument is the module it runs and its second its rows (the bucket).
 
-`torch.compile(...).aot_compile` traces the layer once for a bucket's static shapes (x and
-positions marked static, layer_id symbolic, so one graph serves every layer) and returns a
-callable with no Dynamo frame in front of it: no cache lookup on each of the 30 calls a step.
-Its guards are checked on every call of the bucket's capture forward, then no more (`trust`).
-With an ArtifactStore (capture/artifacts.py) the callable is then saved under `<name>.b<bucket>`,
-and a later start loads it instead: no Dynamo trace, no inductor compile.  Inductor's own cache
-still holds the kernels' shared objects; an emptied one costs a C++ rebuild on load, not a wrong
-result.
+`torch.compile(...).aot_compile` traces the region once for a bucket's static shapes (its tensor
+inputs marked static; the layer's layer_id stays symbolic, so one graph serves every layer) and
+returns a callable with no Dynamo frame in front of it: no cache lookup on each call.  Its guards
+are checked on every call of the bucket's capture forward, then no more (`trust`).  With an
+ArtifactStore (capture/artifacts.py) the callable is then saved under `<name>.b<bucket>`, and a
+later start loads it instead: no Dynamo trace, no inductor compile.  Inductor's own cache still
+holds the kernels' shared objects; an emptied one costs a C++ rebuild on load, not a wrong result.
 
 A stored artifact is used only if it checks out (the store's checksum), the sources it inlined
 are the ones this process runs (an edited model file is a rebuild, not a stale graph), its
 guards hold on the bucket's capture inputs and its first call succeeds; otherwise it is rejected
-(one warning), compiled again and overwritten.  Should the layer not compile ahead of time at
+(one warning), compiled again and overwritten.  Should the region not compile ahead of time at
 all (a graph torch cannot serialize), or one graph not serve every layer (under tensor
 parallelism the first layer's input is a collective's tensor subclass, the others' plain
-tensors), that bucket and every later one fall back to the Dynamo-compiled layer, with one
+tensors), that bucket and every later one fall back to the Dynamo-compiled region, with one
 warning, and nothing is saved.
 """
 
@@ -40,29 +41,33 @@ from capture.vec_isa import IsaRecord
 
 _log = logging.getLogger(__name__)
 
-# (layer, positions, x, rotary, layer_id) -> the layer's output rows
-LayerFn = Callable[..., torch.Tensor]
+# (module, rows, ...) -> output rows: (layer, positions, x, rotary, layer_id) for the regional
+# layer, (model, input_ids, positions) for the whole forward.
+RegionFn = Callable[..., torch.Tensor]
 
 
-class AotLayer:
-    """A layer runner (LlamaForCausalLM's `layer_runner`) that runs each bucket's ahead-of-time
-    compiled layer, loading or compiling it on the bucket's first call (its capture)."""
+class AotRegion:
+    """Runs each bucket's ahead-of-time compiled region (as LlamaForCausalLM's `layer_runner`, or
+    as the whole forward), loading or compiling it on the bucket's first call (its capture)."""
 
     def __init__(
         self,
-        fn: LayerFn,
+        fn: RegionFn,
         options: Mapping[str, Any],
         store: ArtifactStore | None,
         name: str,
         stats: BackendStats,
-        fallback: LayerFn,
+        fallback: RegionFn,
         option: str = "compile.aot",
+        symbolic_ints: bool = True,
     ):
         options = dict(options)
         options["guard_filter_fn"] = _serializable_guards(options.get("guard_filter_fn"))
-        # dynamic=True keeps layer_id symbolic (without it the graph guards `layer_id == 0`);
-        # the shapes are pinned per bucket with mark_static before tracing.
-        self._compiler = torch.compile(fn, fullgraph=True, dynamic=True, options=options)
+        # symbolic_ints (dynamic=True) keeps the layer's layer_id symbolic (without it the graph
+        # guards `layer_id == 0`); the shapes are pinned per bucket with mark_static before
+        # tracing.  The whole forward has no int to keep, and with dynamic=True its float
+        # constants would be made tensors, a restart aot_compile cannot take.
+        self._compiler = torch.compile(fn, fullgraph=True, dynamic=symbolic_ints, options=options)
         self._globals = fn.__globals__
         self._store = store
         self._isa = IsaRecord(store)
@@ -70,22 +75,22 @@ class AotLayer:
         self._stats = stats
         self._fallback = fallback
         self._option = option  # the config option that asked for this, for messages
-        self._ready: dict[int, LayerFn] = {}  # rows (the bucket) -> what runs a layer call
-        self._aot: dict[int, Any] = {}  # bucket -> its ahead-of-time compiled layer (not Dynamo's)
+        self._ready: dict[int, RegionFn] = {}  # rows (the bucket) -> what runs a call
+        self._aot: dict[int, Any] = {}  # bucket -> its ahead-of-time compiled region (not Dynamo's)
         self._unsaved: set[int] = set()  # compiled here, saved once `trust`ed
         self._unavailable = False
 
-    def __call__(self, layer, positions: torch.Tensor, x: torch.Tensor, rotary, layer_id: int) -> torch.Tensor:
-        fn = self._ready.get(x.shape[0])
+    def __call__(self, module, rows: torch.Tensor, *rest) -> torch.Tensor:
+        fn = self._ready.get(rows.shape[0])
         if fn is None:
-            return self._first_call(x.shape[0], (layer, positions, x, rotary, layer_id))
-        return fn(layer, positions, x, rotary, layer_id)
+            return self._first_call(rows.shape[0], (module, rows, *rest))
+        return fn(module, rows, *rest)
 
     def trust(self, bucket: int) -> None:
-        """The bucket's capture forward has passed the guards at every layer: save what was
+        """The bucket's capture forward has passed the guards at every call: save what was
         compiled for it, and stop checking.  Its later batches are the same static buffers (shapes,
-        dtypes, device) through the same layers, so checking again on every call (30 a step, ~7 us
-        each through inspect's argument binding) buys nothing."""
+        dtypes, device) through the same modules, so checking again on every call (a regional
+        layer: 30 a step, ~7 us each through inspect's argument binding) buys nothing."""
         fn = self._aot.get(bucket)
         if fn is None:  # Dynamo's
             return
@@ -117,20 +122,20 @@ class AotLayer:
         self._use(bucket, fn, args[0])
         return self._ready[bucket](*args)
 
-    def _use(self, bucket: int, fn, compiled_layer) -> None:
-        """fn for `bucket`, its guards checked on every call until `trust`: a layer whose input
+    def _use(self, bucket: int, fn, compiled_module) -> None:
+        """fn for `bucket`, its guards checked on every call until `trust`: a call whose input
         they reject (a tensor subclass out of a tensor-parallel all-reduce, where Dynamo would
-        compile a second graph), or whose modules differ from the layer it was compiled on (the
+        compile a second graph), or whose modules differ from those it was compiled on (the
         module guards are filtered out of an artifact; a K-quant file mixes weight types between
         layers), hands this bucket and every later one to Dynamo."""
         self._aot[bucket] = fn
-        structure = layer_structure(compiled_layer)
+        structure = layer_structure(compiled_module)
 
         def checked(*args):
             if layer_structure(args[0]) != structure:
-                why = f"layer {args[-1]}'s modules differ from those of the layer it was compiled on"
+                why = f"{_call_name(args)}'s modules differ from those it was compiled on"
             elif not fn.guard_check(*args):
-                why = f"its guards reject layer {args[-1]}'s inputs"
+                why = f"its guards reject {_call_name(args)}'s inputs"
             else:
                 return fn(*args)
             self._give_up(why)
@@ -145,7 +150,7 @@ class AotLayer:
     def _artifact(self, bucket: int) -> str:
         return f"{self._name}.b{bucket}"
 
-    def _load(self, name: str, args: tuple) -> LayerFn | None:
+    def _load(self, name: str, args: tuple) -> RegionFn | None:
         if self._store is None:
             return None
         try:
@@ -171,13 +176,13 @@ class AotLayer:
         self._store.reject(name, why)
 
     def _compile(self, bucket: int, args: tuple):
-        """The layer compiled ahead of time for `bucket`'s shapes; None once that is unavailable."""
+        """The region compiled ahead of time for `bucket`'s shapes; None once that is unavailable."""
         if self._unavailable:
             self._stats.origins[bucket] = "dynamo"
             return None
-        _, positions, x, _, _ = args
-        torch._dynamo.mark_static(x, 0)
-        torch._dynamo.mark_static(positions, 0)
+        for arg in args:
+            if isinstance(arg, torch.Tensor):
+                torch._dynamo.mark_static(arg, 0)
         try:
             with self._isa.answered():
                 fn = self._compiler.aot_compile((args, {}))
@@ -191,7 +196,8 @@ class AotLayer:
 
     def _give_up(self, why: str) -> None:
         if not self._unavailable:
-            _log.warning("%s: the decoder layer cannot be compiled ahead of time (%s); compiling it with Dynamo instead", self._option, why)
+            _log.warning("%s: %s cannot be compiled ahead of time (%s); compiling it with Dynamo instead",
+                         self._option, self._name, why)
         self._unavailable = True
 
     def _save(self, name: str, fn) -> None:
@@ -199,7 +205,7 @@ class AotLayer:
             return
         try:
             with tempfile.TemporaryDirectory() as tmp:
-                path = os.path.join(tmp, "layer")
+                path = os.path.join(tmp, "region")
                 fn.save_compiled_function(path)
                 payload = Path(path).read_bytes()
             self._store.save(name, payload)
@@ -237,6 +243,11 @@ def _serializable_guards(keep_first: Callable | None) -> Callable:
         return [k and not (e.is_global or e.guard_type in unsupported) for k, e in zip(first, entries)]
 
     return keep
+
+
+def _call_name(args: tuple) -> str:
+    """Which call a message is about: a regional layer's last argument is its layer_id."""
+    return f"layer {args[-1]}" if isinstance(args[-1], int) else "the forward"
 
 
 def _changed_source(fn) -> str | None:
