@@ -36,7 +36,7 @@ def buckets(value: Any, option: str) -> tuple[int, ...]:
 
 
 def bucket_subset(value: Any, option: str) -> tuple[int, ...]:
-    """Some of a backend's buckets (which ones: capture/option_parser.py checks), maybe none."""
+    """Sizes meant to be among a backend's buckets (those that are not are ignored), maybe none."""
     return validate_buckets(value, option) if value else ()
 
 

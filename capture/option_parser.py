@@ -78,11 +78,6 @@ def _build(cls: type, values: Any, path: str, unknown: str) -> Any:
 def _check_together(options: CaptureOptions, path: str) -> None:
     if isinstance(options, FullGraphOptions):
         _check_compile(options.compile, f"{path}.compile")
-        stray = sorted(set(options.compile.whole_forward_buckets) - set(options.buckets))
-        if stray:
-            raise CaptureConfigError(
-                f"{path}.compile.whole_forward_buckets: {stray} not in {path}.buckets={list(options.buckets)}"
-            )
     if isinstance(options, TcPiecewiseOptions) and options.graph == "tape" and options.compiler != "eager":
         raise CaptureConfigError(
             f"{path}.graph=tape records aten calls, which {options.compiler}'s compiled pieces do not make; "

@@ -93,10 +93,11 @@ class CompileOptions:
     """Compile the repeated decoder layer once and call it for every layer, so compile time stops
     growing with depth (false: the whole forward as one graph)."""
     whole_forward_buckets: tuple[int, ...] = _option((), check.bucket_subset)
-    """With regional: the buckets that compile the whole forward as one graph anyway.  Their
-    compile takes about as many times longer as the model has layers; their steps make no call per
-    layer and fuse across layers (SmolLM2 B=1: ~1.2x the regional layer's step, bench=decode).
-    Each must be one of `buckets`."""
+    """With regional: the buckets that compile the whole forward as one graph anyway, captured
+    after the others.  Their compile takes about as many times longer as the model has layers;
+    their steps make no call per layer and fuse across layers (SmolLM2: B=1 ~1.25x, B=8 ~1.1x the
+    regional layer's step, bench=decode).  Sizes not in `buckets` are ignored, so narrowing
+    `buckets` needs no second override."""
     skip_module_guards: bool = _option(False, check.flag)
     """Drop Dynamo's per-call guards on module attributes: weights never change identity or shape
     after loading (25 -> 6 us a layer call)."""
