@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import os
 import tempfile
-from pathlib import Path
 from typing import Any
 
 from omegaconf import OmegaConf
 
-from bench.plots import grouped_bars
-from bench.tables import num as _num
-from bench.tables import table
+from bench.report import Bars, Report, Table
+from bench.tables import cell
 from bench.workers import run_command
 from graphexec.batch.forward_mode import ForwardMode
 
@@ -85,66 +83,50 @@ def _merge_backends(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     return list(merged.values())
 
 
-def markdown(result: dict[str, Any]) -> str:
+def report(result: dict[str, Any]) -> Report:
     phases = list(result["phases"])
     if result["cold_is_cold"]:
-        lines = ["Inductor cache: a new empty directory for this run; cold compiles into it, warm reuses it.", ""]
+        head = "Inductor cache: a new empty directory for this run; cold compiles into it, warm reuses it."
     else:
         dirs = ", ".join(result["explicit_cache_dirs"])
-        lines = [f"**Cold is not cold**: the config sets compile.cache_dir ({dirs}), which every phase reads as it was.", ""]
-    lines.append(table(["phase", "engine start s", "process s", "peak RSS MiB", "error"], [
-        [phase, _num(p.get("start_seconds")), _num(p["process_seconds"]),
-         _num(None if p.get("peak_rss_bytes") is None else p["peak_rss_bytes"] / 2**20, ".0f"), p["error"] or ""]
-        for phase, p in result["phases"].items()]))
-    for backend in result["backends"]:
-        shared = [m for m in backend["modes"] if m != backend["name"]]
-        lines += ["", f"### {backend['name']}: {backend['backend']}" + (f" (shared by {', '.join(shared)})" if shared else ""), ""]
-        if not backend["buckets"]:
-            lines.append("Nothing captured (no buckets).")
-            continue
-        rows = []
-        for row in backend["buckets"]:
-            # "(artifact)": the bucket's compiled layer was loaded, not compiled (compile.aot).
-            seconds = [_num(row.get(f"{ph}_seconds")) + (" (artifact)" if row.get(f"{ph}_origin") == "artifact" else "")
-                       for ph in phases]
-            mib = [_num(row.get(f"{ph}_mib"), ".0f") for ph in phases]
-            state = row.get(f"{phases[-1]}_state") or "—"
-            decision = state if not row.get("reason") else f"{state} ({row['reason']})"
-            measured = [_num(row.get("eager_ms")), _num(row.get("graph_ms")), _num(row.get("speedup"))]
-            rows.append([row["bucket"], *measured, decision, *seconds, *mib])
-        lines.append(table(["bucket", "eager ms", "graph ms", "speedup", "decision", *(f"{ph} s" for ph in phases),
-                            *(f"{ph} MiB" for ph in phases)], rows))
-        if len(phases) > 1:
-            lines.append("")
-            lines.append(f"{phases[-1]} s of a kept bucket is what loading its graph costs with the cache and plan warm; "
-                         "a dropped bucket is not compiled there at all.")
-    return "\n".join(lines) + "\n"
-
-
-def plots(result: dict[str, Any], out_dir: Path) -> list[str]:
-    phases = list(result["phases"])
-    return [
-        grouped_bars(
-            out_dir / f"capture_{backend['name']}.png", f"{backend['name']} capture ({backend['backend']})", "seconds",
-            [row["bucket"] for row in backend["buckets"]],
-            {ph: [row.get(f"{ph}_seconds") for row in backend["buckets"]] for ph in phases},
-            xlabel="bucket",
-        )
-        for backend in result["backends"]
-        if backend["buckets"]
-    ]
-
-
-def summary(result: dict[str, Any]) -> dict[str, float]:
-    out: dict[str, float] = {}
+        head = f"**Cold is not cold**: the config sets compile.cache_dir ({dirs}), which every phase reads as it was."
+    mib = lambda n: None if n is None else n / 2**20  # noqa: E731
+    out = Report([head, Table(["phase", "engine start s", "process s", "peak RSS MiB", "error"], [
+        [phase, p.get("start_seconds"), p["process_seconds"], mib(p.get("peak_rss_bytes")), p["error"] or ""]
+        for phase, p in result["phases"].items()])])
     for phase, p in result["phases"].items():
-        if p["error"] is not None:
-            continue
-        out[f"{phase} engine start s"] = p["start_seconds"]
-        out[f"{phase} peak RSS MiB"] = p["peak_rss_bytes"] / 2**20
+        if p["error"] is None:
+            out.summary |= {f"{phase} engine start s": p["start_seconds"], f"{phase} peak RSS MiB": mib(p["peak_rss_bytes"])}
     for backend in result["backends"]:
-        for phase in result["phases"]:
-            seconds = [row[f"{phase}_seconds"] for row in backend["buckets"] if row.get(f"{phase}_seconds") is not None]
-            if seconds:
-                out[f"{backend['name']} {phase} s total"] = sum(seconds)
+        _backend_report(out, backend, phases)
     return out
+
+
+def _backend_report(out: Report, backend: dict[str, Any], phases: list[str]) -> None:
+    name, rows = backend["name"], backend["buckets"]
+    shared = [m for m in backend["modes"] if m != name]
+    title = f"{name}: {backend['backend']}" + (f" (shared by {', '.join(shared)})" if shared else "")
+    if not rows:
+        out.blocks.append(f"### {title}\n\nNothing captured (no buckets).")
+        return
+    cells = []
+    for row in rows:
+        # "(artifact)": the bucket's compiled layer was loaded, not compiled (compile.aot).
+        seconds = [cell(row.get(f"{ph}_seconds")) + (" (artifact)" if row.get(f"{ph}_origin") == "artifact" else "")
+                   for ph in phases]
+        state = row.get(f"{phases[-1]}_state") or "—"
+        decision = state if not row.get("reason") else f"{state} ({row['reason']})"
+        cells.append([row["bucket"], row.get("eager_ms"), row.get("graph_ms"), row.get("speedup"), decision, *seconds,
+                      *(row.get(f"{ph}_mib") for ph in phases)])
+    out.blocks.append(Table(["bucket", "eager ms", "graph ms", "speedup", "decision", *(f"{ph} s" for ph in phases),
+                             *(f"{ph} MiB" for ph in phases)], cells, title))
+    if len(phases) > 1:
+        out.blocks.append(f"{phases[-1]} s of a kept bucket is what loading its graph costs with the cache and plan "
+                          "warm; a dropped bucket is not compiled there at all.")
+    out.plots.append(Bars(f"capture_{name}.png", f"{name} capture ({backend['backend']})", "seconds",
+                          [row["bucket"] for row in rows],
+                          {ph: [row.get(f"{ph}_seconds") for row in rows] for ph in phases}, "bucket"))
+    for phase in phases:
+        seconds = [row[f"{phase}_seconds"] for row in rows if row.get(f"{phase}_seconds") is not None]
+        if seconds:
+            out.summary[f"{name} {phase} s total"] = sum(seconds)

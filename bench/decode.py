@@ -4,14 +4,13 @@ cold and warm starts in fresh processes)."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
 from tqdm import tqdm
 
-from bench.plots import grouped_bars
-from bench.tables import ms_range, num, table
+from bench.report import Bars, Report, Table
+from bench.tables import times
 from bench.timing import device_sync, paired_ms
 from graphexec.batch.forward_mode import ForwardMode
 from graphexec.engine.threads import call_in_thread
@@ -103,41 +102,21 @@ def decode_batch(engine, batch_size: int, context_len: int):
     return runner.init_forward_batch(decode), release
 
 
-def markdown(result: dict[str, Any]) -> str:
-    name = result["backend"]
-    lines = [table(
-        ["bucket", "eager ms", f"{name} ms", "speedup", "capture s (this process)", "capture MiB"],
-        [[row["bucket"], ms_range(row["eager"]), ms_range(row[name]), f"{row['speedup']:.2f}×",
-          num(row["capture_seconds"], ".1f"), f"{row['capture_mib']:.0f}"] for row in result["buckets"]],
-    )]
-    host = result.get("host")
+def report(result: dict[str, Any]) -> Report:
+    name, rows, host = result["backend"], result["buckets"], result.get("host")
+    out = Report([Table(["bucket", "eager ms", f"{name} ms", "speedup", "capture s (this process)", "capture MiB"],
+                        [[r["bucket"], r["eager"], r[name], times(r["speedup"]), r["capture_seconds"], r["capture_mib"]]
+                         for r in rows])])
+    out.plots.append(Bars("decode_latency.png", f"decode step, KV {result['context_len']} tokens", "ms (median)",
+                          [r["bucket"] for r in rows], {side: [r[side]["median_ms"] for r in rows] for side in ("eager", name)},
+                          xlabel="batch-size bucket"))
+    for r in rows:
+        out.summary |= {f"B={r['bucket']} {name} ms": r[name]["median_ms"], f"B={r['bucket']} speedup": r["speedup"]}
     if host:
-        lines += [
-            "", f"Where a decode step of {host['batch_size']} requests goes, through the whole engine (mean of {host['steps']} steps):", "",
-            table(["step ms", "model forward", "logits + sampling", "scheduler + batch building", "publishing", "host overhead"],
-                  [[f"{host['step_ms']:.1f}", f"{host['forward_ms']:.1f}", *(f"{host[k]:.2f}" for k in
-                    ("logits_sample_ms", "scheduler_ms", "publish_ms")), f"{host['host_fraction']:.1%}"]]),
-        ]
-    return "\n".join(lines) + "\n"
-
-
-def plots(result: dict[str, Any], out_dir: Path) -> list[str]:
-    name, rows = result["backend"], result["buckets"]
-    return [
-        grouped_bars(
-            out_dir / "decode_latency.png", f"decode step, KV {result['context_len']} tokens", "ms (median)",
-            [r["bucket"] for r in rows], {side: [r[side]["median_ms"] for r in rows] for side in ("eager", name)},
-            xlabel="batch-size bucket",
-        )
-    ]
-
-
-def summary(result: dict[str, Any]) -> dict[str, float]:
-    name = result["backend"]
-    out = {}
-    for row in result["buckets"]:
-        out[f"B={row['bucket']} {name} ms"] = row[name]["median_ms"]
-        out[f"B={row['bucket']} speedup"] = row["speedup"]
-    if result.get("host"):
-        out[f"host overhead at B={result['host']['batch_size']}"] = result["host"]["host_fraction"]
+        parts = ("step_ms", "forward_ms", "logits_sample_ms", "scheduler_ms", "publish_ms")
+        out.blocks += [f"Where a decode step of {host['batch_size']} requests goes, through the whole engine "
+                       f"(mean of {host['steps']} steps):",
+                       Table(["step ms", "model forward", "logits + sampling", "scheduler + batch building", "publishing",
+                              "host overhead"], [[*(host[k] for k in parts), f"{host['host_fraction']:.1%}"]])]
+        out.summary[f"host overhead at B={host['batch_size']}"] = host["host_fraction"]
     return out

@@ -5,15 +5,14 @@ first token, time per output token, and greedy-token agreement."""
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import Any, Sequence
 
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
-from bench.plots import grouped_bars
+from bench.report import Bars, Report, Table
 from bench.stats import PERCENTILES, median, percentiles
-from bench.tables import table
+from bench.tables import cell, times
 from bench.workload import WorkItem, WorkloadSpec, make_workload, ordinary_token_range
 from graphexec.engine.threads import call_in_thread
 
@@ -153,55 +152,43 @@ def _result(spec: WorkloadSpec, items: Sequence[WorkItem], sides: dict, cfg, bac
 _LABELS = {"graphexec": "graphexec", "hf_grouped": "HF generate, groups", "hf_single": "HF generate, one at a time"}
 
 
-def markdown(result: dict[str, Any]) -> str:
-    w, spec = result["workload"], result["workload"]["spec"]
-    lines = [
+def report(result: dict[str, Any]) -> Report:
+    w, spec, sides = result["workload"], result["workload"]["spec"], result["sides"]
+    base = sides["graphexec"]["tokens_per_s"]
+    backends = "; ".join(f"{'/'.join(b['modes'])} → {b['backend']}: {b['executions']} (eager fallbacks "
+                         f"{b['fallbacks']}, padded rows {b['padded_rows']})" for b in result["engine_backends"])
+    out = Report([
         f"Workload: {spec['num_requests']} requests (seed {spec['seed']}), prompts {spec['prompt_len'][0]}–"
         f"{spec['prompt_len'][1]} tokens ({w['prompt_tokens']} in all; {w['shared_prefix_requests']} start with the "
         f"same {spec['shared_prefix_len']}-token prefix), outputs {spec['output_len'][0]}–{spec['output_len'][1]} "
         f"tokens ({w['useful_output_tokens']} in all), EOS ignored, greedy. HF groups of {result['hf_group_size']}, "
         "left-padded, each to its longest output.",
-        "",
+        Table(["side", "requests", "useful tok/s", "×", "wall s", "TTFT p50 / p90 / p99 s", "TPOT p50 / p90 / p99 ms",
+               "same tokens as graphexec"],
+              [[_LABELS.get(name, name), s["requests"], s["tokens_per_s"], times(base / s["tokens_per_s"]),
+                s["wall_s"], _triple(s["ttft_s"]), _triple(s["tpot_ms"]), _agreement_cell(s.get("agreement"))]
+               for name, s in sides.items()]),
+        f"× is graphexec's useful tokens/s over that side's. Engine forwards per backend: {backends}. Prompt tokens "
+        f"reused from the prefix cache: {sides['graphexec'].get('cached_prompt_tokens', 0)}.",
+    ])
+    out.plots = [
+        Bars("e2e_throughput.png", "useful output tokens per second", "tokens/s",
+             [_LABELS.get(n, n).replace(", ", ",\n") for n in sides], {"tokens/s": [s["tokens_per_s"] for s in sides.values()]}),
+        Bars("e2e_ttft.png", "time to first token", "seconds", [f"p{p}" for p in PERCENTILES],
+             {_LABELS.get(n, n): list(s["ttft_s"].values()) for n, s in sides.items()}),
     ]
-    base = result["sides"]["graphexec"]["tokens_per_s"]
-    lines.append(table(
-        ["side", "requests", "useful tok/s", "×", "wall s", "TTFT p50 / p90 / p99 s", "TPOT p50 / p90 / p99 ms",
-         "same tokens as graphexec"],
-        [[_LABELS.get(name, name), s["requests"], f"{s['tokens_per_s']:.1f}", f"{base / s['tokens_per_s']:.2f}×",
-          f"{s['wall_s']:.1f}", _triple(s["ttft_s"], ".2f"), _triple(s["tpot_ms"], ".0f"), _agreement_cell(s.get("agreement"))]
-         for name, s in result["sides"].items()],
-    ))
-    lines += ["", "× is graphexec's useful tokens/s over that side's. Engine forwards per backend: " + "; ".join(
-        f"{'/'.join(b['modes'])} → {b['backend']}: {b['executions']} (eager fallbacks {b['fallbacks']}, padded rows {b['padded_rows']})"
-        for b in result["engine_backends"]
-    ) + f". Prompt tokens reused from the prefix cache: {result['sides']['graphexec'].get('cached_prompt_tokens', 0)}."]
-    return "\n".join(lines) + "\n"
+    out.summary = {f"{n} tok/s": s["tokens_per_s"] for n, s in sides.items()}
+    out.summary |= {f"{k} ×": v for k, v in result["ratios"].items()}
+    out.summary |= {"graphexec TTFT p50 s": sides["graphexec"]["ttft_s"]["p50"],
+                    "graphexec TPOT p50 ms": sides["graphexec"]["tpot_ms"]["p50"]}
+    return out
 
 
-def _agreement_cell(agree: dict[str, float] | None) -> str:
+def _agreement_cell(agree: dict[str, float] | None) -> str | None:
     if agree is None:
-        return "—"
+        return None
     return f"{agree['identical_requests']}/{agree['compared']} requests, {agree['mean_prefix_fraction']:.0%} of tokens"
 
 
-def _triple(p: dict[str, float | None], fmt: str) -> str:
-    return " / ".join("—" if v is None else format(v, fmt) for v in p.values())
-
-
-def plots(result: dict[str, Any], out_dir: Path) -> list[str]:
-    sides = result["sides"]
-    names = [_LABELS.get(n, n).replace(", ", ",\n") for n in sides]
-    return [
-        grouped_bars(out_dir / "e2e_throughput.png", "useful output tokens per second", "tokens/s", names,
-                     {"tokens/s": [s["tokens_per_s"] for s in sides.values()]}),
-        grouped_bars(out_dir / "e2e_ttft.png", "time to first token", "seconds", [f"p{p}" for p in PERCENTILES],
-                     {_LABELS.get(n, n): list(s["ttft_s"].values()) for n, s in sides.items()}),
-    ]
-
-
-def summary(result: dict[str, Any]) -> dict[str, float]:
-    out = {f"{n} tok/s": s["tokens_per_s"] for n, s in result["sides"].items()}
-    out |= {f"{k} ×": v for k, v in result["ratios"].items()}
-    ours = result["sides"]["graphexec"]
-    out |= {"graphexec TTFT p50 s": ours["ttft_s"]["p50"], "graphexec TPOT p50 ms": ours["tpot_ms"]["p50"]}
-    return out
+def _triple(p: dict[str, float | None]) -> str:
+    return " / ".join(map(cell, p.values()))

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from bench.stats import spread
 from bench.tables import machine_line, table
-from bench.workers import emit, run_command
+from bench.workers import alternate, emit, run_command
 
 HIDDEN, LAYERS, VOCAB, EXPERTS, EXPERT_ROWS = 576, 30, 49152, 8, 768
 
@@ -105,14 +105,15 @@ def main(argv: list[str]) -> None:
         return _worker(*args.worker, args.tokens)
     with tempfile.TemporaryDirectory() as tmp:
         paths = write_files(Path(tmp))
+        def one(side: tuple[str, str], round_index: int) -> dict:
+            kind, act = side
+            result = run_command("moe_decode", ["--worker", str(paths[kind]), act, "--tokens", str(args.tokens)], 900)
+            if "error" in result:
+                raise SystemExit(f"{kind} {act}: {result['error']}")
+            return result
+
         sides = [(kind, act) for act in args.activations for kind in ("dense", "moe")]
-        runs: dict[tuple[str, str], list[dict]] = {side: [] for side in sides}
-        for _ in range(args.rounds):
-            for kind, act in sides:
-                result = run_command("moe_decode", ["--worker", str(paths[kind]), act, "--tokens", str(args.tokens)], 900)
-                if "error" in result:
-                    raise SystemExit(f"{kind} {act}: {result['error']}")
-                runs[(kind, act)].append(result)
+        runs, _ = alternate(sides, args.rounds, one)
     print(f"{machine_line()}\n")
     rows = []
     for act in args.activations:

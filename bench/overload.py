@@ -39,7 +39,8 @@ import httpx
 
 from bench.serve_client import sse_events
 from bench.stats import nearest_rank_ms as percentiles
-from bench.tables import machine_line, table
+from bench.report import Report, Table
+from bench.tables import machine_line
 
 SCENARIOS = ("fairness", "big-body", "health", "load")
 HUGE_MAX_TOKENS = 1_000_000_000
@@ -394,68 +395,54 @@ def _mb(value: int | None) -> float | None:
     return None if value is None else round(value / 2**20, 1)
 
 
-def _ms(stats: dict, key: str) -> str:
-    return "-" if key not in stats else f"{stats[key]:.0f}"
-
-
-def _table(header: list[str], *rows: list) -> list[str]:
-    return [table(header, rows), ""]
-
-
-def _running(metrics: dict) -> str:
-    return f"{metrics.get('running_min', '-')}/{metrics.get('running_mean', '-')}"
-
-
 def markdown(results: dict) -> str:
-    lines = [f"## graphexec-serve overload: {results['url']} (model {results['model']})", "", machine_line(torch_facts=False), ""]
+    report = Report([f"## graphexec-serve overload: {results['url']} (model {results['model']})",
+                     machine_line(torch_facts=False)])
     renderers = {"fairness": _fairness_md, "big-body": _big_body_md, "health": _health_md, "load": _load_md}
     for name, render in renderers.items():
         if name in results:
-            lines += render(results[name], results["args"])
-    return "\n".join(lines)
+            report.blocks += render(results[name], results["args"])
+    return report.markdown()
 
 
-def _fairness_md(r: dict, args: dict) -> list[str]:
-    title = (f"### fairness: {args['huge']} huge (max_tokens={args['huge_max_tokens']}) + {r['normal_total']} normal "
-             f"(max_tokens={args['max_tokens']}), deadline {args['deadline_s']} s")
-    ttft, latency = r["normal_ttft"], r["normal_latency"]
-    return [title, ""] + _table(
-        ["normal finished", "TTFT p50 ms", "TTFT p99 ms", "latency p50 ms", "latency p99 ms", "huge outcomes",
-         "running min/mean"],
-        [f"{r['normal_finished']}/{r['normal_total']}", _ms(ttft, "p50_ms"), _ms(ttft, "p99_ms"),
-         _ms(latency, "p50_ms"), _ms(latency, "p99_ms"), r["huge_outcomes"], _running(r["metrics"])],
-    )
+def _fairness_md(r: dict, args: dict) -> list:
+    ttft, latency, metrics = r["normal_ttft"], r["normal_latency"], r["metrics"]
+    return [Table(["normal finished", "TTFT p50 ms", "TTFT p99 ms", "latency p50 ms", "latency p99 ms", "huge outcomes",
+                   "running min/mean"],
+                  [[f"{r['normal_finished']}/{r['normal_total']}", ttft.get("p50_ms"), ttft.get("p99_ms"),
+                    latency.get("p50_ms"), latency.get("p99_ms"), r["huge_outcomes"],
+                    f"{metrics.get('running_min')}/{metrics.get('running_mean')}"]],
+                  f"fairness: {args['huge']} huge (max_tokens={args['huge_max_tokens']}) + {r['normal_total']} normal "
+                  f"(max_tokens={args['max_tokens']}), deadline {args['deadline_s']} s")]
 
 
-def _big_body_md(r: dict, args: dict) -> list[str]:
-    return [f"### big body: {r['body_bytes'] / MB:.0f} MB JSON prompt", ""] + _table(
-        ["status", "seconds", "server RSS before MiB", "peak MiB", "after MiB"],
-        [r["status"], r["seconds"], r["rss_before_mb"], r["rss_peak_mb"], r["rss_after_mb"]],
-    )
+def _big_body_md(r: dict, args: dict) -> list:
+    return [Table(["status", "seconds", "server RSS before MiB", "peak MiB", "after MiB"],
+                  [[r["status"], r["seconds"], r["rss_before_mb"], r["rss_peak_mb"], r["rss_after_mb"]]],
+                  f"big body: {r['body_bytes'] / MB:.0f} MB JSON prompt")]
 
 
-def _health_md(r: dict, args: dict) -> list[str]:
+def _health_md(r: dict, args: dict) -> list:
     health = r["health"]
-    rss = f"{r['rss_before_mb']}/{r['rss_peak_mb']}/{r['rss_after_mb']}"
-    return [f"### /health while a {r['prompt_bytes'] / MB:.0f} MB prompt is in flight", ""] + _table(
-        ["prompt status", "prompt seconds", "/health n", "p50 ms", "p99 ms", "max ms", "errors",
-         "server RSS before/peak/after MiB"],
-        [r["prompt_status"], r["prompt_seconds"], health["n"], _ms(health, "p50_ms"), _ms(health, "p99_ms"),
-         _ms(health, "max_ms"), r["health_errors"] or "-", rss],
-    )
+    return [Table(["prompt status", "prompt seconds", "/health n", "p50 ms", "p99 ms", "max ms", "errors",
+                   "server RSS before/peak/after MiB"],
+                  [[r["prompt_status"], r["prompt_seconds"], health["n"], health.get("p50_ms"), health.get("p99_ms"),
+                    health.get("max_ms"), r["health_errors"] or None,
+                    f"{r['rss_before_mb']}/{r['rss_peak_mb']}/{r['rss_after_mb']}"]],
+                  f"/health while a {r['prompt_bytes'] / MB:.0f} MB prompt is in flight")]
 
 
-def _load_md(r: dict, args: dict) -> list[str]:
-    title = f"### load: {r['users']} users, {r['duration_s']} s, {args['hostile_fraction']:.0%} hostile"
-    kinds = [[kind, r["requests"].get(kind, 0), ", ".join(f"{k}: {v}" for k, v in sorted(counts.items())) or "-"]
+def _load_md(r: dict, args: dict) -> list:
+    kinds = [[kind, r["requests"].get(kind, 0), ", ".join(f"{k}: {v}" for k, v in sorted(counts.items())) or None]
              for kind, counts in r["outcomes"].items()]
     ttft, latency, metrics = r["normal_ttft"], r["normal_latency"], r["metrics"]
-    return [title, ""] + _table(["request type", "sent", "outcomes (status or exception: count)"], *kinds) + _table(
-        ["normal finished/s", "TTFT p50 ms", "p90 ms", "p99 ms", "latency p50 ms", "p99 ms", "running min/mean",
-         "waiting max"],
-        [r["normal_per_s"], _ms(ttft, "p50_ms"), _ms(ttft, "p90_ms"), _ms(ttft, "p99_ms"), _ms(latency, "p50_ms"),
-         _ms(latency, "p99_ms"), _running(metrics), metrics.get("waiting_max", "-")],
-    )
+    return [Table(["request type", "sent", "outcomes (status or exception: count)"], kinds,
+                  f"load: {r['users']} users, {r['duration_s']} s, {args['hostile_fraction']:.0%} hostile"),
+            Table(["normal finished/s", "TTFT p50 ms", "p90 ms", "p99 ms", "latency p50 ms", "p99 ms", "running min/mean",
+                   "waiting max"],
+                  [[r["normal_per_s"], ttft.get("p50_ms"), ttft.get("p90_ms"), ttft.get("p99_ms"), latency.get("p50_ms"),
+                    latency.get("p99_ms"), f"{metrics.get('running_min')}/{metrics.get('running_mean')}",
+                    metrics.get("waiting_max")]])]
 
 
 def _jsonable(value):

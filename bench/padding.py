@@ -10,15 +10,14 @@ A B above a set's largest bucket runs eager under that set, as the engine would 
 from __future__ import annotations
 
 import copy
-from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from bench.plots import grouped_bars
-from bench.tables import num, table
+from bench.report import Bars, Report, Table
+from bench.tables import cell, times
 from bench.timing import device_sync, paired_ms
 from capture.buckets import bucket_for, validate_buckets
 from capture.full_graph import FullGraphBackend
@@ -134,43 +133,30 @@ def _per_set(sets, plans, measured) -> list[dict[str, Any]]:
     return out
 
 
-def markdown(result: dict[str, Any]) -> str:
-    caps = ", ".join(f"{b}: {'—' if s is None else f'{s:.1f}'}"
-                     for b, s in zip(result["captured_buckets"], result["capture_seconds"]))
-    lines = [f"Decode step, KV {result['context_len']} tokens per request; {result['backend']} ({result['graph']}) "
-             f"captured once over buckets {result['captured_buckets']} (capture s per bucket: {caps}). "
-             "Times are medians of paired rounds; `eager` rows are batches above the set's largest bucket.", ""]
-    for s in result["sets"]:
-        rows = [[r["batch_size"], r["bucket"] or "eager", r["wasted_rows"], f"{r['ms']:.2f} ({r['min_ms']:.2f}–{r['max_ms']:.2f})",
-                 f"{r['vs_eager']:.2f}×", num(r["pad_us"], ".0f")] for r in s["rows"]]
-        lines += [f"### bucket set {s['label']}", "",
-                  table(["B", "bucket", "wasted rows", "ms (min–max)", "× vs eager exact", "pad µs"], rows), ""]
-    finest = result["sets"][0]["finest"]
-    lines += ["### across sets", "", f"Over B = {result['batch_sizes']}; × vs finest is the mean per-B latency "
-              f"ratio against {finest}.", "",
-              table(["bucket set", "mean wasted fraction", "mean ms", "× vs finest", "eager at B"],
-                    [[s["label"], f"{s['mean_wasted_fraction']:.1%}", f"{s['mean_ms']:.2f}", f"{s['vs_finest']:.2f}×",
-                      ", ".join(map(str, s["eager_at"])) or "—"] for s in result["sets"]])]
-    return "\n".join(lines) + "\n"
-
-
-def plots(result: dict[str, Any], out_dir: Path) -> list[str]:
+def report(result: dict[str, Any]) -> Report:
     sizes, sets = result["batch_sizes"], result["sets"]
+    caps = ", ".join(f"{b}: {cell(s)}" for b, s in zip(result["captured_buckets"], result["capture_seconds"]))
+    out = Report([f"Decode step, KV {result['context_len']} tokens per request; {result['backend']} ({result['graph']}) "
+                  f"captured once over buckets {result['captured_buckets']} (capture s per bucket: {caps}). "
+                  "Times are medians of paired rounds; `eager` rows are batches above the set's largest bucket."])
+    for s in sets:
+        out.blocks.append(Table(["B", "bucket", "wasted rows", "ms (min–max)", "× vs eager exact", "pad µs"],
+                                [[r["batch_size"], r["bucket"] or "eager", r["wasted_rows"],
+                                  f"{r['ms']:.2f} ({r['min_ms']:.2f}–{r['max_ms']:.2f})", times(r["vs_eager"]), r["pad_us"]]
+                                 for r in s["rows"]], f"bucket set {s['label']}"))
+        out.summary |= {f"{s['label']} mean wasted fraction": s["mean_wasted_fraction"],
+                        f"{s['label']} mean ms": s["mean_ms"], f"{s['label']} × vs finest": s["vs_finest"]}
+    out.blocks += [f"### across sets\n\nOver B = {sizes}; × vs finest is the mean per-B latency ratio against "
+                   f"{sets[0]['finest']}.",
+                   Table(["bucket set", "mean wasted fraction", "mean ms", "× vs finest", "eager at B"],
+                         [[s["label"], f"{s['mean_wasted_fraction']:.1%}", s["mean_ms"], times(s["vs_finest"]),
+                           ", ".join(map(str, s["eager_at"])) or None] for s in sets])]
     latency = {"eager (exact B)": [m["eager"]["median_ms"] for m in result["measured"]]}
     latency |= {s["label"]: [r["ms"] for r in s["rows"]] for s in sets}
-    waste = {s["label"]: [100 * r["wasted_fraction"] for r in s["rows"]] for s in sets}
-    return [
-        grouped_bars(out_dir / "padding_latency.png", f"decode step padded to its bucket, KV {result['context_len']} tokens",
-                     "ms (median)", sizes, latency, xlabel="live batch size"),
-        grouped_bars(out_dir / "padding_waste.png", "padded rows per step", "% of rows computed that are padding",
-                     sizes, waste, xlabel="live batch size"),
+    out.plots = [
+        Bars("padding_latency.png", f"decode step padded to its bucket, KV {result['context_len']} tokens",
+             "ms (median)", sizes, latency, "live batch size"),
+        Bars("padding_waste.png", "padded rows per step", "% of rows computed that are padding", sizes,
+             {s["label"]: [100 * r["wasted_fraction"] for r in s["rows"]] for s in sets}, "live batch size"),
     ]
-
-
-def summary(result: dict[str, Any]) -> dict[str, float]:
-    out = {}
-    for s in result["sets"]:
-        out[f"{s['label']} mean wasted fraction"] = s["mean_wasted_fraction"]
-        out[f"{s['label']} mean ms"] = s["mean_ms"]
-        out[f"{s['label']} × vs finest"] = s["vs_finest"]
     return out

@@ -14,15 +14,12 @@ oversubscribes.  The all-reduce's share of a step is measured separately (bench/
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
-
 from bench import peer
-from bench.plots import grouped_bars
+from bench.report import Bars, Report, Table
 from bench.stats import spread
-from bench.tables import spread_cell, table
+from bench.workers import alternate
 
 COMPARE_UNIT = "tok/s"
 
@@ -38,14 +35,10 @@ _ROWS = (
 
 
 def options(bench_cfg) -> dict[str, Any]:
-    o = OmegaConf.to_container(bench_cfg, resolve=True)
-    sizes = o.get("tp_sizes")
-    if not isinstance(sizes, list) or not sizes or not all(isinstance(n, int) and n >= 1 for n in sizes):
-        raise ValueError(f"bench.tp_sizes={sizes!r} must be a non-empty list of integers >= 1")
-    for key in ("rounds", "threads", "worker_timeout_s", "decode_new_tokens", "prompt_len", "batch_size", "prefill_len"):
-        if not isinstance(o.get(key), int) or isinstance(o.get(key), bool) or o[key] < 1:
-            raise ValueError(f"bench.{key}={o.get(key)!r} must be an integer >= 1")
-    return o
+    from bench.suites import checked_options
+
+    ints = ("rounds", "threads", "worker_timeout_s", "decode_new_tokens", "prompt_len", "batch_size", "prefill_len")
+    return checked_options(bench_cfg, dict.fromkeys(ints, 1), {"tp_sizes": 1})
 
 
 def _peer_options(o: dict[str, Any]) -> dict[str, Any]:
@@ -74,13 +67,10 @@ def run(cfg, ctx) -> dict[str, Any]:
     sides = [f"tp={n}" for n in opts["tp_sizes"]]
 
     def one(side: str, round_index: int) -> dict[str, Any]:
-        tp = int(side.removeprefix("tp="))
-        ctx.say(f"parallel suite: round {round_index + 1}/{opts['rounds']}, {side} (fresh process) ...")
-        result = peer.run_worker("graphexec", spec_path, [*base, f"parallel.tp_size={tp}"], opts["threads"], opts["worker_timeout_s"])
-        ctx.say(f"parallel suite: {side}: {result['error'] or 'ok'} ({result['process_seconds']:.0f} s)")
-        return result
+        overrides = [*base, f"parallel.tp_size={side.removeprefix('tp=')}"]
+        return peer.run_worker("graphexec", spec_path, overrides, opts["threads"], opts["worker_timeout_s"])
 
-    raw, sequence = peer.alternate(sides, opts["rounds"], one)
+    raw, sequence = alternate(sides, opts["rounds"], one, ctx.say, "parallel suite")
     per_side = {side: [_metrics(peer.round_metrics(w), opts) for w in rounds] for side, rounds in raw.items()}
     rows = []
     for key, label in _ROWS:
@@ -104,37 +94,20 @@ def _metrics(m: dict[str, float], o: dict[str, Any]) -> dict[str, float]:
     return renamed
 
 
-def markdown(result: dict[str, Any]) -> str:
-    o, sides = result["options"], result["sides"]
-    lines = [
+def report(result: dict[str, Any]) -> Report:
+    o, sides, rows = result["options"], result["sides"], result["rows"]
+    out = Report([
         f"# Parallel suite: {result['model']}, tensor-parallel sizes {', '.join(sides)}",
-        "",
         f"{o['rounds']} fresh process(es) per size, alternated; B=1 decode of {o['decode_new_tokens']} tokens after a "
         f"{o['prompt_len']}-token prompt; batch of {o['batch_size']}; a {o['prefill_len']}-token prompt for prefill. "
         f"Cells: median (min-max) over rounds. Greedy tokens equal across sizes: {result['greedy_tokens_equal']}.",
-        "",
-        table(["", *sides], [[row["label"], *(spread_cell(row["sides"][s]) for s in sides)] for row in result["rows"]]),
-    ]
-    for side, errors in result["errors"].items():
-        for error in errors:
-            lines.append(f"\n{side} failed a round: {error}")
-    return "\n".join(lines) + "\n"
-
-
-def plots(result: dict[str, Any], out_dir: Path) -> list[str]:
+        Table(["", *sides], [[row["label"], *(row["sides"][s] for s in sides)] for row in rows]),
+        *(f"{side} failed a round: {error}" for side, errors in result["errors"].items() for error in errors),
+    ])
     keys = ["decode_tok_s", "batch_tok_s", "pp_tok_s"]
-    medians = {
-        side: [(row["sides"][side] or {}).get("median") or 0.0 for row in result["rows"] if row["key"] in keys]
-        for side in result["sides"]
-    }
-    return [grouped_bars(out_dir / "parallel_throughput.png", f"{result['model']}: throughput by tensor-parallel size",
-                         "tok/s", keys, medians)]
-
-
-def summary(result: dict[str, Any]) -> dict[str, float]:
-    out = {}
-    for row in result["rows"]:
-        for side, cell in row["sides"].items():
-            if cell:
-                out[f"{row['key']} {side}"] = cell["median"]
+    medians = {side: [(row["sides"][side] or {}).get("median") or 0.0 for row in rows if row["key"] in keys]
+               for side in sides}
+    out.plots.append(Bars("parallel_throughput.png", f"{result['model']}: throughput by tensor-parallel size", "tok/s",
+                          keys, medians))
+    out.summary = {f"{row['key']} {side}": cell["median"] for row in rows for side, cell in row["sides"].items() if cell}
     return out

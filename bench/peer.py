@@ -26,13 +26,11 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from omegaconf import OmegaConf
-
 from bench import peer_agreement
-from bench.plots import grouped_bars
+from bench.report import Bars, Report, Table
 from bench.stats import median, spread
-from bench.tables import spread_cell, table
-from bench.workers import run_command
+from bench.tables import times
+from bench.workers import alternate, run_command
 
 COMPARE_UNIT = "tok/s"  # which summary numbers a multirun comparison plots
 PEER = "llamacpp"
@@ -74,15 +72,10 @@ def run(cfg, ctx) -> dict[str, Any]:
     sides = [*ours, PEER] if peer["available"] else ours
 
     def one(side: str, round_index: int) -> dict[str, Any]:
-        if ctx.progress:
-            print(f"peer suite: round {round_index + 1}/{opts['rounds']}, {label(side)} (fresh process) ...", file=sys.stderr, flush=True)
         overrides = engine_overrides(side, ctx.overrides, gguf if requantized else None)
-        result = run_worker(side, spec_path, overrides, opts["threads"], opts["worker_timeout_s"])
-        if ctx.progress:
-            print(f"peer suite: {label(side)} done: {result['error'] or 'ok'} ({result['process_seconds']:.0f} s)", file=sys.stderr, flush=True)
-        return result
+        return run_worker(side, spec_path, overrides, opts["threads"], opts["worker_timeout_s"])
 
-    raw, sequence = alternate(sides, opts["rounds"], one)
+    raw, sequence = alternate(sides, opts["rounds"], one, ctx.say, "peer suite")
     return assemble(opts, spec, peer, source, ctx.overrides, raw, sequence) | {"requantized": requantized}
 
 
@@ -121,40 +114,22 @@ def graphexec_sides(activations: list[str] | None, source) -> list[str]:
 
 def options(bench_cfg) -> dict[str, Any]:
     """bench.* as plain values, checked; errors name the option."""
-    o = OmegaConf.to_container(bench_cfg, resolve=True)
-    for key in ("rounds", "repeats", "threads", "worker_timeout_s", "decode.prompt_len", "batch.prompt_len",
-                "llamacpp.n_ctx", "llamacpp.n_batch"):
-        _positive_int(_get(o, key), f"bench.{key}")
-    for key in ("decode.new_tokens", "batch.new_tokens"):
-        if not isinstance(_get(o, key), int) or _get(o, key) < 2:
-            raise ValueError(f"bench.{key}={_get(o, key)!r} must be an integer >= 2 (decode time is measured between tokens)")
-    for key in ("prefill.lengths", "batch.sizes"):
-        values = _get(o, key)
-        if not isinstance(values, list) or not all(isinstance(v, int) and v >= 1 for v in values):
-            raise ValueError(f"bench.{key}={values!r} must be a list of integers >= 1")
+    from bench.suites import checked_options
+
+    # decode tokens >= 2: decode time is measured between tokens.
+    o = checked_options(bench_cfg, dict.fromkeys(("rounds", "repeats", "threads", "worker_timeout_s", "decode.prompt_len",
+                                                  "batch.prompt_len", "llamacpp.n_ctx", "llamacpp.n_batch",
+                                                  "agreement.new_tokens"), 1) | {"decode.new_tokens": 2, "batch.new_tokens": 2},
+                        {"prefill.lengths": 1, "batch.sizes": 0})
     agreement = o["agreement"]
     if not isinstance(agreement["prompts"], int) or not 0 <= agreement["prompts"] <= len(peer_agreement.QUESTIONS):
         raise ValueError(f"bench.agreement.prompts={agreement['prompts']!r} must be an integer from 0 (off) to "
                          f"{len(peer_agreement.QUESTIONS)}")
-    _positive_int(agreement["new_tokens"], "bench.agreement.new_tokens")
     if not isinstance(agreement["near_tie_nats"], (int, float)) or agreement["near_tie_nats"] < 0:
         raise ValueError(f"bench.agreement.near_tie_nats={agreement['near_tie_nats']!r} must be a number >= 0")
-    if not o["prefill"]["lengths"]:
-        raise ValueError("bench.prefill.lengths is empty: give at least one prompt length")
     if o["requantize"] is not None and not (isinstance(o["requantize"], str) and o["requantize"].isidentifier()):
         raise ValueError(f"bench.requantize={o['requantize']!r} must be null or a llama.cpp file type such as Q4_K_M")
     return o
-
-
-def _get(tree: dict[str, Any], dotted: str) -> Any:
-    for part in dotted.split("."):
-        tree = tree[part]
-    return tree
-
-
-def _positive_int(value: Any, option: str) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{option}={value!r} must be an integer >= 1")
 
 
 def gguf_path(source) -> Path | None:
@@ -324,18 +299,6 @@ def busy_cores(window_s: float = 0.5) -> float | None:
     return (1 - (idle1 - idle0) / (total1 - total0)) * (os.cpu_count() or 1)
 
 
-def alternate(sides: Sequence[str], rounds: int, run_one: Callable[[str, int], dict[str, Any]]):
-    """A B C A B C ...: every round runs each side once, in order; returns each side's rounds and the
-    order things ran in."""
-    raw: dict[str, list[dict[str, Any]]] = {side: [] for side in sides}
-    sequence = []
-    for r in range(rounds):
-        for side in sides:
-            sequence.append({"round": r, "side": side})
-            raw[side].append(run_one(side, r))
-    return raw, sequence
-
-
 # ---------------------------------------------------------------------------------------------
 # aggregation
 
@@ -458,25 +421,24 @@ def _batch_details(rounds: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
 # report
 
 
-def markdown(result: dict[str, Any]) -> str:
+def report(result: dict[str, Any]) -> Report:
     peer, engine, w = result["peer"], result["engine"] or {}, result["workload"]
-    ours = graphexec_of(result)
-    lines = [_setup_line(result), ""]
+    ours, every = graphexec_of(result), [*graphexec_of(result), PEER]
+    out = Report([_setup_line(result)])
     if not peer["available"]:
-        lines += [f"**llama.cpp unavailable**: {peer['reason']}. Only the graphexec sides ran.", ""]
-    lines += [
+        out.blocks.append(f"**llama.cpp unavailable**: {peer['reason']}. Only the graphexec sides ran.")
+    out.blocks += [
         f"Cells: median (min–max) over {result['rounds']} rounds, each side a fresh process per round, alternated "
-        f"{' → '.join(label(s) for s in [*ours, PEER])}; ratio (mode) = that graphexec side's median / llama.cpp's "
+        f"{' → '.join(map(label, every))}; ratio (mode) = that graphexec side's median / llama.cpp's "
         "median (↓ lower is better, ↑ higher).",
-        "",
-        table(["metric", *map(label, ours), label(PEER), *(f"ratio ({side_mode(s)})" for s in ours)],
-              [[row["label"], *(spread_cell(row[s]) for s in [*ours, PEER]),
-                *("—" if row["ratios"][s] is None else f"{row['ratios'][s]:.2f}×" for s in ours)]
-               for row in result["rows"] if any(row[s] is not None for s in [*ours, PEER])]),
-        "",
-        *_notes(result, engine, w),
+        Table(["metric", *map(label, every), *(f"ratio ({side_mode(s)})" for s in ours)],
+              [[row["label"], *(row[s] for s in every), *(times(row["ratios"][s]) for s in ours)]
+               for row in result["rows"] if any(row[s] is not None for s in every)]),
+        "\n".join(_notes(result, engine, w)),
     ]
-    return "\n".join(lines) + "\n"
+    out.plots = _plots(result, ours)
+    out.summary = _summary(result, ours)
+    return out
 
 
 def _setup_line(result: dict[str, Any]) -> str:
@@ -546,43 +508,33 @@ def _notes(result: dict[str, Any], engine: dict[str, Any], w: dict[str, Any]) ->
     return notes
 
 
-def _row(result: dict[str, Any], key: str) -> dict[str, Any] | None:
-    return next((r for r in result["rows"] if r["key"] == key), None)
-
-
 def _medians(result: dict[str, Any], keys: Sequence[str], side: str) -> list[float | None]:
-    out = []
-    for key in keys:
-        row = _row(result, key)
-        cell = row[side] if row else None
-        out.append(None if cell is None else cell["median"])
-    return out
+    rows = {r["key"]: r for r in result["rows"]}
+    return [(rows[key][side] or {}).get("median") if key in rows else None for key in keys]
 
 
-def plots(result: dict[str, Any], out_dir: Path) -> list[str]:
-    w, ours = result["workload"], graphexec_of(result)
+def _plots(result: dict[str, Any], ours: list[str]) -> list[Bars]:
+    w, every = result["workload"], [*ours, PEER]
     rate_keys = [*(f"pp_tok_s@{n}" for n in w["prefill_lengths"]), "decode_tok_s", *(f"batch_tok_s@{b}" for b in w["batch_sizes"])]
-    rate_groups = [*(f"prefill {n}" for n in w["prefill_lengths"]), "decode B=1", *(f"decode B={b}\n(graphexec only)" for b in w["batch_sizes"])]
+    rate_groups = [*(f"prefill {n}" for n in w["prefill_lengths"]), "decode B=1",
+                   *(f"decode B={b}\n(graphexec only)" for b in w["batch_sizes"])]
     # llama.cpp's bars only where it measured that very thing (not its B=1 rate under a B=8 group).
     peer_rates = [(v if not k.startswith("batch") else None) for k, v in zip(rate_keys, _medians(result, rate_keys, PEER))]
     rates = {label(s): _medians(result, rate_keys, s) for s in ours} | {label(PEER): peer_rates}
-    files = [grouped_bars(out_dir / "peer_throughput.png", "tokens per second (median over rounds)", "tokens/s",
-                          rate_groups, rates, log_y=True)]
-    latency_keys = ["decode_ms", "request_ms"]
-    files.append(grouped_bars(out_dir / "peer_latency.png", "B=1 ms per token (median over rounds)", "ms/token",
-                              ["decode only", "whole request"],
-                              {label(s): _medians(result, latency_keys, s) for s in [*ours, PEER]}))
-    memory_keys = ["peak_rss_mib", "weight_mib", "kv_mib"]
-    files.append(grouped_bars(out_dir / "peer_memory.png", "memory (median over rounds)", "MiB",
-                              ["peak RSS", "weights", "KV cache"], {label(s): _medians(result, memory_keys, s) for s in [*ours, PEER]}))
-    return files
+    latency, memory = ["decode_ms", "request_ms"], ["peak_rss_mib", "weight_mib", "kv_mib"]
+    return [
+        Bars("peer_throughput.png", "tokens per second (median over rounds)", "tokens/s", rate_groups, rates, log_y=True),
+        Bars("peer_latency.png", "B=1 ms per token (median over rounds)", "ms/token", ["decode only", "whole request"],
+             {label(s): _medians(result, latency, s) for s in every}),
+        Bars("peer_memory.png", "memory (median over rounds)", "MiB", ["peak RSS", "weights", "KV cache"],
+             {label(s): _medians(result, memory, s) for s in every}),
+    ]
 
 
-def summary(result: dict[str, Any]) -> dict[str, float]:
+def _summary(result: dict[str, Any], ours: list[str]) -> dict[str, float]:
     names = {"decode_tok_s": "decode B=1 tok/s", "decode_ms": "decode B=1 ms/token", "peak_rss_mib": "peak RSS MiB",
              "start_s": "start-up s"}
     out: dict[str, float] = {}
-    ours = graphexec_of(result)
     for row in result["rows"]:
         key = row["key"]
         if key.startswith("pp_tok_s@"):

@@ -11,8 +11,8 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from bench.plots import grouped_bars
-from bench.tables import num, table
+from bench.report import Bars, Report, Table
+from bench.tables import times
 from bench.timing import device_sync, paired_ms
 from capture import create_backend
 
@@ -88,38 +88,24 @@ def _lines_of_code(cls) -> int:
     )
 
 
-def markdown(result: dict[str, Any]) -> str:
-    names = result["variants"]
-    rows = [[row["bucket"], _ms(row["eager"]["median_ms"]),
-             *(cell for n in names for cell in (f"{_ms(row[n]['median_ms'])} ({row[n]['speedup']:.2f}×)",
-                                               num(row[n]["capture_seconds"], ".1f")))]
-            for row in result["buckets"]]
-    lines = [table(["tokens", "eager ms", *(c for n in names for c in (f"{n} ms (×)", f"{n} capture s"))], rows)]
-    lines += ["", "lines of code (variant, piecewise base, segmented capture): " + ", ".join(f"{n} {c}" for n, c in result["lines_of_code"].items())]
-    return "\n".join(lines) + "\n"
-
-
-def _ms(value: float) -> str:
-    return f"{value:.0f}" if value >= 10 else f"{value:.2f}"  # a GPU prefill is well under 10 ms
-
-
-def plots(result: dict[str, Any], out_dir: Path) -> list[str]:
-    rows, names = result["buckets"], result["variants"]
+def report(result: dict[str, Any]) -> Report:
+    names, rows = result["variants"], result["buckets"]
     groups = [r["bucket"] for r in rows]
+    loc = ", ".join(f"{n} {c}" for n, c in result["lines_of_code"].items())
+    out = Report([
+        Table(["tokens", "eager ms", *(c for n in names for c in (f"{n} ms", f"{n} ×", f"{n} capture s"))],
+              [[r["bucket"], r["eager"]["median_ms"],
+                *(c for n in names for c in (r[n]["median_ms"], times(r[n]["speedup"]), r[n]["capture_seconds"]))]
+               for r in rows]),
+        f"lines of code (variant, piecewise base, segmented capture): {loc}",
+    ])
     latency = {"eager": [r["eager"]["median_ms"] for r in rows]} | {n: [r[n]["median_ms"] for r in rows] for n in names}
-    capture = {n: [r[n]["capture_seconds"] for r in rows] for n in names}
-    return [
-        grouped_bars(out_dir / "prefill_latency.png", "prefill forward", "ms (median)", groups, latency,
-                     xlabel="token bucket", log_y=True),
-        grouped_bars(out_dir / "prefill_capture.png", "capture cost (this process)", "seconds", groups, capture,
-                     xlabel="token bucket"),
+    out.plots = [
+        Bars("prefill_latency.png", "prefill forward", "ms (median)", groups, latency, "token bucket", log_y=True),
+        Bars("prefill_capture.png", "capture cost (this process)", "seconds", groups,
+             {n: [r[n]["capture_seconds"] for r in rows] for n in names}, "token bucket"),
     ]
-
-
-def summary(result: dict[str, Any]) -> dict[str, float]:
-    out = {}
-    for row in result["buckets"]:
-        out[f"{row['bucket']} tok eager ms"] = row["eager"]["median_ms"]
-        for n in result["variants"]:
-            out[f"{row['bucket']} tok {n} ×"] = row[n]["speedup"]
+    for r in rows:
+        out.summary[f"{r['bucket']} tok eager ms"] = r["eager"]["median_ms"]
+        out.summary |= {f"{r['bucket']} tok {n} ×": r[n]["speedup"] for n in names}
     return out

@@ -1,5 +1,11 @@
 """One suite run on disk: results.json (machine-readable), report.md (tables) and PNG plots.
 
+The common result format: a suite's `run` returns its raw numbers (a JSON-serialisable dict, kept
+whole in results.json) and its `report(result)` turns them into a `Report`: paragraphs and
+`Table`s (cells are raw values, formatted here by bench/tables.py's `cell`), `Bars` plot specs
+(or a callable for a figure of its own) and the summary numbers a multirun comparison lines up.
+This module alone writes Markdown and draws.
+
 A suite that fails still gets all three files: results.json with `status: failed` and the error,
 and a report that says so, so a `--multirun` sweep goes on and its comparison shows the failure.
 """
@@ -11,12 +17,63 @@ import os
 import platform
 import time
 import traceback
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any, Callable, Mapping, Sequence
+
+from bench.tables import table
 
 RESULTS = "results.json"
 REPORT = "report.md"
+
+
+@dataclass
+class Table:
+    """A Markdown table under an optional `### title`: cells as values, formatted when written."""
+
+    columns: Sequence[Any]
+    rows: Sequence[Sequence[Any]]
+    title: str = ""
+
+
+@dataclass
+class Bars:
+    """A grouped bar chart (bench/plots.py `grouped_bars`), drawn into the run directory as `file`."""
+
+    file: str
+    title: str
+    ylabel: str
+    groups: Sequence[Any]
+    series: Mapping[str, Sequence[float | None]]
+    xlabel: str = ""
+    log_y: bool = False
+    hline: float | None = None
+
+
+@dataclass
+class Report:
+    """What a suite's `report(result)` returns: blocks in order (a str is a paragraph), plots (a
+    `Bars`, or a callable drawing into the run directory and returning its file name) and summary."""
+
+    blocks: list[Any] = field(default_factory=list)
+    plots: list[Any] = field(default_factory=list)
+    summary: dict[str, float] = field(default_factory=dict)
+
+    def markdown(self) -> str:
+        parts = []
+        for block in self.blocks:
+            if isinstance(block, Table):
+                parts.append((f"### {block.title}\n\n" if block.title else "") + table(block.columns, block.rows))
+            else:
+                parts.append(block)
+        return "\n\n".join(parts) + "\n"
+
+    def draw(self, out_dir: Path) -> list[str]:
+        from bench.plots import grouped_bars
+
+        return [grouped_bars(out_dir / p.file, p.title, p.ylabel, p.groups, p.series, p.xlabel, p.log_y, p.hline)
+                if isinstance(p, Bars) else p(out_dir) for p in self.plots]
 
 
 def machine() -> dict[str, Any]:
@@ -64,9 +121,9 @@ def write(out_dir: Path, payload: dict[str, Any], suite: ModuleType) -> None:
     body, plot_files = "", []
     if payload["status"] == "ok":
         try:
-            body = suite.markdown(payload["result"])
-            plot_files = suite.plots(payload["result"], out_dir)
-            payload["summary"] = suite.summary(payload["result"])
+            report = suite.report(payload["result"])
+            body, plot_files = report.markdown(), report.draw(out_dir)
+            payload["summary"] = report.summary
         except Exception as exc:  # a report bug must not lose the measurements
             payload |= {"status": "failed", "error": f"report: {type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
     payload["plots"] = plot_files

@@ -29,7 +29,7 @@ from omegaconf import OmegaConf
 from bench.serve_client import SendOptions, arrival_times, send_all
 from bench.serve_datasets import BenchRequest, build, describe
 from bench.serve_metrics import SLO_KEYS, summarize
-from bench.serve_report import COMPARE_UNIT, markdown, plots, summary  # noqa: F401  (the suite interface)
+from bench.serve_report import COMPARE_UNIT, report  # noqa: F401  (the suite interface)
 from bench.serve_server import given_server, launched_server
 
 WARMUP_TOKENS = 4

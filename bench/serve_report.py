@@ -1,4 +1,4 @@
-"""The serve suite's report: Markdown tables, a latency CDF and a throughput plot, headline numbers.
+"""The serve suite's report: its tables, a latency CDF and a throughput plot, headline numbers.
 
 Boundary: formatting only, from the dict bench/serve.py returns (and results.json holds).
 """
@@ -8,11 +8,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from bench.plots import grouped_bars
+from bench.report import Bars, Report, Table
 from bench.serve_client import RequestRecord
 from bench.serve_metrics import LATENCIES, STAT_NAMES, itl_ms, per_request
 from bench.tables import sig3 as _f
-from bench.tables import table
 
 COMPARE_UNIT = "tok/s"  # which summary numbers a multirun comparison plots
 LATENCY_LABELS = {"ttft_ms": "TTFT", "tpot_ms": "TPOT", "itl_ms": "ITL", "e2el_ms": "E2E latency"}
@@ -22,9 +21,15 @@ def rate_label(rate: float | str) -> str:
     return "inf" if rate == "inf" else f"{rate:g}/s"
 
 
-def markdown(result: dict[str, Any]) -> str:
-    lines = [*_setup(result), "", *_throughput_table(result), "", *_latency_table(result), "", *_notes(result)]
-    return "\n".join(lines) + "\n"
+def report(result: dict[str, Any]) -> Report:
+    runs = result["runs"]
+    rates = [rate_label(run["request_rate"]) for run in runs]
+    plots = [lambda out_dir: latency_cdf(out_dir / "serve_latency_cdf.png", result),
+             Bars("serve_throughput.png", "throughput per request rate", "tokens/s", rates,
+                  {"output tok/s": [run["metrics"]["output_throughput"] for run in runs],
+                   "total tok/s": [run["metrics"]["total_throughput"] for run in runs]}, "request rate")]
+    return Report([*_setup(result), _throughput_table(result), _latency_table(result), "\n".join(_notes(result))],
+                  plots, summary(result))
 
 
 def _setup(result: dict[str, Any]) -> list[str]:
@@ -44,7 +49,6 @@ def _setup(result: dict[str, Any]) -> list[str]:
     slos = ", ".join(f"{k} ≤ {v:g}" for k, v in o["slo"].items() if v is not None) or "none set"
     return [
         f"Target: {where}; model `{result['model']}`.",
-        "",
         f"Dataset (seed {d['seed']}) {data}: {totals['prompt_tokens']} prompt tokens "
         f"({totals['prompt_tokens_range'][0]}–{totals['prompt_tokens_range'][1]}), up to {totals['output_tokens']} "
         f"output tokens. Stream {o['stream']}, ignore_eos {o['ignore_eos']}, temperature {o['temperature']:g}, "
@@ -52,18 +56,18 @@ def _setup(result: dict[str, Any]) -> list[str]:
     ]
 
 
-def _throughput_table(result: dict[str, Any]) -> list[str]:
-    rows = [[rate_label(run["request_rate"]), f"{m['completed']}/{m['requests']}", m["failed"], f"{m['duration_s']:.1f}",
-             *(_f(m[k]) for k in ("request_throughput", "goodput", "input_throughput", "output_throughput", "total_throughput"))]
+def _throughput_table(result: dict[str, Any]) -> Table:
+    keys = ("duration_s", "request_throughput", "goodput", "input_throughput", "output_throughput", "total_throughput")
+    rows = [[rate_label(run["request_rate"]), f"{m['completed']}/{m['requests']}", m["failed"], *(m[k] for k in keys)]
             for run in result["runs"] for m in [run["metrics"]]]
-    return [table(["rate", "completed", "failed", "duration s", "req/s", "goodput req/s", "input tok/s", "output tok/s",
-                   "total tok/s"], rows)]
+    return Table(["rate", "completed", "failed", "duration s", "req/s", "goodput req/s", "input tok/s", "output tok/s",
+                  "total tok/s"], rows)
 
 
-def _latency_table(result: dict[str, Any]) -> list[str]:
-    rows = [[rate_label(run["request_rate"]), LATENCY_LABELS[key], *(_f(run["metrics"][key][s]) for s in STAT_NAMES)]
+def _latency_table(result: dict[str, Any]) -> Table:
+    rows = [[rate_label(run["request_rate"]), LATENCY_LABELS[key], *(run["metrics"][key][s] for s in STAT_NAMES)]
             for run in result["runs"] for key in LATENCIES]
-    return [table(["rate", "metric (ms)", *STAT_NAMES], rows)]
+    return Table(["rate", "metric (ms)", *STAT_NAMES], rows)
 
 
 def _notes(result: dict[str, Any]) -> list[str]:
@@ -140,17 +144,6 @@ def latency_cdf(path: Path, result: dict[str, Any]) -> str:
     fig.tight_layout()
     fig.savefig(path)
     return path.name
-
-
-def plots(result: dict[str, Any], out_dir: Path) -> list[str]:
-    rates = [rate_label(run["request_rate"]) for run in result["runs"]]
-    return [
-        latency_cdf(out_dir / "serve_latency_cdf.png", result),
-        grouped_bars(out_dir / "serve_throughput.png", "throughput per request rate", "tokens/s", rates,
-                     {"output tok/s": [run["metrics"]["output_throughput"] for run in result["runs"]],
-                      "total tok/s": [run["metrics"]["total_throughput"] for run in result["runs"]]},
-                     xlabel="request rate"),
-    ]
 
 
 def summary(result: dict[str, Any]) -> dict[str, float]:

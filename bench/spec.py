@@ -14,15 +14,13 @@ from __future__ import annotations
 import json
 import time
 from itertools import chain, cycle, islice, zip_longest
-from pathlib import Path
 from typing import Any
 
 from omegaconf import OmegaConf
 
-from bench.plots import grouped_bars
+from bench.report import Bars, Report, Table
 from bench.stats import median
-from bench.tables import num, table
-from bench.workers import emit, run_command
+from bench.workers import alternate, emit, run_command
 
 _SPEC = ("speculative", "+speculative", "++speculative")
 _HEADLINES = (("copy", 1), ("open", 1), ("mixed", 8))
@@ -87,15 +85,14 @@ def run(cfg, ctx) -> dict[str, Any]:
     sides = {"none": [*base, "speculative=none"],
              "spec": [*base, *b.speculative, *(o for o in ctx.overrides if o.startswith(_SPEC))]}
     prompts = {k: list(v)[: b.max_prompts] for k, v in OmegaConf.to_container(b.prompts).items()}
-    runs: dict[str, list[dict]] = {side: [] for side in sides}
-    for r in range(int(b.rounds)):
-        for side, overrides in sides.items():
-            spec = {"overrides": overrides, "prompts": prompts, "max_tokens": int(b.max_tokens),
-                    "batch_sizes": list(b.batch_sizes), "mixed": bool(b.mixed), "chat": bool(b.chat)}
-            t0 = time.perf_counter()
-            runs[side].append(run_command("spec_worker", [json.dumps(spec)], float(b.worker_timeout_s),
-                                          label=f"{side} worker", option="bench.worker_timeout_s"))
-            ctx.say(f"spec suite: round {r + 1} {side}: {runs[side][-1].get('error') or 'ok'} ({time.perf_counter() - t0:.0f} s)")
+    spec = {"prompts": prompts, "max_tokens": int(b.max_tokens), "batch_sizes": list(b.batch_sizes),
+            "mixed": bool(b.mixed), "chat": bool(b.chat)}
+
+    def one(side: str, round_index: int) -> dict[str, Any]:
+        return run_command("spec_worker", [json.dumps(spec | {"overrides": sides[side]})], float(b.worker_timeout_s),
+                           label=f"{side} worker", option="bench.worker_timeout_s")
+
+    runs, _ = alternate(list(sides), int(b.rounds), one, ctx.say, "spec suite")
     ok = {side: [x for x in rs if "error" not in x] for side, rs in runs.items()}
     mismatches, compared = _identity(ok)
     rows = []
@@ -140,51 +137,39 @@ def _identity(ok: dict[str, list[dict]]) -> tuple[list[dict], int]:
     return mismatches, compared
 
 
-def markdown(result: dict[str, Any]) -> str:
-    sides = result["sides"]
-    lines = [f"none: `{' '.join(sides['none'])}` · spec: `{' '.join(sides['spec'])}`; "
-             "output tokens/s (whole calls, prefill included), medians over rounds; decode ratio: output tokens "
-             "after the first per second after the first token; prefix cache flushed before each timed call.", ""]
-    ident = result["identity"]
+def report(result: dict[str, Any]) -> Report:
+    sides, ident, rows = result["sides"], result["identity"], result["rows"]
+    out = Report([f"none: `{' '.join(sides['none'])}` · spec: `{' '.join(sides['spec'])}`; "
+                  "output tokens/s (whole calls, prefill included), medians over rounds; decode ratio: output tokens "
+                  "after the first per second after the first token; prefix cache flushed before each timed call."])
     if ident["mismatches"]:
-        lines += [f"**GREEDY MISMATCH: {len(ident['mismatches'])} of {ident['compared']} outputs differ from the first "
-                  "`none` run's:**", ""]
-        lines += [f"- {m['side']} round {m['round']}, {m['cell']}, output {m['output']}: first different token at "
-                  f"{m['first_diff_at']} (lengths {m['lengths']})" for m in ident["mismatches"][:20]] + [""]
+        out.blocks.append(f"**GREEDY MISMATCH: {len(ident['mismatches'])} of {ident['compared']} outputs differ from "
+                          "the first `none` run's:**\n\n" + "\n".join(
+                              f"- {m['side']} round {m['round']}, {m['cell']}, output {m['output']}: first different "
+                              f"token at {m['first_diff_at']} (lengths {m['lengths']})" for m in ident["mismatches"][:20]))
     else:
-        lines += [f"Greedy identity: all {ident['compared']} outputs equal the first `none` run's.", ""]
+        out.blocks.append(f"Greedy identity: all {ident['compared']} outputs equal the first `none` run's.")
     steps = [x.get("step_ms_by_rows") for x in result["runs"]["spec"] if x.get("step_ms_by_rows")]
     if steps:
-        lines += ["Speculation's measured step ms by rows (last spec run): "
-                  + ", ".join(f"{k}: {v:.1f}" for k, v in steps[-1].items()), ""]
-    lines += [f"**Worker failed**: {e}" for e in result["errors"]] + ([""] if result["errors"] else [])
-    for batch in sorted({r["batch"] for r in result["rows"]}):
-        lines += [f"### B={batch}", "", table(
-            ["class", "tok/s none", "tok/s spec", "ratio", "decode ratio", "acceptance rate", "mean accepted length",
-             "output tokens"],
-            [[r["class"], num(r["tok_s_none"], ".1f"), num(r["tok_s_spec"], ".1f"), num(r["ratio"]), num(r["decode_ratio"]),
-              num(r["acceptance_rate"]), num(r["mean_accepted_length"]), r["output_tokens"]]
-             for r in result["rows"] if r["batch"] == batch]), ""]
-    return "\n".join(lines)
-
-
-def plots(result: dict[str, Any], out_dir: Path) -> list[str]:
-    rows = result["rows"]
-    if not any(r["ratio"] for r in rows):
-        return []
+        out.blocks.append("Speculation's measured step ms by rows (last spec run): "
+                          + ", ".join(f"{k}: {v:.1f}" for k, v in steps[-1].items()))
+    out.blocks += [f"**Worker failed**: {e}" for e in result["errors"]]
+    batches = sorted({r["batch"] for r in rows})
+    keys = ("tok_s_none", "tok_s_spec", "ratio", "decode_ratio", "acceptance_rate", "mean_accepted_length", "output_tokens")
+    out.blocks += [Table(["class", "tok/s none", "tok/s spec", "ratio", "decode ratio", "acceptance rate",
+                          "mean accepted length", "output tokens"],
+                         [[r["class"], *(r[k] for k in keys)] for r in rows if r["batch"] == b], f"B={b}") for b in batches]
     classes = list(dict.fromkeys(r["class"] for r in rows))
-    series = {f"B={b}": [next((r["ratio"] for r in rows if r["class"] == c and r["batch"] == b), None) for c in classes]
-              for b in sorted({r["batch"] for r in rows})}
-    return [grouped_bars(out_dir / "spec_ratio.png", "speculation / none, output tokens/s", "ratio", classes, series,
-                         xlabel="prompt class", hline=1.0)]
-
-
-def summary(result: dict[str, Any]) -> dict[str, float]:
-    out = {f"{c} B={b} ratio": r["ratio"] for c, b in _HEADLINES for r in result["rows"]
-           if (r["class"], r["batch"]) == (c, b) and r["ratio"] is not None}
-    decode = {f"{c} B={b} decode ratio": r["decode_ratio"] for c, b in _HEADLINES for r in result["rows"]
-              if (r["class"], r["batch"]) == (c, b) and r["decode_ratio"] is not None}
-    return out | decode | {"greedy mismatches": float(len(result["identity"]["mismatches"]))}
+    if any(r["ratio"] for r in rows):
+        series = {f"B={b}": [next((r["ratio"] for r in rows if (r["class"], r["batch"]) == (c, b)), None) for c in classes]
+                  for b in batches}
+        out.plots.append(Bars("spec_ratio.png", "speculation / none, output tokens/s", "ratio", classes, series,
+                              xlabel="prompt class", hline=1.0))
+    headline = [r for r in rows if (r["class"], r["batch"]) in _HEADLINES]
+    out.summary = {f"{r['key']} ratio": r["ratio"] for r in headline if r["ratio"] is not None}
+    out.summary |= {f"{r['key']} decode ratio": r["decode_ratio"] for r in headline if r["decode_ratio"] is not None}
+    out.summary["greedy mismatches"] = float(len(ident["mismatches"]))
+    return out
 
 
 def main(argv: list[str]) -> None:

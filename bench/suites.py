@@ -1,9 +1,7 @@
 """The harness's suites, by name.  Each suite module provides
 
-    run(cfg, ctx: SuiteContext) -> dict     # the measurements (JSON-serialisable)
-    markdown(result) -> str                 # the report's tables
-    plots(result, out_dir) -> list[str]     # PNG files written, relative to out_dir
-    summary(result) -> dict[str, float]     # headline numbers, for the multirun comparison
+    run(cfg, ctx: SuiteContext) -> dict     # the measurements (JSON-serialisable, kept in results.json)
+    report(result) -> bench.report.Report   # tables, plot specs and headline numbers, as data
 
 and is imported only when chosen, so `graphexec-bench bench=e2e` never imports the other suites.
 """
@@ -47,6 +45,29 @@ def load_suite(name: str) -> ModuleType:
     if name not in SUITES:
         raise ValueError(f"bench.suite={name!r} is unknown; choose one of {sorted(SUITES)}")
     return importlib.import_module(SUITES[name])
+
+
+def checked_options(bench_cfg, ints: dict[str, int] | None = None, int_lists: dict[str, int] | None = None) -> dict:
+    """bench.* as plain values.  `ints`: dotted key -> the least integer it may be; `int_lists`:
+    dotted key -> the least length of a list of integers >= 1.  Errors name the option."""
+    from omegaconf import OmegaConf
+
+    o = OmegaConf.to_container(bench_cfg, resolve=True)
+    for key, least in (ints or {}).items():
+        value = _get(o, key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            raise ValueError(f"bench.{key}={value!r} must be an integer >= {least}")
+    for key, least in (int_lists or {}).items():
+        values = _get(o, key)
+        if not isinstance(values, list) or len(values) < least or not all(isinstance(v, int) and v >= 1 for v in values):
+            raise ValueError(f"bench.{key}={values!r} must be a list of at least {least} integers >= 1")
+    return o
+
+
+def _get(tree: dict, dotted: str):
+    for part in dotted.split("."):
+        tree = tree.get(part) if isinstance(tree, dict) else None
+    return tree
 
 
 def build_engine(cfg):

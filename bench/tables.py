@@ -22,11 +22,30 @@ def header(columns: Sequence[Any]) -> str:
 
 
 def row(cells: Sequence[Any]) -> str:
-    return "| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |"
+    return "| " + " | ".join(cell(c).replace("|", "\\|") for c in cells) + " |"
+
+
+def cell(value: Any) -> str:
+    """A raw value as the reports show it: None "—", a float to three significant digits, a
+    bench/stats.py spread or a paired timing as its median and range; anything else as str()."""
+    if value is None:
+        return MISSING
+    if isinstance(value, float):
+        return sig3(value)
+    if isinstance(value, dict) and "rounds" in value:
+        return spread_cell(value)
+    if isinstance(value, dict) and "median_ms" in value:
+        return ms_range(value)
+    return str(value)
 
 
 def num(value: float | None, fmt: str = ".2f") -> str:
     return MISSING if value is None else format(value, fmt)
+
+
+def times(value: float | None) -> str:
+    """A ratio: 1.23×."""
+    return MISSING if value is None else f"{value:.2f}×"
 
 
 def sig3(value: float | None) -> str:

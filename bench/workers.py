@@ -1,8 +1,8 @@
 """Fresh-process workers: a bench side that must not share a process with another (two OpenMP
 teams, an inductor cache, a CUDA context) runs through here.
 
-Boundary: no measuring.  The parent half (`run_python`, `run_command`) starts a Python process
-with a timeout and takes the last line of its stdout as the JSON result; a timeout, a non-zero
+Boundary: no measuring.  The parent half (`run_python`, `run_command`, `alternate` over sides and
+rounds) starts a Python process with a timeout and takes the last line of its stdout as the JSON result; a timeout, a non-zero
 exit without that line, or a line that is not JSON becomes {"error": ...}, so a failed side is
 that side's record, never the caller's exception.  The child half (`emit`) prints that line, or
 a one-line reason as the last line of stderr and exits 1.
@@ -46,6 +46,23 @@ def run_python(args: Sequence[str], timeout_s: float, env: Mapping[str, str] | N
         error = last_line if proc.returncode != 0 else f"{label} printed no JSON line: {proc.stdout[-200:]!r}"
         return facts | {"error": error}
     return result | facts | {"exit_error": last_line if proc.returncode != 0 else None}
+
+
+def alternate(sides: Sequence[Any], rounds: int, run_one: Callable[[Any, int], dict[str, Any]],
+              say: Callable[[str], None] = lambda line: None, what: str = "bench"):
+    """A B C A B C ...: every round runs each side once, in order, so machine noise lands on all of
+    them alike.  Returns each side's rounds and the order things ran in; `say` gets a progress line
+    before and after each run (a side's `error`, if any, in the second)."""
+    raw: dict[Any, list[dict[str, Any]]] = {side: [] for side in sides}
+    sequence = []
+    for r in range(rounds):
+        for side in sides:
+            sequence.append({"round": r, "side": side})
+            say(f"{what}: round {r + 1}/{rounds}, {side} (fresh process) ...")
+            t0 = time.perf_counter()
+            raw[side].append(run_one(side, r))
+            say(f"{what}: {side}: {raw[side][-1].get('error') or 'ok'} ({time.perf_counter() - t0:.0f} s)")
+    return raw, sequence
 
 
 def emit(label: str, measure: Callable[[], dict[str, Any]]) -> None:

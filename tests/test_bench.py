@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from bench.e2e import agreement, percentiles
-from bench.report import run_suite
+from bench.report import Report, run_suite
 from bench.timing import paired_ms
 from bench.workload import WorkloadSpec, make_workload, ordinary_token_range
 
@@ -67,8 +67,8 @@ def test_agreement_and_percentiles():
     assert (p["p50"], p["p90"], p["p99"]) == (50, 90, 99)
 
 
-def _suite(markdown=lambda r: "| x |\n", plots=lambda r, d: [], summary=lambda r: {"x": 1.0}):
-    return types.SimpleNamespace(markdown=markdown, plots=plots, summary=summary)
+def _suite(report=lambda r: Report(["| x |"], [], {"x": 1.0})):
+    return types.SimpleNamespace(report=report)
 
 
 def test_a_failing_suite_is_reported_not_raised(tmp_path):
@@ -88,7 +88,7 @@ def test_a_broken_report_keeps_the_measurements(tmp_path):
     def broken(result):
         raise KeyError("speedup")
 
-    payload = run_suite(_suite(markdown=broken), "decode", lambda: {"rows": [1, 2]}, tmp_path, {}, "defaults")
+    payload = run_suite(_suite(report=broken), "decode", lambda: {"rows": [1, 2]}, tmp_path, {}, "defaults")
     saved = json.loads((tmp_path / "results.json").read_text())
     assert payload["status"] == saved["status"] == "failed" and saved["result"] == {"rows": [1, 2]}
     assert "report: KeyError" in saved["error"]

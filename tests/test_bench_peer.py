@@ -37,7 +37,7 @@ def _cfg(*extra):
 
 def test_alternation_runs_each_side_once_per_round_in_order():
     calls = []
-    raw, sequence = peer.alternate(["graphexec", "llamacpp"], 3, lambda side, r: calls.append((side, r)) or {"r": r})
+    raw, sequence = workers.alternate(["graphexec", "llamacpp"], 3, lambda side, r: calls.append((side, r)) or {"r": r})
     assert calls == [("graphexec", 0), ("llamacpp", 0), ("graphexec", 1), ("llamacpp", 1), ("graphexec", 2), ("llamacpp", 2)]
     assert [s["side"] for s in sequence] == ["graphexec", "llamacpp"] * 3
     assert [w["r"] for w in raw["graphexec"]] == [w["r"] for w in raw["llamacpp"]] == [0, 1, 2]
@@ -250,7 +250,7 @@ def test_bad_activations_name_the_option(activations, source, message):
 
 
 def test_alternation_with_three_sides():
-    raw, sequence = peer.alternate(["graphexec", "graphexec_q8", "llamacpp"], 2, lambda side, r: {"r": r})
+    raw, sequence = workers.alternate(["graphexec", "graphexec_q8", "llamacpp"], 2, lambda side, r: {"r": r})
     assert [(s["round"], s["side"]) for s in sequence] == [
         (0, "graphexec"), (0, "graphexec_q8"), (0, "llamacpp"), (1, "graphexec"), (1, "graphexec_q8"), (1, "llamacpp")]
     assert list(raw) == ["graphexec", "graphexec_q8", "llamacpp"]
