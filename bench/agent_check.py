@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.serve_server import launched_server
+from bench.serve import launched_server
 
 CITY = "Paris"
 QUESTION = f"What is the weather in {CITY}?"

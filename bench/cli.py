@@ -44,7 +44,7 @@ COMMANDS = {
     "structured_cost": "bench.structured_cost",
     "tp_step": "bench.tp_step",
     # fresh-process workers of the capture, peer, parallel and spec suites
-    "capture_probe": "bench.capture_probe",
+    "capture_probe": "bench.capture",
     "peer_worker": "bench.peer_worker",
     "spec_worker": "bench.spec",
 }

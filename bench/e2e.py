@@ -20,7 +20,7 @@ COMPARE_UNIT = "tok/s"  # which summary numbers a multirun comparison plots
 
 
 def run(cfg, ctx) -> dict[str, Any]:
-    from bench.capture_probe import distinct_backends
+    from bench.capture import distinct_backends
     from bench.suites import build_engine
     from graphexec import SamplingParams
 

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.serve_server import launched_server
+from bench.serve import launched_server
 from bench.tables import machine_line, table
 
 DATA = Path(__file__).resolve().parent / "lm_eval_data"

@@ -26,9 +26,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from bench import peer_agreement
 from bench.report import Bars, Report, Table
-from bench.stats import median, spread
+from bench.stats import first_difference, median, spread
 from bench.tables import times
 from bench.workers import alternate, run_command
 
@@ -60,7 +59,7 @@ def run(cfg, ctx) -> dict[str, Any]:
 
     opts = options(cfg.bench)
     source = EngineConfig.from_dictconfig(cfg).model
-    ours = graphexec_sides(opts["activations"], source)
+    ours = graphexec_sides(opts["activations"], source, opts["tp_sizes"])
     gguf = gguf_path(source)
     peer = peer_status(opts, gguf, source)
     requantized = requantize(opts, gguf) if opts["requantize"] is not None else None
@@ -89,15 +88,22 @@ def label(side: str) -> str:
 
 def engine_overrides(side: str, overrides: Sequence[str], requantized: Path | None) -> list[str]:
     """A side's engine overrides: none for llama.cpp; for a graphexec side the command line's, then
-    the re-quantized file and the side's activations mode (later overrides win)."""
+    the re-quantized file and the side's activations mode or tensor-parallel size (later overrides win)."""
     if side == PEER:
         return []
-    return [*overrides, *([f"model.path='{requantized}'"] if requantized else []), f"model.activations={side_mode(side)}"]
+    mode = side_mode(side)
+    axis = f"parallel.tp_size={mode.removeprefix('tp')}" if mode.startswith("tp") else f"model.activations={mode}"
+    return [*overrides, *([f"model.path='{requantized}'"] if requantized else []), axis]
 
 
-def graphexec_sides(activations: list[str] | None, source) -> list[str]:
-    """bench.activations as side names.  null: every mode the model runs (q8 needs a GGUF with
-    native weights, so float alone otherwise)."""
+def graphexec_sides(activations: list[str] | None, source, tp_sizes: list[int] | None = None) -> list[str]:
+    """bench.activations as side names, or with bench.tp_sizes one side per tensor-parallel size
+    (`graphexec_tp2`, float activations).  activations null: every mode the model runs (q8 needs a
+    GGUF with native weights, so float alone otherwise)."""
+    if tp_sizes is not None:
+        if activations is not None:
+            raise ValueError("bench.tp_sizes and bench.activations are both set: give one axis")
+        return [f"graphexec_tp{n}" for n in tp_sizes]
     if source.activations != "float":
         raise ValueError(f"model.activations={source.activations} is this suite's axis: give "
                          f"bench.activations=[{source.activations}] instead")
@@ -122,11 +128,14 @@ def options(bench_cfg) -> dict[str, Any]:
                                                   "agreement.new_tokens"), 1) | {"decode.new_tokens": 2, "batch.new_tokens": 2},
                         {"prefill.lengths": 1, "batch.sizes": 0})
     agreement = o["agreement"]
-    if not isinstance(agreement["prompts"], int) or not 0 <= agreement["prompts"] <= len(peer_agreement.QUESTIONS):
+    if not isinstance(agreement["prompts"], int) or not 0 <= agreement["prompts"] <= len(QUESTIONS):
         raise ValueError(f"bench.agreement.prompts={agreement['prompts']!r} must be an integer from 0 (off) to "
-                         f"{len(peer_agreement.QUESTIONS)}")
+                         f"{len(QUESTIONS)}")
     if not isinstance(agreement["near_tie_nats"], (int, float)) or agreement["near_tie_nats"] < 0:
         raise ValueError(f"bench.agreement.near_tie_nats={agreement['near_tie_nats']!r} must be a number >= 0")
+    tp = o["tp_sizes"]
+    if tp is not None and (not isinstance(tp, list) or not tp or not all(isinstance(n, int) and n >= 1 for n in tp)):
+        raise ValueError(f"bench.tp_sizes={tp!r} must be null or a non-empty list of integers >= 1")
     if o["requantize"] is not None and not (isinstance(o["requantize"], str) and o["requantize"].isidentifier()):
         raise ValueError(f"bench.requantize={o['requantize']!r} must be null or a llama.cpp file type such as Q4_K_M")
     return o
@@ -246,7 +255,7 @@ def build_spec(tokenizer, opts: dict[str, Any], gguf: Path | None) -> dict[str, 
             # Rotations start at different tokens, so no prompt is a prefix of another.
             "prompts": [make(batch["prompt_len"], offset=7 * i) for i in range(max(batch["sizes"], default=0))],
         },
-        "agreement": {"prompts": peer_agreement.prompts(tokenizer, opts["agreement"]["prompts"]),
+        "agreement": {"prompts": agreement_prompts(tokenizer, opts["agreement"]["prompts"]),
                       "new_tokens": opts["agreement"]["new_tokens"]},
         "llamacpp": {"gguf": None if gguf is None else str(gguf), "n_ctx": llama["n_ctx"],
                      "n_batch": llama["n_batch"], "flash_attn": bool(llama["flash_attn"])},
@@ -369,7 +378,8 @@ def assemble(opts, spec, peer, source, overrides, raw, sequence) -> dict[str, An
     last_tokens = {side: ok[side][-1]["decode"][0]["token_ids"] for side in raw if ok[side]}
     agree = {side: agreement([last_tokens[side]], [last_tokens[PEER]]) if side in last_tokens and PEER in last_tokens else None
              for side in ours}
-    near_ties = {side: peer_agreement.verdict(ok[side][-1]["agreement"], ok[PEER][-1]["agreement"],
+    firsts = [last_tokens[side] for side in ours if side in last_tokens]
+    near_ties = {side: verdict(ok[side][-1]["agreement"], ok[PEER][-1]["agreement"],
                                               opts["agreement"]["near_tie_nats"])
                  for side in ours if ok[side] and ok.get(PEER) and ok[PEER][-1].get("agreement")}
     return {
@@ -393,6 +403,7 @@ def assemble(opts, spec, peer, source, overrides, raw, sequence) -> dict[str, An
         "sequence": sequence,
         "rows": table_rows(row_specs(spec_lengths(spec), spec["batch"]["sizes"], opts["decode"]), per_side, ours),
         "greedy_agreement": agree,
+        "greedy_tokens_equal": all(t == firsts[0] for t in firsts) if len(firsts) > 1 else None,  # across graphexec sides
         "near_tie_agreement": near_ties,
         "batch_details": _batch_details([w for side in ours for w in ok[side]]),
         "errors": [{"round": r, "side": side, "error": w["error"]}
@@ -415,6 +426,70 @@ def _batch_details(rounds: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
             entry["first_token_spread_s"] = max(entry["first_token_spread_s"], *(r["first_token_spread_s"] for r in reps))
             entry["cached_tokens"] = max(entry["cached_tokens"], *(r["cached_tokens"] for r in reps))
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# greedy agreement with llama.cpp, near ties allowed (bench.agreement)
+#
+# Both sides decode the same chat prompts greedily and record, at every step, the gap between their
+# two most likely tokens (log-probability of the first minus the second: the raw logits' gap).  A
+# prompt agrees when its tokens are equal, or when they first differ at a *near tie*: a step where
+# both sides' top-two gaps are below `near_tie_nats`.  There two engines that quantize activations
+# to 8 bits in different orders (and llama.cpp keeps K and V in f16) may honestly pick either token,
+# and after the first difference the continuations are different texts, so nothing later is
+# compared.  The workers (bench/peer_worker.py) only decode and record.
+
+# Short, answerable questions: greedy continuations of ordinary chat turns.
+QUESTIONS = (
+    "What is the capital of France?",
+    "Name three primary colors.",
+    "How many legs does a spider have?",
+    "Write a haiku about the sea.",
+    "What is 12 times 7?",
+    "Give one tip for sleeping better.",
+    "Why is the sky blue?",
+    "Translate 'good morning' into Spanish.",
+)
+
+
+def agreement_prompts(tokenizer, count: int) -> list[list[int]]:
+    """`count` questions as token ids, in the model's chat template where it has one."""
+    if count > len(QUESTIONS):
+        raise ValueError(f"bench.agreement.prompts={count}: at most {len(QUESTIONS)} questions are built in")
+    out = []
+    for question in QUESTIONS[:count]:
+        try:
+            text = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True)
+        except ValueError:  # no chat template: the plain question
+            text = question
+        out.append(tokenizer.encode(text))
+    return out
+
+
+def verdict(ours: list[dict[str, Any]], theirs: list[dict[str, Any]], near_tie_nats: float) -> dict[str, Any]:
+    """Per prompt ({"token_ids", "gaps"} from each side): where the tokens first differ and both
+    sides' top-two gaps there; the counts of equal prompts and of those that differ first at a
+    near tie; `agree` is their share."""
+    rows = []
+    for a, b in zip(ours, theirs):
+        at = first_difference(a["token_ids"], b["token_ids"])
+        gaps = None if at is None else (a["gaps"][at], b["gaps"][at])
+        near = gaps is not None and max(gaps) < near_tie_nats
+        rows.append({"first_difference": at, "gaps": gaps, "near_tie": near})
+    equal = sum(r["first_difference"] is None for r in rows)
+    near = sum(r["near_tie"] for r in rows)
+    return {"prompts": len(rows), "new_tokens": len(ours[0]["token_ids"]) if ours else 0, "equal": equal,
+            "after_near_tie": near, "agree": (equal + near) / len(rows) if rows else None,
+            "near_tie_nats": near_tie_nats, "per_prompt": rows}
+
+
+def note(label: str, v: dict[str, Any]) -> str:
+    """One Markdown line of the verdict for a side."""
+    differ = [f"{r['first_difference']} (gaps {r['gaps'][0]:.2f}/{r['gaps'][1]:.2f})" for r in v["per_prompt"]
+              if r["first_difference"] is not None]
+    return (f"{label}: {v['equal'] + v['after_near_tie']}/{v['prompts']} agree ({v['equal']} equal, "
+            f"{v['after_near_tie']} first differ at a near tie, both top-two gaps < {v['near_tie_nats']} nats)"
+            + (f"; first differences at token {', '.join(differ)} (ours/llama.cpp)" if differ else ""))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -480,11 +555,13 @@ def _notes(result: dict[str, Any], engine: dict[str, Any], w: dict[str, Any]) ->
         notes.append(f"- Greedy B=1 tokens against llama.cpp's (last round, {w['decode_new_tokens']} tokens): {per_side} "
                      "(a sanity check, not a fidelity test: llama.cpp quantizes activations to 8 bits for its quantized dot "
                      "products, as model.activations=q8 does, so near-ties can go either way).")
+    if result.get("greedy_tokens_equal") is not None:
+        notes.append(f"- Greedy B=1 tokens equal across the graphexec sides (last rounds): {result['greedy_tokens_equal']}.")
     if result.get("near_tie_agreement"):
         v = next(iter(result["near_tie_agreement"].values()))
         notes.append(f"- Greedy agreement on {v['prompts']} chat prompts × {v['new_tokens']} tokens (last round; "
-                     "bench/peer_agreement.py defines a near tie): "
-                     + "; ".join(peer_agreement.note(label(s), x) for s, x in result["near_tie_agreement"].items()) + ".")
+                     "bench/peer.py defines a near tie): "
+                     + "; ".join(note(label(s), x) for s, x in result["near_tie_agreement"].items()) + ".")
     internal = [r.get("internal_decode_ms_per_token") for wk in result["raw"].get(PEER, []) if not wk.get("error")
                 for r in wk["decode"]]
     internal = [v for v in internal if v is not None]

@@ -22,7 +22,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from bench.capture_probe import config_without_progress_bars, peak_rss_bytes
+from bench.capture import config_without_progress_bars, peak_rss_bytes
 from bench.workers import emit
 
 SIDES = ("graphexec", "llamacpp")

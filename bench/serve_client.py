@@ -5,7 +5,7 @@ Boundary: HTTP only (httpx, asyncio).  `send_all` dispatches the requests at the
 vLLM's `bench serve`), at most `max_concurrency` in flight, and returns one `RequestRecord` per
 request: success or the error's text, time to the first streamed token, the arrival time of every
 later chunk, and the token counts the server reported in `usage`.  Nothing here interprets the
-numbers (bench/serve_metrics.py does).  `sse_events` is the one reader of a streamed answer's
+numbers (bench/serve_report.py does).  `sse_events` is the one reader of a streamed answer's
 server-sent events (bench/overload.py reads through it too).
 """
 

@@ -17,6 +17,11 @@ def median(values: Iterable[float | None]) -> float | None:
     return statistics.median(present) if present else None
 
 
+def first_difference(ours: Sequence[Any], theirs: Sequence[Any]) -> int | None:
+    """The first index where two sequences differ; None when one is a prefix of the other."""
+    return next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+
+
 def upper_median(values: Sequence[float]) -> float:
     """The middle of the sorted values (the upper one of an even count): the one-by-one call timers'."""
     return sorted(values)[len(values) // 2]

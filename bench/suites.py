@@ -22,7 +22,6 @@ SUITES = {
     "e2e": "bench.e2e",
     "peer": "bench.peer",
     "serve": "bench.serve",
-    "parallel": "bench.parallel",
     "spec": "bench.spec",
 }
 

@@ -39,10 +39,6 @@ def cell(value: Any) -> str:
     return str(value)
 
 
-def num(value: float | None, fmt: str = ".2f") -> str:
-    return MISSING if value is None else format(value, fmt)
-
-
 def times(value: float | None) -> str:
     """A ratio: 1.23×."""
     return MISSING if value is None else f"{value:.2f}×"

@@ -21,7 +21,7 @@ import tempfile
 import time
 
 from bench.stats import median
-from bench.tables import machine_line, num, table
+from bench.tables import machine_line, table
 
 
 def _rank(rank: int, size: int, store: str, args, out) -> None:
@@ -125,7 +125,7 @@ def run_side(size: int, args) -> list[tuple]:
 
 def report(sides: dict[int, list[tuple]]) -> str:
     rows = [[size, row["batch"], f"{row['step_ms']:.1f}", row["all_reduces"], row["all_gathers"],
-             num(row["all_reduce_ms"], ".3f"), f"{ranks[0][2]:.1f}", f"{max(r[3] for r in ranks):.0f}"]
+             row["all_reduce_ms"], f"{ranks[0][2]:.1f}", f"{max(r[3] for r in ranks):.0f}"]
             for size, ranks in sides.items() for row in ranks[0][1]]
     return machine_line() + "\n\n" + table(
         ["tp", "B", "step ms (median)", "all-reduces / step", "all-gathers / step", "ms / all-reduce [B, hidden]",

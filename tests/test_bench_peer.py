@@ -419,7 +419,7 @@ def test_graphexec_side_runs_for_real_and_the_peer_is_recorded_unavailable(tmp_p
 
 
 def test_near_tie_verdict_counts_equal_prompts_and_first_differences_where_both_gaps_are_small():
-    from bench.peer_agreement import verdict
+    from bench.peer import verdict
 
     ours = [{"token_ids": [1, 2], "gaps": [0.1, 3.0]}, {"token_ids": [1, 2], "gaps": [0.1, 3.0]},
             {"token_ids": [5, 6], "gaps": [0.4, 0.1]}, {"token_ids": [5, 6], "gaps": [0.1, 0.1]}]

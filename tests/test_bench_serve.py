@@ -17,8 +17,8 @@ from bench import serve
 from bench.report import run_suite
 from bench.serve_client import RequestRecord, arrival_times
 from bench.serve_datasets import WordVocabulary, build, lengths
-from bench.serve_metrics import LATENCIES, summarize
-from bench.serve_server import free_port
+from bench.serve_report import LATENCIES, summarize
+from bench.serve import free_port
 from bench.suites import SuiteContext
 from graphexec.config import compose
 
