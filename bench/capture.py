@@ -102,7 +102,8 @@ def report(result: dict[str, Any]) -> Report:
         for phase, p in result["phases"].items()])])
     for phase, p in result["phases"].items():
         if p["error"] is None:
-            out.summary |= {f"{phase} engine start s": p["start_seconds"], f"{phase} peak RSS MiB": mib(p["peak_rss_bytes"])}
+            out.summary[f"{phase} engine start s"] = p["start_seconds"]
+            out.summary[f"{phase} peak RSS MiB"] = mib(p["peak_rss_bytes"])
     for backend in result["backends"]:
         _backend_report(out, backend, phases)
     return out
@@ -204,7 +205,8 @@ def probe(overrides: list[str]) -> dict[str, Any]:
 
     engine = Engine(config=config_without_progress_bars(overrides))
     start_seconds = time.perf_counter() - t0
-    return {"start_seconds": start_seconds, "peak_rss_bytes": peak_rss_bytes(), "backends": distinct_backends(engine.runner)}
+    return {"start_seconds": start_seconds, "peak_rss_bytes": peak_rss_bytes(),
+            "backends": distinct_backends(engine.runner)}
 
 
 def main(argv: list[str]) -> None:

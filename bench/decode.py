@@ -34,29 +34,32 @@ def run(cfg, ctx) -> dict[str, Any]:
 
 
 def _paired_buckets(engine, graph, buckets: list[int], cfg, progress: bool) -> list[dict[str, Any]]:
+    return [paired_bucket(engine, graph, bucket, cfg.bench.context_len, cfg.bench.rounds, cfg.bench.steps)
+            for bucket in tqdm(buckets, desc="decode buckets", disable=not progress)]
+
+
+def paired_bucket(engine, graph, bucket: int, context_len: int, rounds: int, steps: int) -> dict[str, Any]:
+    """One decode step of `bucket` requests with `context_len` tokens of KV each: eager against
+    `graph`, paired; the largest difference of their hidden rows (same batch, same slots); what
+    capturing the bucket cost in this process.  (gpu_check's decode_graph part runs it too.)"""
     runner = engine.runner
-    rows = []
-    for bucket in tqdm(buckets, desc="decode buckets", disable=not progress):
-        fb, release = decode_batch(engine, bucket, cfg.bench.context_len)
-        sides = {"eager": lambda: runner.execute(runner.eager, fb)}
-        if graph is not runner.eager:  # capture=eager: nothing to pair against
-            sides[graph.name] = lambda: runner.execute(graph, fb)
+    fb, release = decode_batch(engine, bucket, context_len)
+    sides = {"eager": lambda: runner.execute(runner.eager, fb)}
+    if graph is not runner.eager:  # capture=eager: nothing to pair against
+        sides[graph.name] = lambda: runner.execute(graph, fb)
+    try:
         with torch.inference_mode():
-            timings = paired_ms(sides, cfg.bench.rounds, cfg.bench.steps, device_sync(runner.device))
+            hidden = [fn().float() for fn in (sides["eager"], sides.get(graph.name, sides["eager"]))]
+            diff = float((hidden[0] - hidden[1]).abs().max())
+            timings = paired_ms(sides, rounds, steps, device_sync(runner.device))
+    finally:
         release()
-        timings.setdefault(graph.name, timings["eager"])
-        eager_ms, graph_ms = timings["eager"]["median_ms"], timings[graph.name]["median_ms"]
-        rows.append(
-            {
-                "bucket": bucket,
-                "eager": timings["eager"],
-                graph.name: timings[graph.name],
-                "speedup": eager_ms / graph_ms,
-                "capture_seconds": graph.stats.capture_seconds.get(bucket),
-                "capture_mib": graph.stats.capture_bytes.get(bucket, 0) / 2**20,
-            }
-        )
-    return rows
+    timings.setdefault(graph.name, timings["eager"])
+    return {"bucket": bucket, "eager": timings["eager"], graph.name: timings[graph.name],
+            "speedup": timings["eager"]["median_ms"] / timings[graph.name]["median_ms"],
+            "max_abs_hidden_diff": diff,
+            "capture_seconds": graph.stats.capture_seconds.get(bucket),
+            "capture_mib": graph.stats.capture_bytes.get(bucket, 0) / 2**20}
 
 
 def _host_overhead(engine, batch_size: int, context_len: int, new_tokens: int) -> dict[str, Any]:
@@ -104,19 +107,22 @@ def decode_batch(engine, batch_size: int, context_len: int):
 
 def report(result: dict[str, Any]) -> Report:
     name, rows, host = result["backend"], result["buckets"], result.get("host")
-    out = Report([Table(["bucket", "eager ms", f"{name} ms", "speedup", "capture s (this process)", "capture MiB"],
-                        [[r["bucket"], r["eager"], r[name], times(r["speedup"]), r["capture_seconds"], r["capture_mib"]]
-                         for r in rows])])
+    columns = ["bucket", "eager ms", f"{name} ms", "speedup", "max |hidden − eager|", "capture s (this process)",
+               "capture MiB"]
+    out = Report([Table(columns, [[r["bucket"], r["eager"], r[name], times(r["speedup"]), r["max_abs_hidden_diff"],
+                                   r["capture_seconds"], r["capture_mib"]] for r in rows])])
+    latency = {side: [r[side]["median_ms"] for r in rows] for side in ("eager", name)}
     out.plots.append(Bars("decode_latency.png", f"decode step, KV {result['context_len']} tokens", "ms (median)",
-                          [r["bucket"] for r in rows], {side: [r[side]["median_ms"] for r in rows] for side in ("eager", name)},
-                          xlabel="batch-size bucket"))
+                          [r["bucket"] for r in rows], latency, xlabel="batch-size bucket"))
     for r in rows:
-        out.summary |= {f"B={r['bucket']} {name} ms": r[name]["median_ms"], f"B={r['bucket']} speedup": r["speedup"]}
+        out.summary[f"B={r['bucket']} {name} ms"] = r[name]["median_ms"]
+        out.summary[f"B={r['bucket']} speedup"] = r["speedup"]
     if host:
         parts = ("step_ms", "forward_ms", "logits_sample_ms", "scheduler_ms", "publish_ms")
         out.blocks += [f"Where a decode step of {host['batch_size']} requests goes, through the whole engine "
                        f"(mean of {host['steps']} steps):",
-                       Table(["step ms", "model forward", "logits + sampling", "scheduler + batch building", "publishing",
-                              "host overhead"], [[*(host[k] for k in parts), f"{host['host_fraction']:.1%}"]])]
+                       Table(["step ms", "model forward", "logits + sampling", "scheduler + batch building",
+                              "publishing", "host overhead"],
+                             [[*(host[k] for k in parts), f"{host['host_fraction']:.1%}"]])]
         out.summary[f"host overhead at B={host['batch_size']}"] = host["host_fraction"]
     return out

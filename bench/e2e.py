@@ -173,7 +173,8 @@ def report(result: dict[str, Any]) -> Report:
     ])
     out.plots = [
         Bars("e2e_throughput.png", "useful output tokens per second", "tokens/s",
-             [_LABELS.get(n, n).replace(", ", ",\n") for n in sides], {"tokens/s": [s["tokens_per_s"] for s in sides.values()]}),
+             [_LABELS.get(n, n).replace(", ", ",\n") for n in sides],
+             {"tokens/s": [s["tokens_per_s"] for s in sides.values()]}),
         Bars("e2e_ttft.png", "time to first token", "seconds", [f"p{p}" for p in PERCENTILES],
              {_LABELS.get(n, n): list(s["ttft_s"].values()) for n, s in sides.items()}),
     ]

@@ -140,10 +140,7 @@ def compare_logits(got, expected, tolerance: float) -> dict[str, Any]:
 
 
 def decode_graph(shapes: Shapes) -> dict[str, Any]:
-    import torch
-
-    from bench.decode import decode_batch
-    from bench.timing import device_sync, paired_ms
+    from bench.decode import paired_bucket
     from graphexec.batch.forward_mode import ForwardMode
 
     buckets = ",".join(map(str, shapes.decode_buckets))
@@ -153,25 +150,14 @@ def decode_graph(shapes: Shapes) -> dict[str, Any]:
         "capture.extend.backend=eager", "attention_backend=triton", *shapes.decode_graph,
     ])  # fmt: skip
     start_seconds = time.perf_counter() - t0
-    runner = engine.runner
-    graph = runner.backends[ForwardMode.DECODE]
+    graph = engine.runner.backends[ForwardMode.DECODE]
     rows = []
     for bucket in shapes.decode_buckets:
-        fb, release = decode_batch(engine, bucket, shapes.decode_context)
-        sides = {"eager": lambda: runner.execute(runner.eager, fb), "full_graph": lambda: runner.execute(graph, fb)}
-        row: dict[str, Any] = {"bucket": bucket, "capture_seconds": graph.stats.capture_seconds.get(bucket)}
         try:
-            with torch.inference_mode():
-                # Same batch, same slots: both sides must give the same hidden rows.
-                row["max_abs_hidden_diff"] = float((sides["eager"]().float() - sides["full_graph"]().float()).abs().max())
-                timings = paired_ms(sides, shapes.rounds, shapes.steps, device_sync(runner.device))
-            row |= {"eager": timings["eager"], "full_graph": timings["full_graph"],
-                    "speedup": timings["eager"]["median_ms"] / timings["full_graph"]["median_ms"]}
+            rows.append(paired_bucket(engine, graph, bucket, shapes.decode_context, shapes.rounds, shapes.steps))
         except Exception as exc:  # one bucket's failure keeps the others' numbers
-            row["error"] = _error(exc)
-        finally:
-            release()
-        rows.append(row)
+            rows.append({"bucket": bucket, "capture_seconds": graph.stats.capture_seconds.get(bucket),
+                         "error": _error(exc)})
     mechanism = getattr(graph, "mechanism", None)
     engine.shutdown()
     return {"backend": graph.name, "mechanism": mechanism, "dtype": shapes.dtype, "context": shapes.decode_context,

@@ -438,11 +438,11 @@ def _load_md(r: dict, args: dict) -> list:
     ttft, latency, metrics = r["normal_ttft"], r["normal_latency"], r["metrics"]
     return [Table(["request type", "sent", "outcomes (status or exception: count)"], kinds,
                   f"load: {r['users']} users, {r['duration_s']} s, {args['hostile_fraction']:.0%} hostile"),
-            Table(["normal finished/s", "TTFT p50 ms", "p90 ms", "p99 ms", "latency p50 ms", "p99 ms", "running min/mean",
-                   "waiting max"],
-                  [[r["normal_per_s"], ttft.get("p50_ms"), ttft.get("p90_ms"), ttft.get("p99_ms"), latency.get("p50_ms"),
-                    latency.get("p99_ms"), f"{metrics.get('running_min')}/{metrics.get('running_mean')}",
-                    metrics.get("waiting_max")]])]
+            Table(["normal finished/s", "TTFT p50 ms", "p90 ms", "p99 ms", "latency p50 ms", "p99 ms",
+                   "running min/mean", "waiting max"],
+                  [[r["normal_per_s"], ttft.get("p50_ms"), ttft.get("p90_ms"), ttft.get("p99_ms"),
+                    latency.get("p50_ms"), latency.get("p99_ms"),
+                    f"{metrics.get('running_min')}/{metrics.get('running_mean')}", metrics.get("waiting_max")]])]
 
 
 def _jsonable(value):

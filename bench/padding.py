@@ -136,13 +136,15 @@ def _per_set(sets, plans, measured) -> list[dict[str, Any]]:
 def report(result: dict[str, Any]) -> Report:
     sizes, sets = result["batch_sizes"], result["sets"]
     caps = ", ".join(f"{b}: {cell(s)}" for b, s in zip(result["captured_buckets"], result["capture_seconds"]))
-    out = Report([f"Decode step, KV {result['context_len']} tokens per request; {result['backend']} ({result['graph']}) "
+    out = Report([f"Decode step, KV {result['context_len']} tokens per request; {result['backend']} "
+                  f"({result['graph']}) "
                   f"captured once over buckets {result['captured_buckets']} (capture s per bucket: {caps}). "
                   "Times are medians of paired rounds; `eager` rows are batches above the set's largest bucket."])
     for s in sets:
         out.blocks.append(Table(["B", "bucket", "wasted rows", "ms (min–max)", "× vs eager exact", "pad µs"],
                                 [[r["batch_size"], r["bucket"] or "eager", r["wasted_rows"],
-                                  f"{r['ms']:.2f} ({r['min_ms']:.2f}–{r['max_ms']:.2f})", times(r["vs_eager"]), r["pad_us"]]
+                                  f"{r['ms']:.2f} ({r['min_ms']:.2f}–{r['max_ms']:.2f})", times(r["vs_eager"]),
+                                  r["pad_us"]]
                                  for r in s["rows"]], f"bucket set {s['label']}"))
         out.summary |= {f"{s['label']} mean wasted fraction": s["mean_wasted_fraction"],
                         f"{s['label']} mean ms": s["mean_ms"], f"{s['label']} × vs finest": s["vs_finest"]}

@@ -123,9 +123,9 @@ def options(bench_cfg) -> dict[str, Any]:
     from bench.suites import checked_options
 
     # decode tokens >= 2: decode time is measured between tokens.
-    o = checked_options(bench_cfg, dict.fromkeys(("rounds", "repeats", "threads", "worker_timeout_s", "decode.prompt_len",
-                                                  "batch.prompt_len", "llamacpp.n_ctx", "llamacpp.n_batch",
-                                                  "agreement.new_tokens"), 1) | {"decode.new_tokens": 2, "batch.new_tokens": 2},
+    ints = dict.fromkeys(("rounds", "repeats", "threads", "worker_timeout_s", "decode.prompt_len", "batch.prompt_len",
+                          "llamacpp.n_ctx", "llamacpp.n_batch", "agreement.new_tokens"), 1)
+    o = checked_options(bench_cfg, ints | {"decode.new_tokens": 2, "batch.new_tokens": 2},
                         {"prefill.lengths": 1, "batch.sizes": 0})
     agreement = o["agreement"]
     if not isinstance(agreement["prompts"], int) or not 0 <= agreement["prompts"] <= len(QUESTIONS):
@@ -403,7 +403,8 @@ def assemble(opts, spec, peer, source, overrides, raw, sequence) -> dict[str, An
         "sequence": sequence,
         "rows": table_rows(row_specs(spec_lengths(spec), spec["batch"]["sizes"], opts["decode"]), per_side, ours),
         "greedy_agreement": agree,
-        "greedy_tokens_equal": all(t == firsts[0] for t in firsts) if len(firsts) > 1 else None,  # across graphexec sides
+        # Across the graphexec sides (activation modes or tensor-parallel sizes).
+        "greedy_tokens_equal": all(t == firsts[0] for t in firsts) if len(firsts) > 1 else None,
         "near_tie_agreement": near_ties,
         "batch_details": _batch_details([w for side in ours for w in ok[side]]),
         "errors": [{"round": r, "side": side, "error": w["error"]}
@@ -556,7 +557,8 @@ def _notes(result: dict[str, Any], engine: dict[str, Any], w: dict[str, Any]) ->
                      "(a sanity check, not a fidelity test: llama.cpp quantizes activations to 8 bits for its quantized dot "
                      "products, as model.activations=q8 does, so near-ties can go either way).")
     if result.get("greedy_tokens_equal") is not None:
-        notes.append(f"- Greedy B=1 tokens equal across the graphexec sides (last rounds): {result['greedy_tokens_equal']}.")
+        notes.append("- Greedy B=1 tokens equal across the graphexec sides (last rounds): "
+                     f"{result['greedy_tokens_equal']}.")
     if result.get("near_tie_agreement"):
         v = next(iter(result["near_tie_agreement"].values()))
         notes.append(f"- Greedy agreement on {v['prompts']} chat prompts × {v['new_tokens']} tokens (last round; "
@@ -600,7 +602,8 @@ def _plots(result: dict[str, Any], ours: list[str]) -> list[Bars]:
     rates = {label(s): _medians(result, rate_keys, s) for s in ours} | {label(PEER): peer_rates}
     latency, memory = ["decode_ms", "request_ms"], ["peak_rss_mib", "weight_mib", "kv_mib"]
     return [
-        Bars("peer_throughput.png", "tokens per second (median over rounds)", "tokens/s", rate_groups, rates, log_y=True),
+        Bars("peer_throughput.png", "tokens per second (median over rounds)", "tokens/s", rate_groups, rates,
+             log_y=True),
         Bars("peer_latency.png", "B=1 ms per token (median over rounds)", "ms/token", ["decode only", "whole request"],
              {label(s): _medians(result, latency, s) for s in every}),
         Bars("peer_memory.png", "memory (median over rounds)", "MiB", ["peak RSS", "weights", "KV cache"],

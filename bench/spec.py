@@ -146,7 +146,8 @@ def report(result: dict[str, Any]) -> Report:
         out.blocks.append(f"**GREEDY MISMATCH: {len(ident['mismatches'])} of {ident['compared']} outputs differ from "
                           "the first `none` run's:**\n\n" + "\n".join(
                               f"- {m['side']} round {m['round']}, {m['cell']}, output {m['output']}: first different "
-                              f"token at {m['first_diff_at']} (lengths {m['lengths']})" for m in ident["mismatches"][:20]))
+                              f"token at {m['first_diff_at']} (lengths {m['lengths']})"
+                              for m in ident["mismatches"][:20]))
     else:
         out.blocks.append(f"Greedy identity: all {ident['compared']} outputs equal the first `none` run's.")
     steps = [x.get("step_ms_by_rows") for x in result["runs"]["spec"] if x.get("step_ms_by_rows")]
@@ -155,14 +156,16 @@ def report(result: dict[str, Any]) -> Report:
                           + ", ".join(f"{k}: {v:.1f}" for k, v in steps[-1].items()))
     out.blocks += [f"**Worker failed**: {e}" for e in result["errors"]]
     batches = sorted({r["batch"] for r in rows})
-    keys = ("tok_s_none", "tok_s_spec", "ratio", "decode_ratio", "acceptance_rate", "mean_accepted_length", "output_tokens")
+    keys = ("tok_s_none", "tok_s_spec", "ratio", "decode_ratio", "acceptance_rate", "mean_accepted_length",
+            "output_tokens")
     out.blocks += [Table(["class", "tok/s none", "tok/s spec", "ratio", "decode ratio", "acceptance rate",
                           "mean accepted length", "output tokens"],
-                         [[r["class"], *(r[k] for k in keys)] for r in rows if r["batch"] == b], f"B={b}") for b in batches]
+                         [[r["class"], *(r[k] for k in keys)] for r in rows if r["batch"] == b], f"B={b}")
+                   for b in batches]
     classes = list(dict.fromkeys(r["class"] for r in rows))
     if any(r["ratio"] for r in rows):
-        series = {f"B={b}": [next((r["ratio"] for r in rows if (r["class"], r["batch"]) == (c, b)), None) for c in classes]
-                  for b in batches}
+        ratio = {(r["class"], r["batch"]): r["ratio"] for r in rows}
+        series = {f"B={b}": [ratio.get((c, b)) for c in classes] for b in batches}
         out.plots.append(Bars("spec_ratio.png", "speculation / none, output tokens/s", "ratio", classes, series,
                               xlabel="prompt class", hline=1.0))
     headline = [r for r in rows if (r["class"], r["batch"]) in _HEADLINES]

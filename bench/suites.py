@@ -58,7 +58,8 @@ def checked_options(bench_cfg, ints: dict[str, int] | None = None, int_lists: di
             raise ValueError(f"bench.{key}={value!r} must be an integer >= {least}")
     for key, least in (int_lists or {}).items():
         values = _get(o, key)
-        if not isinstance(values, list) or len(values) < least or not all(isinstance(v, int) and v >= 1 for v in values):
+        good = isinstance(values, list) and len(values) >= least and all(isinstance(v, int) and v >= 1 for v in values)
+        if not good:
             raise ValueError(f"bench.{key}={values!r} must be a list of at least {least} integers >= 1")
     return o
 

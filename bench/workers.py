@@ -1,11 +1,11 @@
 """Fresh-process workers: a bench side that must not share a process with another (two OpenMP
 teams, an inductor cache, a CUDA context) runs through here.
 
-Boundary: no measuring.  The parent half (`run_python`, `run_command`, `alternate` over sides and
-rounds) starts a Python process with a timeout and takes the last line of its stdout as the JSON result; a timeout, a non-zero
-exit without that line, or a line that is not JSON becomes {"error": ...}, so a failed side is
-that side's record, never the caller's exception.  The child half (`emit`) prints that line, or
-a one-line reason as the last line of stderr and exits 1.
+Boundary: no measuring.  The parent half (`run_python`, `run_command`; `alternate` over sides
+and rounds) starts a Python process with a timeout and takes the last line of its stdout as the
+JSON result; a timeout, a non-zero exit without that line, or a line that is not JSON becomes
+{"error": ...}, so a failed side is that side's record, never the caller's exception.  The child
+half (`emit`) prints that line, or a one-line reason as the last line of stderr and exits 1.
 """
 
 from __future__ import annotations
