@@ -499,7 +499,8 @@ def note(label: str, v: dict[str, Any]) -> str:
 
 def report(result: dict[str, Any]) -> Report:
     peer, engine, w = result["peer"], result["engine"] or {}, result["workload"]
-    ours, every = graphexec_of(result), [*graphexec_of(result), PEER]
+    ours, every = graphexec_of(result), list(result["sides"])  # llama.cpp's column only where it ran
+    ratioed = ours if PEER in every else []
     out = Report([_setup_line(result)])
     if not peer["available"]:
         out.blocks.append(f"**llama.cpp unavailable**: {peer['reason']}. Only the graphexec sides ran.")
@@ -507,8 +508,8 @@ def report(result: dict[str, Any]) -> Report:
         f"Cells: median (min–max) over {result['rounds']} rounds, each side a fresh process per round, alternated "
         f"{' → '.join(map(label, every))}; ratio (mode) = that graphexec side's median / llama.cpp's "
         "median (↓ lower is better, ↑ higher).",
-        Table(["metric", *map(label, every), *(f"ratio ({side_mode(s)})" for s in ours)],
-              [[row["label"], *(row[s] for s in every), *(times(row["ratios"][s]) for s in ours)]
+        Table(["metric", *map(label, every), *(f"ratio ({side_mode(s)})" for s in ratioed)],
+              [[row["label"], *(row[s] for s in every), *(times(row["ratios"][s]) for s in ratioed)]
                for row in result["rows"] if any(row[s] is not None for s in every)]),
         "\n".join(_notes(result, engine, w)),
     ]
