@@ -148,8 +148,8 @@ class FullGraphBackend(BucketedBackend):
         options = compile_kwargs.get("options", {})
         if options.get("cpp_wrapper"):
             # The wrapper of a whole forward is as long as the model is deep: built with its
-            # kernels at -O3 it took 188 s of a 236 s compile (SmolLM2, 30 layers); built apart, at
-            # inductor's -O1, 16 s, its kernels still at -O3.
+            # kernels at -O3 it was most of the compile; built apart it is built at -O1, its
+            # kernels still at -O3 (docs/STATUS.md, issue 22: cold compile times).
             compile_kwargs = compile_kwargs | {"options": options | {"cpp_wrapper_build_separate": True}}
         compiled = torch.compile(own_forward(self.env.model), **compile_kwargs)
         if not self._uses_aot():
