@@ -95,7 +95,7 @@ class CompileOptions:
     whole_forward_buckets: tuple[int, ...] = _option((), check.bucket_subset)
     """With regional: the buckets that compile the whole forward as one graph anyway, captured
     after the others.  Their compile takes about as many times longer as the model has layers;
-    their steps make no call per layer and fuse across layers (SmolLM2: B=1 ~1.25x, B=8 ~1.1x the
+    their steps make no call per layer and fuse across layers (SmolLM2: B=1 ~1.3x, B=8 ~1.1x the
     regional layer's step, bench=decode).  Sizes not in `buckets` are ignored, so narrowing
     `buckets` needs no second override."""
     skip_module_guards: bool = _option(False, check.flag)
