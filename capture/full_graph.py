@@ -61,7 +61,11 @@ class FullGraphBackend(BucketedBackend):
 
     def _is_whole(self, bucket: int) -> bool:
         opts = self.options.compile
-        return not opts.regional or bucket in opts.whole_forward_buckets
+        if not opts.regional:
+            return True
+        # Only the compile mechanism pays a Python call per layer; a recorded CUDA graph replays
+        # the layers without one.  TODO(gpu): measure whether cross-layer fusion pays there too.
+        return self.mechanism == "compile" and bucket in opts.whole_forward_buckets
 
     def _bucket_forward(self, bucket: int) -> BucketRunner:
         # `compile.enabled` is a cuda_graph option: the tape records aten calls, which compiled

@@ -93,8 +93,8 @@ class CompileOptions:
     """Compile the repeated decoder layer once and call it for every layer, so compile time stops
     growing with depth (false: the whole forward as one graph)."""
     whole_forward_buckets: tuple[int, ...] = _option((), check.bucket_subset)
-    """With regional: the buckets that compile the whole forward as one graph anyway, captured
-    after the others.  Their compile takes about as many times longer as the model has layers;
+    """With regional and graph=compile (a recorded graph has no call per layer to save): the
+    buckets that compile the whole forward as one graph anyway, captured after the others.  Their compile takes about as many times longer as the model has layers;
     their steps make no call per layer and fuse across layers (SmolLM2: B=1 ~1.3x, B=8 ~1.1x the
     regional layer's step, bench=decode).  Sizes not in `buckets` are ignored, so narrowing
     `buckets` needs no second override."""

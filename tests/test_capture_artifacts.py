@@ -118,6 +118,8 @@ def test_whole_forward_buckets_are_captured_after_the_regional_ones():
     backend = FullGraphBackend(env, {"buckets": [1, 2, 4], "compile": compile_options})
     # A request waits for the bucket being compiled; the long one comes when the short ones are done.
     assert backend.pending_buckets() == [2, 4, 1]
+    recorded = FullGraphBackend(env, {"buckets": [1, 2, 4], "graph": "tape", "compile": compile_options})
+    assert recorded.pending_buckets() == [1, 2, 4]  # a recording replays without per-layer calls
     with pytest.raises(CaptureConfigError, match=r"capture.decode.compile.whole_forward_buckets must hold integers"):
         FullGraphBackend(env, {"buckets": [1, 2, 4], "compile": compile_options | {"whole_forward_buckets": [0]}})
 
