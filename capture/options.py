@@ -94,10 +94,11 @@ class CompileOptions:
     growing with depth (false: the whole forward as one graph)."""
     whole_forward_buckets: tuple[int, ...] = _option((), check.bucket_subset)
     """With regional and graph=compile (a recorded graph has no call per layer to save): the
-    buckets that compile the whole forward as one graph anyway, captured after the others.  Their compile takes about as many times longer as the model has layers;
-    their steps make no call per layer and fuse across layers (SmolLM2: B=1 ~1.3x, B=8 ~1.1x the
-    regional layer's step, bench=decode).  Sizes not in `buckets` are ignored, so narrowing
-    `buckets` needs no second override."""
+    buckets that compile the whole forward as one graph anyway, captured after the others.  Their
+    compile takes about as many times longer as the model has layers; their steps make no call per
+    layer and fuse across layers (SmolLM2: B=1 ~1.3x, B=8 ~1.1x the regional layer's step,
+    bench=decode).  Sizes not in `buckets` are ignored, so narrowing `buckets` needs no second
+    override."""
     skip_module_guards: bool = _option(False, check.flag)
     """Drop Dynamo's per-call guards on module attributes: weights never change identity or shape
     after loading (25 -> 6 us a layer call)."""
