@@ -148,7 +148,7 @@ class AotRegion:
         self._ready[bucket] = checked
 
     def _artifact(self, bucket: int) -> str:
-        return f"{self._name}.b{bucket}"
+        return artifact_name(self._name, bucket)
 
     def _load(self, name: str, args: tuple) -> RegionFn | None:
         if self._store is None:
@@ -213,6 +213,11 @@ class AotRegion:
             _log.warning("could not write compiled artifact %s: %r", self._store.path(name), error)
             return
         self._stats.artifacts_saved += 1
+
+
+def artifact_name(region: str, bucket: int) -> str:
+    """What the region `region` (e.g. capture.decode.layer) compiled for `bucket` is stored as."""
+    return f"{region}.b{bucket}"
 
 
 def layer_structure(layer: torch.nn.Module) -> tuple:

@@ -145,10 +145,8 @@ class BucketedBackend(CaptureBackend):
         if self.stats.states[bucket] == "dropped":
             return
         self.stats.states[bucket] = "compiling"
-        limit = self.recompile_limit
         try:
-            with torch._dynamo.config.patch(recompile_limit=limit, accumulated_recompile_limit=max(65536, limit)):
-                runner = self._measured(bucket, lambda: self._make_runner(bucket, batch))
+            runner = self._build(bucket, batch)
         except BaseException:
             self.stats.states[bucket] = "pending"
             raise
@@ -160,6 +158,28 @@ class BucketedBackend(CaptureBackend):
         self._runners[bucket] = runner
         self.stats.states[bucket] = "ready"
         self.stats.ready_after_seconds[bucket] = round(time.perf_counter() - self._created_at, 3)
+
+    def build(self, bucket: int, batch: BucketableBatch) -> None:
+        """Compile `bucket` on `batch` as `capture_bucket` would, saving what persists (`builds_apart`),
+        but neither time it nor swap it in: what a process that builds for another one runs."""
+        self._prepare_once()
+        self._build(bucket, batch)
+
+    def builds_apart(self, bucket: int) -> bool:
+        """Whether another process running this same backend (same options, same artifact store)
+        could compile `bucket` and save it where this one's capture then only loads it, and has
+        not yet.  False for a backend whose compiled code does not persist."""
+        return False
+
+    def compiling_elsewhere(self, bucket: int) -> None:
+        """Another process is compiling `bucket` for this one (its state says so until captured)."""
+        if self.stats.states.get(bucket) == "pending":
+            self.stats.states[bucket] = "compiling"
+
+    def _build(self, bucket: int, batch: BucketableBatch) -> BucketRunner:
+        limit = self.recompile_limit
+        with torch._dynamo.config.patch(recompile_limit=limit, accumulated_recompile_limit=max(65536, limit)):
+            return self._measured(bucket, lambda: self._make_runner(bucket, batch))
 
     def _decide(self, bucket: int, batch: BucketableBatch, runner: BucketRunner) -> BucketDecision:
         """The preset decision, else `keep=all`, else the graph timed against eager on `batch`."""

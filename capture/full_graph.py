@@ -29,7 +29,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from capture.aot_region import AotRegion, layer_structure
+from capture.aot_region import AotRegion, artifact_name, layer_structure
 from capture.backend import CaptureEnv
 from capture.batch import BucketableBatch, Phase
 from capture.bucketed import BucketedBackend, BucketRunner
@@ -58,6 +58,15 @@ class FullGraphBackend(BucketedBackend):
         # most one short compile.
         pending = super().pending_buckets()
         return sorted(pending, key=self._is_whole)
+
+    def builds_apart(self, bucket: int) -> bool:
+        # Only an ahead-of-time compiled region persists.  A regional bucket counts as built once
+        # the first layer structure's artifact is there (a file mixing structures compiles its
+        # others on load).
+        if not self._uses_aot() or self.artifacts is None:
+            return False
+        region = "forward" if self._is_whole(bucket) else "layer"
+        return not self.artifacts.path(artifact_name(f"{self.config_path}.{region}", bucket)).exists()
 
     def _is_whole(self, bucket: int) -> bool:
         opts = self.options.compile

@@ -125,6 +125,11 @@ class CapturePlan:
     # Background capture starts only after the engine has been idle this long (and resumes after
     # each request the same way): a request that comes right away is never behind a capture.
     idle_delay_s: float = 1.0
+    # Background capture: compile the buckets whose compiled code is saved beside the plan
+    # (full_graph compile.aot, needs cache_dir) in a child process, stopped while any request is
+    # served, and only load them on the loop thread: a request never waits for a compile there.
+    # false: compile on the loop thread too (a request arriving mid-compile waits for it).
+    compile_in_child: bool = True
     # Where capture plans (which bucket keeps its graph, measured how) are kept, one file per key
     # (capture/plan_store.py); null: not kept, every start measures again.
     cache_dir: str | None = None
@@ -453,7 +458,7 @@ def _capture_plan(values: Mapping[str, Any]) -> CapturePlan:
         ):
             raise ConfigError(f"capture.{key}.devices must be a non-empty list of 'cpu' and 'cuda' (elsewhere: eager), got {devices!r}")
         specs[mode.config_key] = BackendSpec(backend=backend, options=MappingProxyType(entry))
-    plan_keys = {"name", "background", "cache_dir", "idle_delay_s"}
+    plan_keys = {"name", "background", "cache_dir", "idle_delay_s", "compile_in_child"}
     extra = sorted(set(values) - {m.config_key for m in ForwardMode} - plan_keys)
     if extra:
         raise ConfigError(
@@ -468,6 +473,9 @@ def _capture_plan(values: Mapping[str, Any]) -> CapturePlan:
     cache_dir = values.get("cache_dir")
     if cache_dir is not None and not isinstance(cache_dir, str):
         raise ConfigError(f"capture.cache_dir must be a directory path or null, got {cache_dir!r}")
+    compile_in_child = values.get("compile_in_child", True)
+    if not isinstance(compile_in_child, bool):
+        raise ConfigError(f"capture.compile_in_child must be true or false, got {compile_in_child!r}")
     idle_delay_s = values.get("idle_delay_s", 1.0)
     if isinstance(idle_delay_s, bool) or not isinstance(idle_delay_s, (int, float)) or idle_delay_s < 0:
         raise ConfigError(f"capture.idle_delay_s must be a number of seconds >= 0, got {idle_delay_s!r}")
@@ -476,5 +484,6 @@ def _capture_plan(values: Mapping[str, Any]) -> CapturePlan:
         background=background,
         cache_dir=cache_dir,
         idle_delay_s=float(idle_delay_s),
+        compile_in_child=compile_in_child,
         **specs,
     )

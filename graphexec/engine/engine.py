@@ -18,6 +18,7 @@ import torch
 
 from graphexec.batch.request import Req
 from graphexec.config import EngineConfig
+from graphexec.engine.background_capture import BackgroundCapture
 from graphexec.engine.engine_loop import EngineLoop
 from graphexec.engine.engine_metrics import EngineMetrics
 from graphexec.engine.rank_setup import RankParts, load_and_capture, load_draft
@@ -38,7 +39,6 @@ from graphexec.text.prompt_encoder import Prompt, PromptEncoder
 
 if TYPE_CHECKING:
     from graphexec.loader import LoadedCheckpoint
-    from graphexec.runner.model_runner import ModelRunner
     from graphexec.structured.grammar_backend import GrammarBackend
 
 __all__ = ["Engine", "Prompt", "RequestDelta", "RequestOutput"]
@@ -90,7 +90,9 @@ class Engine:
         self._grammar_backend: GrammarBackend | None = None  # built by the first constrained request
         self._grammar_backend_lock = threading.Lock()
         runners = [self.runner] + ([self.draft.runner] if self.draft is not None else [])
-        idle_work = _CaptureInTurn(runners) if background and any(r.capture_pending() for r in runners) else None
+        idle_work = None
+        if background and any(r.capture_pending() for r in runners):
+            idle_work = BackgroundCapture(runners, in_child=self.config.capture.compile_in_child)
         self._loop = EngineLoop(
             self.scheduler,
             self.runner,
@@ -104,7 +106,7 @@ class Engine:
     def _speculator(self, target: LoadedCheckpoint, capture: bool) -> Speculator | None:
         """The scheduler's speculation partner (None when speculation is off); with a draft model,
         that model's own KV cache and runner too (`self.draft`); under background capture its
-        buckets are captured while idle after the target's (`_CaptureInTurn`)."""
+        buckets are captured while idle after the target's (`BackgroundCapture`)."""
         self.draft: RankParts | None = None
         spec = self.config.speculative
         if not spec.enabled:
@@ -335,21 +337,6 @@ def _shutdown(loop: EngineLoop, tp: TPDriver | None) -> None:
     loop.shutdown()
     if tp is not None:
         tp.close()  # after the loop thread is done with the process group
-
-
-class _CaptureInTurn:
-    """Background capture over several runners (the target's, then a draft model's): one pending
-    bucket per call, the first runner's first; True while any remain (EngineLoop's idle work)."""
-
-    def __init__(self, runners: Sequence[ModelRunner]):
-        self.runners = list(runners)
-
-    def __call__(self) -> bool:
-        for runner in self.runners:
-            if runner.capture_pending():
-                runner.capture_next()
-                break
-        return any(r.capture_pending() for r in self.runners)
 
 
 def _drain(stream: RequestStream) -> None:

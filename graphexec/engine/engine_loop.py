@@ -10,10 +10,11 @@ the loop keeps serving the rest.  The thread starts on the first submission, so 
 `engine.scheduler.step()` itself on a fresh engine never races with it (except under tensor
 parallelism, where it starts at once: the other ranks need its keep-alives from the start).
 
-Work the loop may do while no request waits (`idle_work`: the engine's background capture, one
-bucket per call) runs between steps only when the inbox is empty and nothing is running, so a
-request arriving meanwhile waits for at most the one call in progress.  The thread starts at once
-when there is idle work.
+Work the loop may do while no request waits (`idle_work`: the engine's background capture,
+graphexec/engine/background_capture.py) runs between steps only when the inbox is empty and
+nothing is running, one unit per call, so a request arriving meanwhile waits for at most the one
+call in progress; before serving anything the loop pauses whatever the idle work runs beside
+it (a capture process).  The thread starts at once when there is idle work.
 
 Under tensor parallelism a failed step is different: the ranks are out of step
 (WorkerFailedError), so the loop fails every request and stops; the engine takes no more.  While
@@ -32,7 +33,7 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Callable
+from typing import Protocol
 
 import torch
 
@@ -65,13 +66,26 @@ class _FlushCache:
     done: Future
 
 
+class IdleWork(Protocol):
+    """What the loop does while idle, a unit at a time (BackgroundCapture)."""
+
+    def run(self) -> float | None:
+        """One unit; seconds until the next may start (0: at once), None when there is no more."""
+
+    def pause(self) -> None:
+        """The loop is about to serve: stop anything running beside it until the next `run`."""
+
+    def close(self) -> None:
+        """The loop stops: end anything still running."""
+
+
 class EngineLoop:
     def __init__(
         self,
         scheduler: Scheduler,
         runner: ModelRunner,
         name: str = "graphexec-engine-loop",
-        idle_work: Callable[[], bool] | None = None,
+        idle_work: IdleWork | None = None,
         idle_delay_s: float = 0.0,
     ):
         self._scheduler = scheduler
@@ -90,7 +104,7 @@ class EngineLoop:
         self._thread: threading.Thread | None = None
         # Loop thread only.
         self._trackers: dict[str, RequestTracker] = {}
-        # Loop thread only once started: one unit of idle work per call, True while more remains.
+        # Loop thread only once started.
         self._idle_work = idle_work
         # Idle work waits until nothing has happened for this long: a caller that submits right
         # after building the engine (graphexec-generate) never waits for a capture.
@@ -202,12 +216,15 @@ class EngineLoop:
                 commands, self._inbox = self._inbox, []
                 stopping = self._stopping
             if stopping:
+                self._close_idle_work()
                 self._abort_everything(commands)
                 return
             if idle_due and not commands:
                 self._do_idle_work()
                 self._take_snapshot()  # a capture changed the backends' counters
                 continue
+            if self._idle_work is not None:
+                self._idle_work.pause()
             self._idle_after = time.monotonic() + self._idle_delay_s
             try:
                 for command in commands:
@@ -226,16 +243,27 @@ class EngineLoop:
 
     def _do_idle_work(self) -> None:
         try:
-            more = self._idle_work()
+            next_in_s = self._idle_work.run()
         except Exception:  # idle work is an optimisation: serving goes on without it
             _log.exception("idle work failed; the engine keeps serving without it")
-            more = False
-        if not more:
+            next_in_s = None
+        if next_in_s is None:
+            self._close_idle_work()
+        else:
+            self._idle_after = time.monotonic() + next_in_s
+
+    def _close_idle_work(self) -> None:
+        if self._idle_work is not None:
+            try:
+                self._idle_work.close()
+            except Exception:  # noqa: BLE001 - closing is best effort; the loop stops or serves on
+                _log.exception("closing the idle work failed")
             self._idle_work = None
 
     def _stop_broken(self, error: WorkerFailedError, commands: list) -> None:
         """The ranks are out of step: fail every request, take no more."""
         _log.error("%s", error)
+        self._close_idle_work()
         with self._wakeup:
             self._stopping = True
             self._broken = error

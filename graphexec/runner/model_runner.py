@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Collection, Iterator
 
 import torch
 
@@ -133,12 +133,13 @@ class ModelRunner:
             self.capture_backend(backend)
 
     @torch.inference_mode()
-    def capture_next(self) -> bool:
-        """Capture one pending bucket (decode's smallest first) and swap it in if it is kept; what
-        the engine loop runs while no request waits (`capture.background`).  True while buckets
-        remain.  A bucket whose capture fails is dropped (logged), and the engine keeps serving it eagerly."""
+    def capture_next(self, skip: Collection[tuple[str, int]] = ()) -> bool:
+        """Capture one pending bucket (decode's smallest first) but those in `skip` ((config path,
+        bucket): another process is compiling them) and swap it in if it is kept; what the engine
+        loop runs while no request waits (`capture.background`).  True if it captured one.  A
+        bucket whose capture fails is dropped (logged), and the engine keeps serving it eagerly."""
         for backend in self._bucketed():
-            pending = backend.pending_buckets()
+            pending = [b for b in backend.pending_buckets() if (backend.config_path, b) not in skip]
             if not pending:
                 continue
             bucket = pending[0]
@@ -151,8 +152,39 @@ class ModelRunner:
                 _log.exception("capture of %s bucket %d failed; it runs eager", backend.config_path, bucket)
                 backend.drop(bucket, f"capture failed: {error!r}"[:200])
             self._save_plan()
-            return self.capture_pending()
+            return True
         return False
+
+    def buckets_to_build_apart(self) -> list[tuple[str, int]]:
+        """(config path, bucket) of every pending bucket that another process with this runner's
+        config could compile and save for this one to load (`build_apart` there), in capture order."""
+        return [(b.config_path, bucket) for b in self._bucketed() for bucket in b.pending_buckets() if b.builds_apart(bucket)]
+
+    def compiling_apart(self, config_path: str, bucket: int) -> None:
+        """Another process is compiling `bucket` of the backend at `config_path` (its state shows it)."""
+        self._bucketed_at(config_path).compiling_elsewhere(bucket)
+
+    @torch.inference_mode()
+    def build_apart(self, config_path: str, bucket: int) -> None:
+        """In a process that builds for a serving one (graphexec/engine/capture_worker.py): compile
+        the bucket and save its artifact, nothing timed, nothing swapped in, no plan written."""
+        backend = self._bucketed_at(config_path)
+        self._use_static_metadata(backend.static_metadata_rows)
+        batch = backend.dummy_batch(bucket)
+        with _config_errors(), self._forward_scope(batch):
+            backend.build(bucket, batch)
+
+    def _bucketed_at(self, config_path: str) -> BucketedBackend:
+        for backend in self._bucketed():
+            if backend.config_path == config_path:
+                return backend
+        raise KeyError(f"no bucketed capture backend at {config_path!r}")
+
+    @property
+    def artifact_key(self) -> str | None:
+        """The hash of the key this runner's plan and artifacts are stored under (None without
+        capture.cache_dir): a process that builds for this one must have the same."""
+        return None if self._plan_store is None else self._plan_store.artifacts().key_hash
 
     @property
     def plan_path(self):

@@ -1,0 +1,247 @@
+"""Background capture: what the engine loop does while no request waits (`capture.background`).
+
+The loop calls `run` once it has been idle `capture.idle_delay_s`, and again after the delay each
+call returns; it calls `pause` before serving anything, and `close` when it stops.  Each `run`
+captures at most one bucket on the loop thread: the target model's buckets first (decode's B=1
+first), then a draft model's.
+
+A compile on the loop thread makes a request that arrives meanwhile wait for it (a whole
+forward: tens of seconds on 2 cores), and a compile beside a serving engine slows every step it
+shares the cores with (docs/STATUS.md, issue 22: eager 29 ms/token became 43-305 ms).  So with
+`capture.compile_in_child` the buckets whose compiled code persists (full_graph `compile.aot`,
+with `capture.cache_dir`) are compiled by one child process with the engine's config
+(graphexec/engine/capture_worker.py), which the loop stops with SIGSTOP, its whole process group
+(inductor's compile workers and the C++ compiler too), while any request is served, and
+continues while idle.  The loop then only loads what the child saved: the artifact, the
+bucket's capture forward and its timing against eager (capture/measure.py), each a fraction of
+a second but the first load of a process (importing Dynamo and inductor, ~3.5 s).  Buckets that
+cannot be built apart (no artifacts: a CUDA graph, the op tape, `compile.aot` off) are captured
+on the loop thread as before, and so are a draft model's and any the child failed to build.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from graphexec.runner.model_runner import ModelRunner
+
+_log = logging.getLogger(__name__)
+
+# How often an idle loop looks at a running child's reports: what a built bucket may wait before
+# the loop loads it.
+POLL_S = 0.2
+# Bytes of a failed child's stderr quoted in the warning.
+_LOG_TAIL = 2000
+
+
+class BackgroundCapture:
+    """EngineLoop's idle work: capture every pending bucket of `runners`, the first runner's
+    buildable ones in a child process when `in_child`."""
+
+    def __init__(self, runners: Sequence[ModelRunner], in_child: bool, child_command: Sequence[str] | None = None):
+        self.runners = list(runners)
+        self._in_child = in_child
+        self._child_command = child_command  # CaptureChild.start's `command` (tests)
+        self._child: CaptureChild | None = None
+        # (config path, bucket) the child has yet to build: the loop thread leaves them alone.
+        self._owed: set[tuple[str, int]] = set()
+
+    def run(self) -> float | None:
+        """One unit of work: seconds until the next call may come (0: at once), None when done."""
+        target = self.runners[0]
+        if self._child is not None:
+            # Stopped while this process captures too: a bucket is timed against eager here, and a
+            # compile beside it would decide that timing.
+            self._child.pause()
+            self._follow_child(target)
+        elif self._in_child:
+            self._in_child = False  # one child per engine: what it fails is captured here
+            self._start_child(target)
+        for runner in self.runners:
+            if runner.capture_next(skip=self._owed if runner is target else ()):
+                return 0.0
+        if self._child is not None:
+            self._child.resume()
+            return POLL_S
+        return None
+
+    def pause(self) -> None:
+        """The loop is about to serve: stop the child until the next `run`."""
+        if self._child is not None:
+            self._child.pause()
+
+    def close(self) -> None:
+        """The loop stops: end the child, whatever it was doing."""
+        if self._child is not None:
+            self._child.kill()
+            self._child = None
+
+    def _start_child(self, target: ModelRunner) -> None:
+        buckets = target.buckets_to_build_apart()
+        if not buckets:
+            return
+        try:
+            self._child = CaptureChild.start(target.config, buckets, target.artifact_key, self._child_command)
+        except OSError as error:
+            _log.warning("could not start a capture process (%s); capturing on the engine loop instead", error)
+            return
+        self._owed = set(buckets)
+        _log.info("capture process %d builds %s", self._child.pid, ", ".join(f"{p} bucket {b}" for p, b in buckets))
+        # The first artifact loaded here would import Dynamo and inductor on the loop thread (~2.6 s
+        # on 2 cores, bench/startup.py --probe-every): import them now, on a thread that ends, while
+        # the child compiles for longer than that.  A request served meanwhile shares the GIL
+        # with it rather than waiting for it.
+        threading.Thread(target=_import_compiler, name="graphexec-import-compiler", daemon=True).start()
+
+    def _follow_child(self, target: ModelRunner) -> None:
+        child = self._child
+        exit_code = child.exit_code()  # before reading: every report of an exited child is in the pipe
+        for report in child.reports():
+            bucket = (report.config_path, report.bucket)
+            if report.event == "start":
+                target.compiling_apart(*bucket)
+            elif report.event == "done":
+                self._owed.discard(bucket)
+            else:
+                _log.warning("capture process could not build %s bucket %d (%s); capturing it on the engine loop",
+                             *bucket, report.error)
+                self._owed.discard(bucket)
+        if exit_code is None:
+            return
+        if exit_code != 0 or self._owed:
+            _log.warning("capture process exited with code %d before building %s; capturing on the engine loop.  "
+                         "Its log ends:\n%s", exit_code, sorted(self._owed) or "nothing", child.log_tail())
+        child.kill()
+        self._child = None
+        self._owed = set()
+
+
+def _import_compiler() -> None:
+    try:
+        for module in ("torch._dynamo", "torch._inductor.compile_fx"):
+            importlib.import_module(module)
+    except Exception:  # noqa: BLE001 - the load imports them itself, and reports what fails
+        _log.debug("importing the compiler ahead of the first artifact failed", exc_info=True)
+
+
+@dataclass(frozen=True)
+class Report:
+    """One line of the child's stdout: it started, built or failed a bucket."""
+
+    event: str  # start | done | failed
+    config_path: str
+    bucket: int
+    error: str = ""
+
+    def line(self) -> bytes:
+        return json.dumps({"event": self.event, "config_path": self.config_path, "bucket": self.bucket,
+                           "error": self.error}).encode() + b"\n"
+
+    @classmethod
+    def parse(cls, line: bytes) -> Report:
+        raw = json.loads(line)
+        return cls(str(raw["event"]), str(raw["config_path"]), int(raw["bucket"]), str(raw.get("error", "")))
+
+
+class CaptureChild:
+    """The process building buckets for this engine: started, stopped and continued as a process
+    group, its reports read without blocking, its stderr kept in a file for a failure's warning."""
+
+    def __init__(self, proc: subprocess.Popen, log):
+        self._proc = proc
+        self._log = log
+        self._partial = b""
+        self._running = True
+        self.pid = proc.pid
+
+    @classmethod
+    def start(cls, config, buckets: list[tuple[str, int]], key: str | None,
+              command: Sequence[str] | None = None) -> CaptureChild:
+        """`command` replaces the worker module (tests); it reads the same JSON from stdin."""
+        threads = torch.get_num_threads()  # part of the plan's key: the child must compile under the same
+        payload = json.dumps({"config": config.to_plain(), "buckets": buckets, "key": key, "threads": threads}).encode()
+        log = tempfile.TemporaryFile()
+        # Its own process group, in this session: SIGSTOP reaches its compilers too.  The worker
+        # dies with the thread that started it, stopped or not (capture_worker.py); compilers it
+        # leaves stopped are an orphaned stopped group, which the kernel hangs up.
+        proc = subprocess.Popen(
+            list(command) if command else [sys.executable, "-m", "graphexec.engine.capture_worker", str(os.getpid())],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, process_group=0,
+            env=dict(os.environ, OMP_NUM_THREADS=str(threads)),
+        )
+        try:
+            proc.stdin.write(payload)
+            proc.stdin.close()
+        except OSError:
+            pass  # it exited at once: its exit code and log say why
+        os.set_blocking(proc.stdout.fileno(), False)
+        return cls(proc, log)
+
+    def reports(self) -> list[Report]:
+        """What the child reported since the last call."""
+        chunks = []
+        while True:
+            try:
+                chunk = os.read(self._proc.stdout.fileno(), 1 << 16)
+            except BlockingIOError:
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+        *lines, self._partial = (self._partial + b"".join(chunks)).split(b"\n")
+        reports = []
+        for line in lines:
+            try:
+                reports.append(Report.parse(line))
+            except (ValueError, KeyError, TypeError):
+                _log.debug("capture process said %r", line)  # not a report (a library printing)
+        return reports
+
+    def exit_code(self) -> int | None:
+        return self._proc.poll()
+
+    @property
+    def running(self) -> bool:
+        """Not stopped by `pause` (it may have exited)."""
+        return self._running
+
+    def pause(self) -> None:
+        if self._running:
+            self._signal(signal.SIGSTOP)
+            self._running = False
+
+    def resume(self) -> None:
+        if not self._running:
+            self._signal(signal.SIGCONT)
+            self._running = True
+
+    def kill(self) -> None:
+        if self._proc.poll() is None:  # once it is reaped, its group id may be another's
+            self._signal(signal.SIGKILL)
+            self._proc.wait()
+        self._proc.stdout.close()
+        self._log.close()
+
+    def log_tail(self) -> str:
+        self._log.seek(0, os.SEEK_END)
+        size = self._log.tell()
+        self._log.seek(max(0, size - _LOG_TAIL))
+        return self._log.read().decode(errors="replace")
+
+    def _signal(self, sig: int) -> None:
+        try:
+            os.killpg(self._proc.pid, sig)
+        except ProcessLookupError:
+            pass  # the group is gone: the child and everything it started have exited

@@ -1,0 +1,79 @@
+"""The capture process of a serving engine (graphexec/engine/background_capture.py starts it):
+build the engine's model and runner from the engine's config, compile the buckets it was given
+and save their artifacts where the engine's capture then loads them, reporting each on stdout.
+
+    python -m graphexec.engine.capture_worker PARENT_PID  < {"config", "buckets", "key", "threads"}
+
+It times nothing and writes no plan: the engine times each bucket it loads against eager and
+keeps the plan.  A key that differs from the engine's (another thread count, another CPU model
+name: anything capture_key reads of the process) would store the artifacts where the engine
+never looks, so it stops before compiling anything.  Its KV pool is the smallest that holds the
+capture batches' padding: the artifacts do not depend on the pool's size (the attention op reads
+the pool outside any graph; capture_key leaves the size out).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import signal
+import sys
+from dataclasses import replace
+
+import torch
+
+from graphexec.config import EngineConfig
+from graphexec.engine.background_capture import Report
+from graphexec.engine.rank_setup import load_and_capture
+from graphexec.parallel import launch
+
+_log = logging.getLogger(__name__)
+_SLOTS = 1024
+_PR_SET_PDEATHSIG = 1
+# Exit codes the engine's warning quotes.
+KEY_MISMATCH = 3
+
+
+def main() -> None:
+    _die_with(int(sys.argv[1]))
+    logging.basicConfig(level=logging.WARNING)
+    job = json.load(sys.stdin.buffer)
+    torch.set_num_threads(int(job["threads"]))
+    config = EngineConfig.from_mapping(job["config"])
+    config = replace(config, cache=replace(config.cache, num_slots=min(config.cache.num_slots, _SLOTS), prefix_cache=False))
+    runner = load_and_capture(config, capture=False).runner
+    if runner.artifact_key != job["key"]:
+        _log.error("this process's capture key %s is not the engine's %s: nothing built", runner.artifact_key, job["key"])
+        sys.exit(KEY_MISMATCH)
+    for config_path, bucket in job["buckets"]:
+        _report(Report("start", config_path, bucket))
+        try:
+            runner.build_apart(config_path, bucket)
+        except Exception as error:  # noqa: BLE001 - the engine captures this bucket itself
+            _log.exception("building %s bucket %d failed", config_path, bucket)
+            _report(Report("failed", config_path, bucket, f"{error!r}"[:300]))
+        else:
+            _report(Report("done", config_path, bucket))
+
+
+def _die_with(engine_pid: int) -> None:
+    """Killed when the engine thread that started this process ends (Linux PR_SET_PDEATHSIG), even
+    while stopped: the engine stops this process whenever it serves, and a stopped process cannot
+    watch for its parent (elsewhere it watches while it runs, launch.watch_parent)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    else:
+        launch.watch_parent(engine_pid)
+    if os.getppid() != engine_pid:  # the engine died before prctl took effect
+        sys.exit(f"capture process: its engine (pid {engine_pid}) is gone")
+
+
+def _report(report: Report) -> None:
+    sys.stdout.buffer.write(report.line())
+    sys.stdout.buffer.flush()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,189 @@
+"""The engine's capture process (graphexec/engine/background_capture.py, capture_worker.py): stopped
+with its whole process group while the engine serves, continued while idle, gone with the engine
+even when stopped; its reports decide which buckets the loop thread captures itself.  A stand-in
+child here (a few lines speaking the worker's stdin/stdout protocol); the real worker compiles in
+tests/test_capture_artifacts.py, under a serving engine."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from graphexec.engine.background_capture import POLL_S, BackgroundCapture, CaptureChild
+
+# Reads the job, starts a grandchild (what inductor's compile workers and compilers are), then
+# reports each bucket as its config's `outcomes` say: done (default), failed, or exit mid-bucket.
+FAKE_WORKER = r"""
+import json, subprocess, sys, time
+job = json.load(sys.stdin)
+subprocess.Popen(["sleep", "60"])
+for path, bucket in job["buckets"]:
+    print(json.dumps({"event": "start", "config_path": path, "bucket": bucket}), flush=True)
+    outcome = job["config"]["outcomes"].get(str(bucket), "done")
+    if outcome == "exit":
+        sys.exit(7)
+    print(json.dumps({"event": outcome, "config_path": path, "bucket": bucket, "error": "boom"}), flush=True)
+time.sleep(job["config"]["linger_s"])
+"""
+COMMAND = [sys.executable, "-c", FAKE_WORKER]
+
+
+class Config:
+    """What the stand-in reads of the engine's config."""
+
+    def __init__(self, outcomes=None, linger_s=0.0):
+        self.plain = {"outcomes": outcomes or {}, "linger_s": linger_s}
+
+    def to_plain(self):
+        return self.plain
+
+
+class FakeRunner:
+    """The runner's side of background capture: pending buckets, the ones a child could build."""
+
+    def __init__(self, buckets, apart, outcomes=None):
+        self.config = Config(outcomes)
+        self.artifact_key = "k"
+        self.pending = list(buckets)
+        self.apart = set(apart)
+        self.captured, self.compiling = [], []
+
+    def buckets_to_build_apart(self):
+        return [("capture.decode", b) for b in self.pending if b in self.apart]
+
+    def capture_next(self, skip=()):
+        for bucket in self.pending:
+            if ("capture.decode", bucket) not in skip:
+                self.pending.remove(bucket)
+                self.captured.append(bucket)
+                return True
+        return False
+
+    def compiling_apart(self, config_path, bucket):
+        self.compiling.append(bucket)
+
+
+def _drive(work: BackgroundCapture, timeout_s: float = 60.0) -> None:
+    """Call `run` as an idle loop would, until it says there is no more."""
+    deadline = time.monotonic() + timeout_s
+    while (delay := work.run()) is not None:
+        assert time.monotonic() < deadline
+        time.sleep(delay)
+
+
+@pytest.mark.parametrize("outcomes, warned", [({}, 0), ({"4": "failed"}, 1), ({"2": "exit"}, 1)])
+def test_the_loop_captures_what_the_child_built_and_what_it_could_not(caplog, outcomes, warned):
+    runner = FakeRunner([1, 2, 4], apart=[2, 4], outcomes=outcomes)
+    work = BackgroundCapture([runner], in_child=True, child_command=COMMAND)
+    with caplog.at_level(logging.WARNING, logger="graphexec.engine.background_capture"):
+        _drive(work)
+    # Bucket 1 cannot be built apart: captured at once; the others once the child is done with them.
+    assert runner.captured[0] == 1 and sorted(runner.captured) == [1, 2, 4] and runner.pending == []
+    assert runner.compiling == ([2] if "2" in outcomes else [2, 4])
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == warned
+    if outcomes.get("4") == "failed":
+        assert "bucket 4 (boom)" in messages[0]
+    if outcomes.get("2") == "exit":
+        assert "exited with code 7" in messages[0] and "('capture.decode', 2)" in messages[0]
+
+
+def test_nothing_to_build_apart_starts_no_child():
+    runner = FakeRunner([1, 2], apart=[])
+    work = BackgroundCapture([runner], in_child=True, child_command=[sys.executable, "-c", "raise SystemExit(1)"])
+    assert work.run() == 0.0 and work.run() == 0.0 and work.run() is None
+    assert runner.captured == [1, 2]
+
+
+def test_pause_stops_the_child_and_its_children_resume_continues_them_kill_ends_them():
+    child = CaptureChild.start(Config(linger_s=60), [("capture.decode", 1)], "k", command=COMMAND)
+    try:
+        reports = _reports(child, 2)
+        assert [(r.event, r.bucket) for r in reports] == [("start", 1), ("done", 1)]
+        group = _group(child.pid)
+        assert len(group) == 2  # the child and its sleeping grandchild
+        child.pause()
+        assert _wait(lambda: {_state(pid) for pid in group} == {"T"})
+        child.resume()
+        assert _wait(lambda: "T" not in {_state(pid) for pid in group})
+    finally:
+        child.kill()
+    assert _wait(lambda: all(_state(pid) in (None, "Z") for pid in group))
+
+
+_ENGINE = r"""
+import subprocess, sys, time
+from graphexec.engine.background_capture import CaptureChild
+child = CaptureChild.start(type("C", (), {"to_plain": lambda self: {}})(), [], "k", command=[sys.executable, "-c", sys.argv[1]])
+while not child.reports():
+    time.sleep(0.05)
+child.pause()
+print(child.pid, flush=True)
+"""
+# What the worker does first, then waits to be stopped.  Deaf to SIGHUP, so that only the worker's
+# own measure can end it: the kernel hangs up an orphaned stopped group, which would pass this test
+# on a machine whose init runs in another session, and not elsewhere.
+_DIES_WITH_ENGINE = r"""
+import os, signal, sys, time
+signal.signal(signal.SIGHUP, signal.SIG_IGN)
+from graphexec.engine.capture_worker import _die_with
+_die_with(os.getppid())
+print('{"event": "start", "config_path": "x", "bucket": 1}', flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_stopped_capture_process_dies_with_its_engine():
+    engine = subprocess.run([sys.executable, "-c", _ENGINE, _DIES_WITH_ENGINE], capture_output=True, text=True, timeout=60)
+    assert engine.returncode == 0, engine.stderr[-2000:]
+    pid = int(engine.stdout.split()[-1])
+    try:
+        assert _wait(lambda: _state(pid) in (None, "Z"))
+    finally:
+        if _state(pid) not in (None, "Z"):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _reports(child: CaptureChild, count: int) -> list:
+    got = []
+    assert _wait(lambda: got.extend(child.reports()) or len(got) >= count)
+    return got
+
+
+def _group(pgid: int) -> list[int]:
+    pids = []
+    for stat in os.listdir("/proc"):
+        if stat.isdigit():
+            fields = _stat(int(stat))
+            if fields is not None and int(fields[2]) == pgid:
+                pids.append(int(stat))
+    return pids
+
+
+def _state(pid: int) -> str | None:
+    fields = _stat(pid)
+    return None if fields is None else fields[0]
+
+
+def _stat(pid: int) -> list[str] | None:
+    """/proc/PID/stat after the command name: state, ppid, pgrp, ..."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
+def _wait(condition, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(POLL_S / 4)
+    return True
