@@ -128,7 +128,8 @@ class CapturePlan:
     # Background capture: compile the buckets whose compiled code is saved beside the plan
     # (full_graph compile.aot, needs cache_dir) in a child process, stopped while any request is
     # served, and only load them on the loop thread: a request never waits for a compile there.
-    # false: compile on the loop thread too (a request arriving mid-compile waits for it).
+    # The child loads the weights again: one more copy of them in memory while it runs.  false:
+    # compile on the loop thread too (a request arriving mid-compile waits for it).
     compile_in_child: bool = True
     # Where capture plans (which bucket keeps its graph, measured how) are kept, one file per key
     # (capture/plan_store.py); null: not kept, every start measures again.

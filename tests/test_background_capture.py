@@ -22,7 +22,9 @@ from graphexec.engine.background_capture import POLL_S, BackgroundCapture, Captu
 FAKE_WORKER = r"""
 import json, subprocess, sys, time
 job = json.load(sys.stdin)
-subprocess.Popen(["sleep", "60"])
+sleeper = subprocess.Popen(["sleep", "60"])
+if job["config"]["pidfile"]:
+    open(job["config"]["pidfile"], "w").write(str(sleeper.pid))
 for path, bucket in job["buckets"]:
     print(json.dumps({"event": "start", "config_path": path, "bucket": bucket}), flush=True)
     outcome = job["config"]["outcomes"].get(str(bucket), "done")
@@ -37,8 +39,8 @@ COMMAND = [sys.executable, "-c", FAKE_WORKER]
 class Config:
     """What the stand-in reads of the engine's config."""
 
-    def __init__(self, outcomes=None, linger_s=0.0):
-        self.plain = {"outcomes": outcomes or {}, "linger_s": linger_s}
+    def __init__(self, outcomes=None, linger_s=0.0, pidfile=None):
+        self.plain = {"outcomes": outcomes or {}, "linger_s": linger_s, "pidfile": pidfile and str(pidfile)}
 
     def to_plain(self):
         return self.plain
@@ -47,8 +49,8 @@ class Config:
 class FakeRunner:
     """The runner's side of background capture: pending buckets, the ones a child could build."""
 
-    def __init__(self, buckets, apart, outcomes=None):
-        self.config = Config(outcomes)
+    def __init__(self, buckets, apart, outcomes=None, pidfile=None):
+        self.config = Config(outcomes, pidfile=pidfile)
         self.artifact_key = "k"
         self.pending = list(buckets)
         self.apart = set(apart)
@@ -65,6 +67,9 @@ class FakeRunner:
                 return True
         return False
 
+    def capture_pending(self, skip=()):
+        return any(("capture.decode", b) not in skip for b in self.pending)
+
     def compiling_apart(self, config_path, bucket):
         self.compiling.append(bucket)
 
@@ -78,11 +83,13 @@ def _drive(work: BackgroundCapture, timeout_s: float = 60.0) -> None:
 
 
 @pytest.mark.parametrize("outcomes, warned", [({}, 0), ({"4": "failed"}, 1), ({"2": "exit"}, 1)])
-def test_the_loop_captures_what_the_child_built_and_what_it_could_not(caplog, outcomes, warned):
-    runner = FakeRunner([1, 2, 4], apart=[2, 4], outcomes=outcomes)
+def test_the_loop_captures_what_the_child_built_and_what_it_could_not(tmp_path, caplog, outcomes, warned):
+    runner = FakeRunner([1, 2, 4], apart=[2, 4], outcomes=outcomes, pidfile=tmp_path / "sleeper")
     work = BackgroundCapture([runner], in_child=True, child_command=COMMAND)
     with caplog.at_level(logging.WARNING, logger="graphexec.engine.background_capture"):
         _drive(work)
+    # What the child left in its group (stopped with it at every pause) went with it.
+    assert _wait(lambda: _state(int((tmp_path / "sleeper").read_text())) in (None, "Z"))
     # Bucket 1 cannot be built apart: captured at once; the others once the child is done with them.
     assert runner.captured[0] == 1 and sorted(runner.captured) == [1, 2, 4] and runner.pending == []
     assert runner.compiling == ([2] if "2" in outcomes else [2, 4])

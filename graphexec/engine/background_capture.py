@@ -62,15 +62,17 @@ class BackgroundCapture:
         """One unit of work: seconds until the next call may come (0: at once), None when done."""
         target = self.runners[0]
         if self._child is not None:
-            # Stopped while this process captures too: a bucket is timed against eager here, and a
-            # compile beside it would decide that timing.
-            self._child.pause()
             self._follow_child(target)
         elif self._in_child:
             self._in_child = False  # one child per engine: what it fails is captured here
             self._start_child(target)
         for runner in self.runners:
-            if runner.capture_next(skip=self._owed if runner is target else ()):
+            skip = self._owed if runner is target else ()
+            if runner.capture_pending(skip):
+                # Stopped while this process captures too: a bucket is timed against eager here,
+                # and a compile beside it would decide that timing.
+                self.pause()
+                runner.capture_next(skip)
                 return 0.0
         if self._child is not None:
             self._child.resume()
@@ -120,9 +122,11 @@ class BackgroundCapture:
                 self._owed.discard(bucket)
         if exit_code is None:
             return
-        if exit_code != 0 or self._owed:
-            _log.warning("capture process exited with code %d before building %s; capturing on the engine loop.  "
-                         "Its log ends:\n%s", exit_code, sorted(self._owed) or "nothing", child.log_tail())
+        if self._owed:
+            _log.warning("capture process exited with code %d before building %s; capturing them on the engine "
+                         "loop.  Its log ends:\n%s", exit_code, sorted(self._owed), child.log_tail())
+        elif exit_code != 0:
+            _log.info("capture process exited with code %d after building everything", exit_code)
         child.kill()
         self._child = None
         self._owed = set()
@@ -210,7 +214,14 @@ class CaptureChild:
         return reports
 
     def exit_code(self) -> int | None:
-        return self._proc.poll()
+        """Its exit code once it has exited.  Not reaped here: until `kill` reaps it, its process
+        group id stays its own, so `kill` can still end whatever it left running in the group."""
+        if self._proc.returncode is not None:
+            return self._proc.returncode
+        info = os.waitid(os.P_PID, self._proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        if info is None:
+            return None
+        return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
 
     @property
     def running(self) -> bool:
@@ -228,7 +239,8 @@ class CaptureChild:
             self._running = True
 
     def kill(self) -> None:
-        if self._proc.poll() is None:  # once it is reaped, its group id may be another's
+        """End it and everything in its group (compilers, workers: stopped or not), then reap it."""
+        if self._proc.returncode is None:  # not reaped yet: the group id is still its own
             self._signal(signal.SIGKILL)
             self._proc.wait()
         self._proc.stdout.close()

@@ -191,9 +191,10 @@ class ModelRunner:
         """The stored capture plan's file (None when capture.cache_dir is null)."""
         return None if self._plan_store is None else self._plan_store.path
 
-    def capture_pending(self) -> bool:
-        """Whether any bucket is still to be captured (background capture)."""
-        return any(b.pending_buckets() for b in self._bucketed())
+    def capture_pending(self, skip: Collection[tuple[str, int]] = ()) -> bool:
+        """Whether any bucket, but those in `skip` ((config path, bucket)), is still to be captured
+        (background capture)."""
+        return any((b.config_path, bucket) not in skip for b in self._bucketed() for bucket in b.pending_buckets())
 
     def _save_plan(self) -> None:
         """Keep what has been decided so far, so a later start neither measures nor compiles a
