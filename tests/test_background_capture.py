@@ -101,11 +101,12 @@ def test_the_loop_captures_what_the_child_built_and_what_it_could_not(tmp_path, 
         assert "exited with code 7" in messages[0] and "('capture.decode', 2)" in messages[0]
 
 
-def test_nothing_to_build_apart_starts_no_child():
+def test_nothing_to_build_apart_starts_no_child(tmp_path):
     runner = FakeRunner([1, 2], apart=[])
-    work = BackgroundCapture([runner], in_child=True, child_command=[sys.executable, "-c", "raise SystemExit(1)"])
-    assert work.run() == 0.0 and work.run() == 0.0 and work.run() is None
-    assert runner.captured == [1, 2]
+    started = tmp_path / "started"
+    work = BackgroundCapture([runner], in_child=True, child_command=[sys.executable, "-c", f"open({str(started)!r}, 'w')"])
+    _drive(work)
+    assert runner.captured == [1, 2] and not started.exists()
 
 
 def test_pause_stops_the_child_and_its_children_resume_continues_them_kill_ends_them():

@@ -13,8 +13,8 @@ with `capture.cache_dir`) are compiled by one child process with the engine's co
 (graphexec/engine/capture_worker.py), which the loop stops with SIGSTOP, its whole process group
 (inductor's compile workers and the C++ compiler too), while any request is served, and
 continues while idle.  The loop then only loads what the child saved: the artifact, the
-bucket's capture forward and its timing against eager (capture/measure.py), each a fraction of
-a second but the first load of a process (importing Dynamo and inductor, ~3.5 s).  Buckets that
+bucket's capture forward and its timing against eager (capture/measure.py), a fraction of a
+second to ~2 s (a whole forward); Dynamo and inductor are imported while the child compiles.  Buckets that
 cannot be built apart (no artifacts: a CUDA graph, the op tape, `compile.aot` off) are captured
 on the loop thread as before, and so are a draft model's and any the child failed to build.
 """
@@ -101,10 +101,12 @@ class BackgroundCapture:
             return
         self._owed = set(buckets)
         _log.info("capture process %d builds %s", self._child.pid, ", ".join(f"{p} bucket {b}" for p, b in buckets))
-        # The first artifact loaded here would import Dynamo and inductor on the loop thread (~2.6 s
-        # on 2 cores, bench/startup.py --probe-every): import them now, on a thread that ends, while
-        # the child compiles for longer than that.  A request served meanwhile shares the GIL
-        # with it rather than waiting for it.
+        # The first artifact loaded here would import Dynamo and inductor on the loop thread
+        # (2.3-3.4 s on 2 cores): import them now, on a thread that ends, while the child compiles
+        # for longer than that.  A request that comes during the import still waits about as long
+        # as it would behind the loop's: the importing thread holds the GIL, and an eager forward
+        # takes it back after every op (a 16-token request: 4.1 s during a 3.8 s import, 0.4 s
+        # alone; docs/STATUS.md, issue 22).
         threading.Thread(target=_import_compiler, name="graphexec-import-compiler", daemon=True).start()
 
     def _follow_child(self, target: ModelRunner) -> None:
