@@ -14,9 +14,10 @@ with `capture.cache_dir`) are compiled by one child process with the engine's co
 (inductor's compile workers and the C++ compiler too), while any request is served, and
 continues while idle.  The loop then only loads what the child saved: the artifact, the
 bucket's capture forward and its timing against eager (capture/measure.py), a fraction of a
-second to ~2 s (a whole forward); Dynamo and inductor are imported while the child compiles.  Buckets that
-cannot be built apart (no artifacts: a CUDA graph, the op tape, `compile.aot` off) are captured
-on the loop thread as before, and so are a draft model's and any the child failed to build.
+second to ~2 s (a whole forward); Dynamo and inductor are imported while the child compiles.
+Buckets that cannot be built apart (no artifacts: a CUDA graph, the op tape, `compile.aot` off)
+are captured on the loop thread as before, and so are a draft model's and any the child failed
+to build.
 """
 
 from __future__ import annotations
@@ -96,8 +97,8 @@ class BackgroundCapture:
             return
         try:
             self._child = CaptureChild.start(target.config, buckets, target.artifact_key, self._child_command)
-        except OSError as error:
-            _log.warning("could not start a capture process (%s); capturing on the engine loop instead", error)
+        except Exception as error:  # noqa: BLE001 - no process (OSError), a config that cannot travel: the loop captures
+            _log.warning("could not start a capture process (%r); capturing on the engine loop instead", error)
             return
         self._owed = set(buckets)
         _log.info("capture process %d builds %s", self._child.pid, ", ".join(f"{p} bucket {b}" for p, b in buckets))
@@ -224,11 +225,6 @@ class CaptureChild:
         if info is None:
             return None
         return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
-
-    @property
-    def running(self) -> bool:
-        """Not stopped by `pause` (it may have exited)."""
-        return self._running
 
     def pause(self) -> None:
         if self._running:

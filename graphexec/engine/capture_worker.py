@@ -7,9 +7,9 @@ and save their artifacts where the engine's capture then loads them, reporting e
 It times nothing and writes no plan: the engine times each bucket it loads against eager and
 keeps the plan.  A key that differs from the engine's (another thread count, another CPU model
 name: anything capture_key reads of the process) would store the artifacts where the engine
-never looks, so it stops before compiling anything.  Its KV pool is the smallest that holds the
-capture batches' padding: the artifacts do not depend on the pool's size (the attention op reads
-the pool outside any graph; capture_key leaves the size out).
+never looks, so it stops before compiling anything.  Its KV pool is small (`_SLOTS` at most; the
+capture batches' padding rows all write one dummy slot): the artifacts do not depend on the
+pool's size (the attention op reads the pool outside any graph; capture_key leaves it out).
 """
 
 from __future__ import annotations
