@@ -18,7 +18,8 @@
         # Dynamo over inductor's warm cache (compile.aot=false), the same buckets on both sides
 
 Each run also reports what its process compiled: Dynamo graphs traced (torch's unique_graphs
-counter) and decode layers loaded from artifacts / compiled ahead of time.
+counter) and decode layers loaded from artifacts / compiled ahead of time; `--json` has each
+decode bucket's seconds from the runner's creation to ready and its capture (or load) seconds.
 
 Warm runs share one inductor cache and plan directory, filled by an untimed run of each plan
 first.  Prints a Markdown table (medians over rounds) and the machine's CPU; `--json` writes the runs.
@@ -63,12 +64,14 @@ engine.generate([list(range(2000, 2032))], SamplingParams(max_new_tokens=128, te
 ms = (time.perf_counter() - t2) / 128 * 1000
 decode = engine.runner.backend_stats()["decode"]
 kept = {b: s["state"] for b, s in decode.get("buckets", {}).items()}
+ready_after = {b: s["ready_after_s"] for b, s in decode.get("buckets", {}).items()}
 from torch._dynamo.utils import counters
 compiled = {"dynamo_graphs": counters["stats"]["unique_graphs"], "artifacts_loaded": decode.get("artifacts_loaded", 0),
             "aot_compiles": decode.get("aot_compiles", 0)}
 engine.shutdown()
 print(json.dumps({"engine_s": engine_s, "first_token_s": first_s, "all_ready_s": ready_s, "b1_ms_per_token": ms,
-                  "decode_buckets": kept, "probes_s": probes} | compiled))
+                  "decode_buckets": kept, "ready_after_s": ready_after, "capture_s": decode.get("capture_seconds", {}),
+                  "probes_s": probes} | compiled))
 """
 
 _NO_AOT = ["capture.decode.compile.aot=false"]  # the decode layer traced by Dynamo on every start
