@@ -11,11 +11,11 @@
     graphexec-bench startup --plans eager auto --rounds 2                      # warm caches
     graphexec-bench startup --plans eager auto --rounds 1 --cold               # each run: empty inductor cache and plan dir
     graphexec-bench startup --plans eager auto_blocking auto_blocking_dynamo --capture-overrides capture.decode.keep=all
+        # every decode graph live before the engine returns: loaded artifacts (compile.aot) against
+        # Dynamo over inductor's warm cache (compile.aot=false), the same buckets on both sides
     graphexec-bench startup --plans auto auto_in_loop --rounds 1 --cold --probe-every 5
         # requests during a cold background capture: compiled by the capture process against on
         # the engine loop (capture.compile_in_child=false)
-        # every decode graph live before the engine returns: loaded artifacts (compile.aot) against
-        # Dynamo over inductor's warm cache (compile.aot=false), the same buckets on both sides
 
 Each run also reports what its process compiled: Dynamo graphs traced (torch's unique_graphs
 counter) and decode layers loaded from artifacts / compiled ahead of time; `--json` has each
