@@ -65,8 +65,12 @@ class FullGraphBackend(BucketedBackend):
         # others on load).
         if not self._uses_aot() or self.artifacts is None:
             return False
-        region = "forward" if self._is_whole(bucket) else "layer"
-        return not self.artifacts.path(artifact_name(f"{self.config_path}.{region}", bucket)).exists()
+        return not self.artifacts.path(artifact_name(self._region(self._is_whole(bucket)), bucket)).exists()
+
+    def _region(self, whole: bool) -> str:
+        """The name the whole forward's region, or the regional layer's (its first structure's), is
+        stored under: what `builds_apart` looks for is what `_aot` saves."""
+        return f"{self.config_path}.{'forward' if whole else 'layer'}"
 
     def _is_whole(self, bucket: int) -> bool:
         opts = self.options.compile
@@ -154,7 +158,7 @@ class FullGraphBackend(BucketedBackend):
 
         if not self._uses_aot():
             return run
-        name = f"{self.config_path}.layer" + (f".s{index}" if index else "")
+        name = self._region(whole=False) + (f".s{index}" if index else "")
         return self._aot(_call_layer, compile_kwargs, name, fallback=run)
 
     def _whole_forward(self, compile_kwargs: dict[str, Any]) -> Callable:
@@ -167,7 +171,7 @@ class FullGraphBackend(BucketedBackend):
         compiled = torch.compile(own_forward(self.env.model), **compile_kwargs)
         if not self._uses_aot():
             return compiled
-        aot = self._aot(_call_forward, compile_kwargs, f"{self.config_path}.forward",
+        aot = self._aot(_call_forward, compile_kwargs, self._region(whole=True),
                         fallback=lambda model, ids, positions: compiled(ids, positions), symbolic_ints=False)
         return lambda ids, positions: aot(self.env.model, ids, positions)
 

@@ -14,10 +14,8 @@ pool's size (the attention op reads the pool outside any graph; capture_key leav
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
-import os
 import signal
 import sys
 from dataclasses import replace
@@ -28,10 +26,10 @@ from graphexec.config import EngineConfig
 from graphexec.engine.background_capture import Report
 from graphexec.engine.rank_setup import load_and_capture
 from graphexec.parallel import launch
+from graphexec.parallel.replicas import die_with
 
 _log = logging.getLogger(__name__)
 _SLOTS = 1024
-_PR_SET_PDEATHSIG = 1
 # Exit codes the engine's warning quotes.
 KEY_MISMATCH = 3
 
@@ -59,15 +57,11 @@ def main() -> None:
 
 
 def _die_with(engine_pid: int) -> None:
-    """Killed when the engine thread that started this process ends (Linux PR_SET_PDEATHSIG), even
-    while stopped: the engine stops this process whenever it serves, and a stopped process cannot
-    watch for its parent (elsewhere it watches while it runs, launch.watch_parent)."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    else:
+    """Killed when the engine thread that started this process ends, even while stopped: the
+    engine stops this process whenever it serves, and a stopped process cannot watch for its
+    parent (where the platform has no parent-death signal it watches while it runs)."""
+    if not die_with(engine_pid, signal.SIGKILL, "capture process"):
         launch.watch_parent(engine_pid)
-    if os.getppid() != engine_pid:  # the engine died before prctl took effect
-        sys.exit(f"capture process: its engine (pid {engine_pid}) is gone")
 
 
 def _report(report: Report) -> None:

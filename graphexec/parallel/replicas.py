@@ -195,12 +195,20 @@ def die_with_front() -> None:
     PR_SET_PDEATHSIG; elsewhere the front's `stop` only).  Done here rather than in a Popen
     preexec_fn, which is unsafe in a front that already runs threads."""
     front = os.environ.pop(_FRONT_PID_ENV, None)
-    if front is None:
-        return
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    if os.getppid() != int(front):  # the front died before prctl took effect
-        sys.exit(f"graphexec-serve replica: its front (pid {front}) is gone")
+    if front is not None:
+        die_with(int(front), signal.SIGTERM, "graphexec-serve replica")
+
+
+def die_with(parent_pid: int, sig: int, who: str) -> bool:
+    """This process gets `sig` when the thread of `parent_pid` that started it ends (Linux
+    PR_SET_PDEATHSIG; stopped or not, for SIGKILL); exits at once if that parent is already gone.
+    False where the platform has no such signal (the caller watches its parent another way)."""
+    linux = sys.platform.startswith("linux")
+    if linux:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, sig)
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        sys.exit(f"{who}: its parent (pid {parent_pid}) is gone")
+    return linux
 
 
 def _echo(replica: Replica) -> None:
