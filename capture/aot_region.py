@@ -29,6 +29,7 @@ import inspect
 import io
 import logging
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -41,6 +42,8 @@ from capture.vec_isa import IsaRecord
 
 _log = logging.getLogger(__name__)
 
+# An artifact's payload: this, the module's structure_digest, a newline, torch's compiled function.
+_STRUCTURE = b"module-structure "
 # (module, rows, ...) -> output rows: (layer, positions, x, rotary, layer_id) for the regional
 # layer, (model, input_ids, positions) for the whole forward.
 RegionFn = Callable[..., torch.Tensor]
@@ -62,7 +65,7 @@ class AotRegion:
         symbolic_ints: bool = True,
     ):
         options = dict(options)
-        options["guard_filter_fn"] = _serializable_guards(options.get("guard_filter_fn"))
+        options["guard_filter_fn"] = _serializable_guards(options.get("guard_filter_fn"), fn.__code__.co_varnames[0])
         # symbolic_ints (dynamic=True) keeps the layer's layer_id symbolic (without it the graph
         # guards `layer_id == 0`); the shapes are pinned per bucket with mark_static before
         # tracing.  The whole forward has no int to keep, and with dynamic=True its float
@@ -77,6 +80,7 @@ class AotRegion:
         self._option = option  # the config option that asked for this, for messages
         self._ready: dict[int, RegionFn] = {}  # rows (the bucket) -> what runs a call
         self._aot: dict[int, Any] = {}  # bucket -> its ahead-of-time compiled region (not Dynamo's)
+        self._structures: dict[int, str] = {}  # bucket -> structure_digest of the module it runs
         self._unsaved: set[int] = set()  # compiled here, saved once `trust`ed
         self._unavailable = False
 
@@ -98,11 +102,11 @@ class AotRegion:
         self._ready[bucket] = fn
         if bucket in self._unsaved:
             self._unsaved.discard(bucket)
-            self._save(self._artifact(bucket), fn)
+            self._save(self._artifact(bucket), fn, self._structures[bucket])
 
     def _first_call(self, bucket: int, args: tuple) -> torch.Tensor:
         name = self._artifact(bucket)
-        fn = self._load(name, args)
+        fn = self._load(name, args, structure_digest(args[0]))
         if fn is not None:
             try:
                 out = fn(*args)
@@ -130,6 +134,7 @@ class AotRegion:
         layers), hands this bucket and every later one to Dynamo."""
         self._aot[bucket] = fn
         structure = layer_structure(compiled_module)
+        self._structures[bucket] = _digest(structure)
 
         def checked(*args):
             if layer_structure(args[0]) != structure:
@@ -150,7 +155,7 @@ class AotRegion:
     def _artifact(self, bucket: int) -> str:
         return artifact_name(self._name, bucket)
 
-    def _load(self, name: str, args: tuple) -> RegionFn | None:
+    def _load(self, name: str, args: tuple, structure: str) -> RegionFn | None:
         if self._store is None:
             return None
         try:
@@ -159,8 +164,14 @@ class AotRegion:
             return self._reject(name, str(error))
         if payload is None:
             return None
+        header, _, payload = payload.partition(b"\n")
+        if not header.startswith(_STRUCTURE):
+            return self._reject(name, "it does not record the modules it was compiled on (an older format)")
+        if header != _STRUCTURE + structure.encode():
+            # Its guards say nothing of the module (`_serializable_guards`): this is the check.
+            return self._reject(name, "the modules it runs differ from those it was compiled on")
         try:
-            with self._isa.answered():
+            with self._isa.answered(), _no_header_precompile():
                 fn = torch.compiler.load_compiled_function(io.BytesIO(payload), f_globals=self._globals)
             changed = _changed_source(fn)
             if changed is not None:
@@ -200,14 +211,14 @@ class AotRegion:
                          self._option, self._name, why)
         self._unavailable = True
 
-    def _save(self, name: str, fn) -> None:
+    def _save(self, name: str, fn, structure: str) -> None:
         if self._store is None:
             return
         try:
             with tempfile.TemporaryDirectory() as tmp:
                 path = os.path.join(tmp, "region")
                 fn.save_compiled_function(path)
-                payload = Path(path).read_bytes()
+                payload = _STRUCTURE + structure.encode() + b"\n" + Path(path).read_bytes()
             self._store.save(name, payload)
         except Exception as error:  # noqa: BLE001 - an artifact not written costs the next start a compile, no more
             _log.warning("could not write compiled artifact %s: %r", self._store.path(name), error)
@@ -230,24 +241,62 @@ def layer_structure(layer: torch.nn.Module) -> tuple:
 
     return tuple(
         (name, type(module).__qualname__, settings(module),
-         tuple((k, tuple(t.shape), t.dtype) for k, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]))
+         tuple((k, tuple(t.shape), t.stride(), t.dtype, str(t.device))
+               for k, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]))
         for name, module in layer.named_modules()
     )
 
 
-def _serializable_guards(keep_first: Callable | None) -> Callable:
-    """The guards an artifact can carry: the caller's filter (skip_module_guards), then torch's own
-    rule for aot_compile (no global state, none of the kinds it cannot serialize), which a caller's
-    filter would otherwise replace."""
+def structure_digest(module: torch.nn.Module) -> str:
+    """`layer_structure` as a short string an artifact carries (the dtypes' and types' reprs are
+    stable across processes of one torch version, which the key pins)."""
+    return _digest(layer_structure(module))
+
+
+def _digest(structure: tuple) -> str:
+    return hashlib.sha256(repr(structure).encode()).hexdigest()
+
+
+def _serializable_guards(keep_first: Callable | None, module_arg: str) -> Callable:
+    """The guards an artifact carries: the caller's filter (skip_module_guards), then none on the
+    module argument `module_arg` (the region's first), then torch's own rule for aot_compile (no
+    global state, none of the kinds it cannot serialize), which a caller's filter would otherwise
+    replace.
+
+    Dynamo guards every module, attribute and weight a region reads when the module comes in as an
+    argument (skip_module_guards does not see it as one): a whole forward carried ~4,700 guards, and
+    rebuilding them was most of an artifact's load.  What they check of the module, its
+    `layer_structure`, is checked instead: stored with the artifact and compared on load, and on
+    every call until `trust`."""
     from torch._dynamo.guards import CheckFunctionManager
 
     unsupported = CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES
 
     def keep(entries):
         first = keep_first(entries) if keep_first is not None else [True] * len(entries)
-        return [k and not (e.is_global or e.guard_type in unsupported) for k, e in zip(first, entries)]
+        return [k and not (e.is_global or e.guard_type in unsupported or _on_module(e, module_arg))
+                for k, e in zip(first, entries)]
 
     return keep
+
+
+def _on_module(entry, module_arg: str) -> bool:
+    """Whether a guard checks the module argument or something reached through it.  The guard on
+    the key order of a module dict the region iterates (the whole forward's layers) stays: loading
+    rebuilds that dict's source whatever the filter, and it finds the module only if a guard kept
+    it in the artifact."""
+    root = re.split(r"[.\[]", entry.name, maxsplit=1)[0]  # `layer` of "layer._modules['mlp']"
+    return root == module_arg and entry.guard_type != "DICT_KEYS_MATCH"
+
+
+def _no_header_precompile():
+    """Inductor precompiles its C++ headers before it looks for the kernels' shared object on
+    disk: a preprocessor run and a hash of torch's headers per compile command, ~0.3 s each and
+    three on a warm start, for a header a load never compiles against.  (An emptied inductor
+    cache then compiles without it: slower, the same code.)"""
+    from torch._inductor import config
+
+    return config.patch(cpp_cache_precompile_headers=False)
 
 
 def _call_name(args: tuple) -> str:

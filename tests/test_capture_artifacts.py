@@ -199,6 +199,13 @@ def counted(self, code):
     base_probes.extend([str(self)] if code == cpu_vec_isa.VecISA._avx_code else [])
     return check_build(self, code)
 cpu_vec_isa.VecISA.check_build = counted
+from torch._inductor import codecache
+header_builds = []
+precompile_header = codecache._precompile_header
+def counted_header(header, *args, **kwargs):
+    header_builds.append(header)
+    return precompile_header(header, *args, **kwargs)
+codecache._precompile_header = counted_header
 from capture.plan_store import PlanStore
 from graphexec import Engine, SamplingParams
 from graphexec.config import EngineConfig
@@ -208,7 +215,8 @@ with Engine(overrides=json.loads(sys.argv[1])) as engine:
               for p in json.loads(sys.argv[2])]
     stats = engine.runner.backend_stats()["decode"]
 print(json.dumps({"tokens": tokens, "stats": stats, "dynamo": dict(counters["stats"]),
-                  "aot_autograd": dict(counters["aot_autograd"]), "base_isa_probes": base_probes}, default=str))
+                  "aot_autograd": dict(counters["aot_autograd"]), "base_isa_probes": base_probes,
+                  "header_builds": header_builds}, default=str))
 """
 
 
@@ -227,6 +235,8 @@ def test_a_fresh_process_loads_the_artifact_and_compiles_nothing(built, tiny):
     assert out["tokens"] == built.tokens == _greedy(tiny)
     # The ISA record held (same CPU, same compiler file): inductor's per-ISA build-and-dlopen probe never ran.
     assert out["base_isa_probes"] == []
+    # Nor did inductor preprocess its C++ headers to precompile them: a load compiles nothing.
+    assert out["header_builds"] == []
 
 
 def _copy_plans(built, tmp_path):
@@ -235,14 +245,18 @@ def _copy_plans(built, tmp_path):
     return artifact
 
 
-@pytest.mark.parametrize("damage", ["truncate", "garbage", "foreign"])
+@pytest.mark.parametrize("damage", ["truncate", "garbage", "structure", "foreign"])
 def test_a_damaged_or_foreign_artifact_is_rebuilt_with_one_warning(built, tmp_path, caplog, damage):
     artifact = _copy_plans(built, tmp_path)
     overrides = [*PLAN, f"capture.cache_dir={tmp_path}"]
+    store, name = ArtifactStore(artifact.parent, artifact.parent.name), ARTIFACT.removesuffix(".aot")
+    structure, _, compiled = store.load(name).partition(b"\n")  # the modules compiled on, torch's bytes
     if damage == "truncate":
         artifact.write_bytes(artifact.read_bytes()[:-5000])
-    elif damage == "garbage":  # a well-formed file of this key whose payload torch cannot load
-        ArtifactStore(artifact.parent, artifact.parent.name).save(ARTIFACT.removesuffix(".aot"), b"not a compiled function")
+    elif damage == "garbage":  # a well-formed file of this key whose compiled function torch cannot load
+        store.save(name, structure + b"\nnot a compiled function")
+    elif damage == "structure":  # intact compiled code, recorded as compiled on other modules (no guard sees them)
+        store.save(name, b"module-structure " + b"0" * 64 + b"\n" + compiled)
     else:  # the key changed (another option): the old key's artifact, copied into the new key's folder
         overrides.append("capture.decode.min_speedup=1.5")
         new_folder = PlanStore(tmp_path, capture_key(EngineConfig.from_overrides(overrides), 1, 0, "cpu")).path.parent
@@ -257,6 +271,7 @@ def test_a_damaged_or_foreign_artifact_is_rebuilt_with_one_warning(built, tmp_pa
     assert (stats["artifacts_rejected"], stats["aot_compiles"], stats["artifacts_saved"]) == (1, compiled, compiled)
     warnings = [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
     assert len(warnings) == 1 and ARTIFACT in warnings[0]
+    assert damage != "structure" or "modules it runs differ" in warnings[0]
     rebuilt = engine.runner.plan_path.parent / ARTIFACT
     assert ArtifactStore(rebuilt.parent, rebuilt.parent.name).load(ARTIFACT.removesuffix(".aot"))  # rewritten, trusted
 
@@ -266,7 +281,7 @@ def test_a_region_that_cannot_be_compiled_ahead_of_time_falls_back_to_dynamo(tmp
     bucket is compiled by Dynamo instead, with one warning per region, and serves the same tokens."""
     from capture import aot_region
 
-    monkeypatch.setattr(aot_region, "_serializable_guards", lambda keep_first: lambda entries: [True] * len(entries))
+    monkeypatch.setattr(aot_region, "_serializable_guards", lambda keep_first, module_arg: lambda entries: [True] * len(entries))
     with caplog.at_level(logging.WARNING, logger="capture.aot_region"), Engine(overrides=[*PLAN, f"capture.cache_dir={tmp_path}"]) as engine:
         assert _greedy(engine) == built.tokens
         stats = engine.runner.backend_stats()["decode"]
@@ -275,6 +290,25 @@ def test_a_region_that_cannot_be_compiled_ahead_of_time_falls_back_to_dynamo(tmp
     warned = [r.getMessage() for r in caplog.records if "cannot be compiled ahead of time" in r.getMessage()]
     assert len(warned) == 2 and any(".forward" in m for m in warned) and any(".layer" in m for m in warned)
     assert not list(tmp_path.glob("*/*.aot"))
+
+
+def test_an_artifact_carries_no_guard_on_the_module_it_runs():
+    """Rebuilding a whole forward's ~4,700 module guards was most of its load: the artifact keeps
+    the guards on its other inputs, the key order of a module dict it iterates (loading rebuilds
+    that source), and what torch can serialize; the module is checked by its stored structure."""
+    from capture import aot_region
+
+    def entry(name, guard_type="TENSOR_MATCH", is_global=False):
+        return SimpleNamespace(name=name, guard_type=guard_type, is_global=is_global)
+
+    entries = [entry("layer"), entry("layer._modules['mlp']._buffers['codes']"), entry("layer.tp", "TYPE_MATCH"),
+               entry("layer._modules['layers']._modules", "DICT_KEYS_MATCH"), entry("x"), entry("layer_id", "TYPE_MATCH"),
+               entry("rotary._buffers['cos_table']"), entry("", "GRAD_MODE", is_global=True)]
+    keep = aot_region._serializable_guards(None, "layer")(entries)
+    assert [e.name for e, k in zip(entries, keep) if k] == [
+        "layer._modules['layers']._modules", "x", "layer_id", "rotary._buffers['cos_table']"]
+    # A caller's filter still applies first.
+    assert not any(aot_region._serializable_guards(lambda es: [False] * len(es), "layer")(entries))
 
 
 def test_a_layer_whose_guards_reject_a_later_layer_hands_the_bucket_to_dynamo(tmp_path, caplog, monkeypatch):
