@@ -55,17 +55,22 @@ class FullGraphBackend(BucketedBackend):
     def pending_buckets(self) -> list[int]:
         # A whole forward compiles as many times longer as the model is deep: every regional
         # bucket goes first, so while they are captured in the background a request waits at
-        # most one short compile.
+        # most one short compile.  A stored one only loads (a fraction of a second): it keeps its
+        # place, so a warm start makes B=1 live first.
         pending = super().pending_buckets()
-        return sorted(pending, key=self._is_whole)
+        return sorted(pending, key=lambda bucket: self._is_whole(bucket) and not self._stored(bucket))
 
     def builds_apart(self, bucket: int) -> bool:
-        # Only an ahead-of-time compiled region persists.  A regional bucket counts as built once
-        # the first layer structure's artifact is there (a file mixing structures compiles its
-        # others on load).
+        # Only an ahead-of-time compiled region persists.
+        return self._uses_aot() and self.artifacts is not None and not self._stored(bucket)
+
+    def _stored(self, bucket: int) -> bool:
+        """Whether the bucket's region is in the artifact store.  A regional bucket counts as
+        stored once the first layer structure's artifact is there (a file mixing structures
+        compiles its others on load)."""
         if not self._uses_aot() or self.artifacts is None:
             return False
-        return not self.artifacts.path(artifact_name(self._region(self._is_whole(bucket)), bucket)).exists()
+        return self.artifacts.path(artifact_name(self._region(self._is_whole(bucket)), bucket)).exists()
 
     def _region(self, whole: bool) -> str:
         """The name the whole forward's region, or the regional layer's (its first structure's), is

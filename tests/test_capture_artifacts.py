@@ -76,13 +76,15 @@ def test_store_distrusts_a_damaged_or_foreign_file(tmp_path, damage):
         store.load("a")
 
 
-@pytest.mark.parametrize("record", ["absent", "other compiler", "damaged"])
+@pytest.mark.parametrize("record", ["absent", "other compiler", "no checks", "damaged"])
 def test_isa_record_that_does_not_hold_leaves_the_probe_to_inductor(tmp_path, caplog, record):
     """Only a record naming this very compiler file is taken (the fresh-process test below shows one
     taken); these never touch inductor's per-process choice, so inductor probes as it always did."""
     store = ArtifactStore(tmp_path, "k")
     if record == "other compiler":
         store.save(vec_isa.NAME, json.dumps({"isas": ["avx2"], "compiler": ["/usr/bin/cc-7", 1, 2]}).encode())
+    elif record == "no checks":  # an older record: the ISAs only, so the extensions' checks would run
+        store.save(vec_isa.NAME, json.dumps({"isas": ["avx2"], "compiler": vec_isa._compiler()}).encode())
     elif record == "damaged":
         store.save(vec_isa.NAME, b"{}")
         store.path(vec_isa.NAME).write_bytes(store.path(vec_isa.NAME).read_bytes()[:-1])
@@ -116,12 +118,17 @@ def test_aot_refuses_what_it_cannot_persist(option):
         FullGraphBackend(env, {"buckets": [1], "compile": compile_options})
 
 
-def test_whole_forward_buckets_are_captured_after_the_regional_ones():
+def test_whole_forward_buckets_are_captured_after_the_regional_ones(tmp_path):
     env = CaptureEnv(model=lambda *a, **k: None, device=torch.device("cpu"), padding=None, empty_batches={})
     compile_options = {"regional": True, "whole_forward_buckets": [1, 8]}  # 8 is not a bucket here: ignored
-    backend = FullGraphBackend(env, {"buckets": [1, 2, 4], "compile": compile_options})
+    backend = FullGraphBackend(env, {"buckets": [1, 2, 4], "compile": compile_options | {"aot": True}})
     # A request waits for the bucket being compiled; the long one comes when the short ones are done.
     assert backend.pending_buckets() == [2, 4, 1]
+    # Stored, it only loads: B=1 first again (a warm start).
+    store = ArtifactStore(tmp_path, "k")
+    store.save("capture.decode.forward.b1", b"compiled")
+    backend.preset({}, store)
+    assert backend.pending_buckets() == [1, 2, 4]
     recorded = FullGraphBackend(env, {"buckets": [1, 2, 4], "graph": "tape", "compile": compile_options})
     assert recorded.pending_buckets() == [1, 2, 4]  # a recording replays without per-layer calls
     with pytest.raises(CaptureConfigError, match=r"capture.decode.compile.whole_forward_buckets must hold integers"):
@@ -183,6 +190,7 @@ def test_a_capture_process_compiles_while_the_engine_serves_and_the_engine_only_
     # What inductor's ISA probe answered in that process, recorded for the next one (capture/vec_isa.py).
     (record,) = built.cache_dir.glob(f"*/{vec_isa.NAME}.aot")
     assert json.loads(ArtifactStore(record.parent, record.parent.name).load(vec_isa.NAME))["isas"]
+    assert "checks" in json.loads(ArtifactStore(record.parent, record.parent.name).load(vec_isa.NAME))
     # Stopped while a request was served; gone once the engine is.
     assert "T" in built.child_states and built.children_after == []
     # The same tokens as eager before, during and after every swap.
@@ -193,10 +201,10 @@ _FRESH = r"""
 import json, sys
 from torch._dynamo.utils import counters
 from torch._inductor import cpu_vec_isa
-base_probes = []
+isa_probes = []
 check_build = cpu_vec_isa.VecISA.check_build
 def counted(self, code):
-    base_probes.extend([str(self)] if code == cpu_vec_isa.VecISA._avx_code else [])
+    isa_probes.append(str(self))
     return check_build(self, code)
 cpu_vec_isa.VecISA.check_build = counted
 from torch._inductor import codecache
@@ -215,7 +223,7 @@ with Engine(overrides=json.loads(sys.argv[1])) as engine:
               for p in json.loads(sys.argv[2])]
     stats = engine.runner.backend_stats()["decode"]
 print(json.dumps({"tokens": tokens, "stats": stats, "dynamo": dict(counters["stats"]),
-                  "aot_autograd": dict(counters["aot_autograd"]), "base_isa_probes": base_probes,
+                  "aot_autograd": dict(counters["aot_autograd"]), "isa_probes": isa_probes,
                   "header_builds": header_builds}, default=str))
 """
 
@@ -233,8 +241,9 @@ def test_a_fresh_process_loads_the_artifact_and_compiles_nothing(built, tiny):
     # Neither Dynamo nor AOTAutograd/inductor compiled a graph in that process.
     assert out["dynamo"].get("unique_graphs", 0) == 0 and out["aot_autograd"].get("total", 0) == 0
     assert out["tokens"] == built.tokens == _greedy(tiny)
-    # The ISA record held (same CPU, same compiler file): inductor's per-ISA build-and-dlopen probe never ran.
-    assert out["base_isa_probes"] == []
+    # The ISA record held (same CPU, same compiler file): inductor's per-ISA build-and-dlopen probe
+    # never ran, nor did an extension's check (AVX-512 BF16, VNNI, AMX where the CPU has them).
+    assert out["isa_probes"] == []
     # Nor did inductor preprocess its C++ headers to precompile them: a load compiles nothing.
     assert out["header_builds"] == []
 
