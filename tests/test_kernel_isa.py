@@ -134,3 +134,19 @@ def test_every_variant_this_cpu_runs_equals_the_portable_one(tmp_path):
                 # (an error bound relative to the output's scale: K-quant outputs reach the hundreds)
                 scale = max(1.0, reference[key].abs().max().item())
                 torch.testing.assert_close(value, reference[key], rtol=1e-5, atol=1e-5 * scale, msg=f"{variant} {key}")
+
+
+def test_a_build_lock_left_by_a_killed_build_does_not_hang_every_later_start(tmp_path, capsys):
+    """torch waits on its build lock until the file goes; a build killed mid-way leaves it."""
+    import time
+
+    kernels._clear_stale_lock(tmp_path)
+    assert capsys.readouterr().err == ""  # no lock: nothing to say
+    lock = tmp_path / "lock"
+    lock.touch()  # a build running now: waited for, and said so
+    kernels._clear_stale_lock(tmp_path)
+    assert lock.exists() and f"remove {lock}" in capsys.readouterr().err
+    left = time.time() - kernels.STALE_LOCK_S - 60  # older than any build: removed
+    os.utime(lock, (left, left))
+    kernels._clear_stale_lock(tmp_path)
+    assert not lock.exists() and "did not finish" in capsys.readouterr().err

@@ -26,6 +26,7 @@ import hashlib
 import os
 import sys
 import sysconfig
+import time
 from pathlib import Path
 from typing import Iterator
 
@@ -105,6 +106,7 @@ def load() -> Path:
     if not (directory / "graphexec_kernels.so").exists():
         # Minutes of silence otherwise: a first build looks like a hang (logging is off in the CLIs).
         print(f"graphexec: building the C++ CPU kernels ({variant}) in {directory} (about a minute on 2 cores, once)", file=sys.stderr, flush=True)
+    _clear_stale_lock(directory)
     try:
         with _own_ninja():
             load_extension(
@@ -122,6 +124,28 @@ def load() -> Path:
             "Install a C++ compiler and ninja, or load dense weights with model.weights=dequantize"
         ) from error
     return directory
+
+
+# A build takes minutes on 2 cores; a lock this old outlived the process that built.
+STALE_LOCK_S = 30 * 60
+
+
+def _clear_stale_lock(directory: Path) -> None:
+    """torch's build lock (`lock` in the build directory) is a file that a killed build leaves
+    behind, and every later start then waits on it forever, in silence.  Say that it waits, and
+    remove a lock older than any build."""
+    lock = directory / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_S:
+        print(f"graphexec: removing {lock}, left {age / 60:.0f} minutes ago by a kernel build that did not finish",
+              file=sys.stderr, flush=True)
+        lock.unlink(missing_ok=True)
+    else:
+        print(f"graphexec: waiting for another process to finish building the C++ CPU kernels in {directory} "
+              f"(if none is running, remove {lock})", file=sys.stderr, flush=True)
 
 
 @contextlib.contextmanager
