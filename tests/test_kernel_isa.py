@@ -143,7 +143,11 @@ def test_a_build_lock_left_by_a_killed_build_does_not_hang_every_later_start(tmp
     kernels._clear_stale_lock(tmp_path)
     assert capsys.readouterr().err == ""  # no lock: nothing to say
     lock = tmp_path / "lock"
-    lock.touch()  # a build running now: waited for, and said so
+    lock.touch()  # just taken (an up-to-date library's no-op build, say): waited for in silence
+    kernels._clear_stale_lock(tmp_path)
+    assert lock.exists() and capsys.readouterr().err == ""
+    building = time.time() - 60  # a build running for a minute: waited for, and said so
+    os.utime(lock, (building, building))
     kernels._clear_stale_lock(tmp_path)
     assert lock.exists() and f"remove {lock}" in capsys.readouterr().err
     left = time.time() - kernels.STALE_LOCK_S - 60  # older than any build: removed

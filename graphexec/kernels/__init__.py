@@ -128,6 +128,9 @@ def load() -> Path:
 
 # A build takes minutes on 2 cores; a lock this old outlived the process that built.
 STALE_LOCK_S = 30 * 60
+# torch takes the lock for an up-to-date library's no-op ninja run too (tensor-parallel ranks start
+# at once): a lock younger than this is not worth a word.
+_QUIET_LOCK_S = 10
 
 
 def _clear_stale_lock(directory: Path) -> None:
@@ -143,7 +146,7 @@ def _clear_stale_lock(directory: Path) -> None:
         print(f"graphexec: removing {lock}, left {age / 60:.0f} minutes ago by a kernel build that did not finish",
               file=sys.stderr, flush=True)
         lock.unlink(missing_ok=True)
-    else:
+    elif age > _QUIET_LOCK_S:
         print(f"graphexec: waiting for another process to finish building the C++ CPU kernels in {directory} "
               f"(if none is running, remove {lock})", file=sys.stderr, flush=True)
 
