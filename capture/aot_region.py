@@ -171,7 +171,7 @@ class AotRegion:
             # Its guards say nothing of the module (`_serializable_guards`): this is the check.
             return self._reject(name, "the modules it runs differ from those it was compiled on")
         try:
-            with self._isa.answered(), _no_header_precompile():
+            with self._isa.answered():
                 fn = torch.compiler.load_compiled_function(io.BytesIO(payload), f_globals=self._globals)
             changed = _changed_source(fn)
             if changed is not None:
@@ -287,16 +287,6 @@ def _on_module(entry, module_arg: str) -> bool:
     it in the artifact."""
     root = re.split(r"[.\[]", entry.name, maxsplit=1)[0]  # `layer` of "layer._modules['mlp']"
     return root == module_arg and entry.guard_type != "DICT_KEYS_MATCH"
-
-
-def _no_header_precompile():
-    """Inductor precompiles its C++ headers before it looks for the kernels' shared object on
-    disk: a preprocessor run and a hash of torch's headers per compile command, ~0.3 s each and
-    three on a warm start, for a header a load never compiles against.  (An emptied inductor
-    cache then compiles without it: slower, the same code.)"""
-    from torch._inductor import config
-
-    return config.patch(cpp_cache_precompile_headers=False)
 
 
 def _call_name(args: tuple) -> str:
