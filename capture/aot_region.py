@@ -42,7 +42,7 @@ from capture.vec_isa import IsaRecord
 
 _log = logging.getLogger(__name__)
 
-# An artifact's payload: this, the module's structure_digest, a newline, torch's compiled function.
+# An artifact's payload: this, the module's structure `_digest`, a newline, torch's compiled function.
 _STRUCTURE = b"module-structure "
 # (module, rows, ...) -> output rows: (layer, positions, x, rotary, layer_id) for the regional
 # layer, (model, input_ids, positions) for the whole forward.
@@ -80,7 +80,7 @@ class AotRegion:
         self._option = option  # the config option that asked for this, for messages
         self._ready: dict[int, RegionFn] = {}  # rows (the bucket) -> what runs a call
         self._aot: dict[int, Any] = {}  # bucket -> its ahead-of-time compiled region (not Dynamo's)
-        self._structures: dict[int, str] = {}  # bucket -> structure_digest of the module it runs
+        self._structures: dict[int, str] = {}  # bucket -> `_digest` of the module's structure it runs
         self._unsaved: set[int] = set()  # compiled here, saved once `trust`ed
         self._unavailable = False
 
@@ -106,7 +106,8 @@ class AotRegion:
 
     def _first_call(self, bucket: int, args: tuple) -> torch.Tensor:
         name = self._artifact(bucket)
-        fn = self._load(name, args, structure_digest(args[0]))
+        structure = layer_structure(args[0])  # what the artifact must have been compiled on, and checks
+        fn = self._load(name, args, _digest(structure))
         if fn is not None:
             try:
                 out = fn(*args)
@@ -116,24 +117,23 @@ class AotRegion:
                 self._isa.remember()
                 self._stats.artifacts_loaded += 1
                 self._stats.origins[bucket] = "artifact"
-                self._use(bucket, fn, args[0])
+                self._use(bucket, fn, structure)
                 return out
         fn = self._compile(bucket, args)
         if fn is None:
             self._ready[bucket] = self._fallback
             return self._fallback(*args)
         self._unsaved.add(bucket)
-        self._use(bucket, fn, args[0])
+        self._use(bucket, fn, structure)
         return self._ready[bucket](*args)
 
-    def _use(self, bucket: int, fn, compiled_module) -> None:
+    def _use(self, bucket: int, fn, structure: tuple) -> None:
         """fn for `bucket`, its guards checked on every call until `trust`: a call whose input
         they reject (a tensor subclass out of a tensor-parallel all-reduce, where Dynamo would
         compile a second graph), or whose modules differ from those it was compiled on (the
         module guards are filtered out of an artifact; a K-quant file mixes weight types between
         layers), hands this bucket and every later one to Dynamo."""
         self._aot[bucket] = fn
-        structure = layer_structure(compiled_module)
         self._structures[bucket] = _digest(structure)
 
         def checked(*args):
@@ -247,13 +247,9 @@ def layer_structure(layer: torch.nn.Module) -> tuple:
     )
 
 
-def structure_digest(module: torch.nn.Module) -> str:
+def _digest(structure: tuple) -> str:
     """`layer_structure` as a short string an artifact carries (the dtypes' and types' reprs are
     stable across processes of one torch version, which the key pins)."""
-    return _digest(layer_structure(module))
-
-
-def _digest(structure: tuple) -> str:
     return hashlib.sha256(repr(structure).encode()).hexdigest()
 
 
