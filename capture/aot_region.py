@@ -5,7 +5,9 @@ argument is the module it runs and its second its rows (the bucket).
 
 `torch.compile(...).aot_compile` traces the region once for a bucket's static shapes (its tensor
 inputs marked static; the layer's layer_id stays symbolic, so one graph serves every layer) and
-returns a callable with no Dynamo frame in front of it: no cache lookup on each call.  Its guards
+returns a callable with no Dynamo frame in front of it: no cache lookup on each call.  With
+`shared_rows` (full_graph's `compile.dynamic`) the buckets above 1 share one region traced with
+its row count symbolic, compiled (or loaded) on the first of them, stored as `<name>.rows`.  Its guards
 are checked on every call of the bucket's capture forward, then no more (`trust`).  With an
 ArtifactStore (capture/artifacts.py) the callable is then saved under `<name>.b<bucket>`, and a
 later start loads it instead: no Dynamo trace, no inductor compile.  Inductor's own cache still
@@ -63,6 +65,7 @@ class AotRegion:
         fallback: RegionFn,
         option: str = "compile.aot",
         symbolic_ints: bool = True,
+        shared_rows: bool = False,
     ):
         options = dict(options)
         options["guard_filter_fn"] = _serializable_guards(options.get("guard_filter_fn"), fn.__code__.co_varnames[0])
@@ -71,6 +74,9 @@ class AotRegion:
         # tracing.  The whole forward has no int to keep, and with dynamic=True its float
         # constants would be made tensors, a restart aot_compile cannot take.
         self._compiler = torch.compile(fn, fullgraph=True, dynamic=symbolic_ints, options=options)
+        # Every bucket above 1 runs one region whose row count is symbolic (Dynamo specializes a
+        # dimension of size 1, so B=1 keeps its own): one compile, one artifact, one load.
+        self._shared_rows = shared_rows
         self._globals = fn.__globals__
         self._store = store
         self._isa = IsaRecord(store)
@@ -79,8 +85,10 @@ class AotRegion:
         self._fallback = fallback
         self._option = option  # the config option that asked for this, for messages
         self._ready: dict[int, RegionFn] = {}  # rows (the bucket) -> what runs a call
-        self._aot: dict[int, Any] = {}  # bucket -> its ahead-of-time compiled region (not Dynamo's)
-        self._structures: dict[int, str] = {}  # bucket -> `_digest` of the module's structure it runs
+        # Per slot (`_slot`: the bucket, or SHARED for the buckets that share one region):
+        self._aot: dict[int, Any] = {}  # its ahead-of-time compiled region (not Dynamo's)
+        self._origins: dict[int, str] = {}  # where that came from: "artifact" | "compiled"
+        self._structures: dict[int, str] = {}  # `_digest` of the module's structure it runs
         self._unsaved: set[int] = set()  # compiled here, saved once `trust`ed
         self._unavailable = False
 
@@ -95,18 +103,28 @@ class AotRegion:
         compiled for it, and stop checking.  Its later batches are the same static buffers (shapes,
         dtypes, device) through the same modules, so checking again on every call (a regional
         layer: 30 a step, ~7 us each through inspect's argument binding) buys nothing."""
-        fn = self._aot.get(bucket)
+        slot = self._slot(bucket)
+        fn = self._aot.get(slot)
         if fn is None:  # Dynamo's
             return
+        # A shared region's explicit `guard_check` still checks a later bucket's first calls.
         fn.disable_guard_check()
         self._ready[bucket] = fn
-        if bucket in self._unsaved:
-            self._unsaved.discard(bucket)
-            self._save(self._artifact(bucket), fn, self._structures[bucket])
+        if slot in self._unsaved:
+            self._unsaved.discard(slot)
+            self._save(self._artifact(slot), fn, self._structures[slot])
+
+    def _slot(self, bucket: int) -> int:
+        return SHARED if self._shared_rows and bucket > 1 else bucket
 
     def _first_call(self, bucket: int, args: tuple) -> torch.Tensor:
-        name = self._artifact(bucket)
+        slot = self._slot(bucket)
         structure = layer_structure(args[0])  # what the artifact must have been compiled on, and checks
+        if slot in self._aot:  # a shared region another bucket loaded or compiled
+            self._stats.origins[bucket] = self._origins[slot]
+            self._use(bucket, slot, structure)
+            return self._ready[bucket](*args)
+        name = self._artifact(slot)
         fn = self._load(name, args, _digest(structure))
         if fn is not None:
             try:
@@ -116,25 +134,28 @@ class AotRegion:
             else:
                 self._isa.remember()
                 self._stats.artifacts_loaded += 1
-                self._stats.origins[bucket] = "artifact"
-                self._use(bucket, fn, structure)
+                self._stats.origins[bucket] = self._origins[slot] = "artifact"
+                self._aot[slot] = fn
+                self._use(bucket, slot, structure)
                 return out
         fn = self._compile(bucket, args)
         if fn is None:
             self._ready[bucket] = self._fallback
             return self._fallback(*args)
-        self._unsaved.add(bucket)
-        self._use(bucket, fn, structure)
+        self._unsaved.add(slot)
+        self._origins[slot] = "compiled"
+        self._aot[slot] = fn
+        self._use(bucket, slot, structure)
         return self._ready[bucket](*args)
 
-    def _use(self, bucket: int, fn, structure: tuple) -> None:
+    def _use(self, bucket: int, slot: int, structure: tuple) -> None:
         """fn for `bucket`, its guards checked on every call until `trust`: a call whose input
         they reject (a tensor subclass out of a tensor-parallel all-reduce, where Dynamo would
         compile a second graph), or whose modules differ from those it was compiled on (the
         module guards are filtered out of an artifact; a K-quant file mixes weight types between
         layers), hands this bucket and every later one to Dynamo."""
-        self._aot[bucket] = fn
-        self._structures[bucket] = _digest(structure)
+        fn = self._aot[slot]
+        self._structures[slot] = _digest(structure)
 
         def checked(*args):
             if layer_structure(args[0]) != structure:
@@ -144,16 +165,16 @@ class AotRegion:
             else:
                 return fn(*args)
             self._give_up(why)
-            self._aot.pop(bucket)
-            self._unsaved.discard(bucket)
+            self._aot.pop(slot, None)
+            self._unsaved.discard(slot)
             self._stats.origins[bucket] = "dynamo"
             self._ready[bucket] = self._fallback
             return self._fallback(*args)
 
         self._ready[bucket] = checked
 
-    def _artifact(self, bucket: int) -> str:
-        return artifact_name(self._name, bucket)
+    def _artifact(self, slot: int) -> str:
+        return artifact_name(self._name, slot)
 
     def _load(self, name: str, args: tuple, structure: str) -> RegionFn | None:
         if self._store is None:
@@ -191,9 +212,13 @@ class AotRegion:
         if self._unavailable:
             self._stats.origins[bucket] = "dynamo"
             return None
+        shared = self._slot(bucket) == SHARED
         for arg in args:
             if isinstance(arg, torch.Tensor):
-                torch._dynamo.mark_static(arg, 0)
+                if shared and arg.shape[0] == bucket:  # a row dimension (the rotary tables are longer)
+                    torch._dynamo.mark_dynamic(arg, 0)
+                else:
+                    torch._dynamo.mark_static(arg, 0)
         try:
             with self._isa.answered():
                 fn = self._compiler.aot_compile((args, {}))
@@ -226,9 +251,13 @@ class AotRegion:
         self._stats.artifacts_saved += 1
 
 
-def artifact_name(region: str, bucket: int) -> str:
+# The slot of the region every bucket above 1 shares (`shared_rows`); no bucket is 0.
+SHARED = 0
+
+
+def artifact_name(region: str, bucket: int, shared_rows: bool = False) -> str:
     """What the region `region` (e.g. capture.decode.layer) compiled for `bucket` is stored as."""
-    return f"{region}.b{bucket}"
+    return f"{region}.rows" if bucket == SHARED or (shared_rows and bucket > 1) else f"{region}.b{bucket}"
 
 
 def layer_structure(layer: torch.nn.Module) -> tuple:

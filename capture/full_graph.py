@@ -2,7 +2,8 @@
 
 Built on the bucketed core (capture/bucketed.py: pad to the smallest bucket that holds the
 batch, run, slice back; the `graph` option picks the mechanism).  What a bucket runs:
-  compile     torch.compile(fullgraph=True) with static shapes per bucket (inductor); the
+  compile     torch.compile(fullgraph=True) with static shapes per bucket (inductor), or with
+              `compile.dynamic` one graph for every bucket above 1 (its row count symbolic); the
               attention op stays opaque inside, its metadata prepared outside.  The CPU default.
   cuda_graph  one CUDA graph per bucket: a segmented recording with zero breaks, every bucket in
               the engine's one memory pool, optionally over the compiled forward
@@ -70,7 +71,8 @@ class FullGraphBackend(BucketedBackend):
         compiles its others on load)."""
         if not self._uses_aot() or self.artifacts is None:
             return False
-        return self.artifacts.path(artifact_name(self._region(self._is_whole(bucket)), bucket)).exists()
+        name = artifact_name(self._region(self._is_whole(bucket)), bucket, self.options.compile.dynamic)
+        return self.artifacts.path(name).exists()
 
     def _region(self, whole: bool) -> str:
         """The name the whole forward's region, or the regional layer's (its first structure's), is
@@ -183,7 +185,8 @@ class FullGraphBackend(BucketedBackend):
     def _aot(self, fn: Callable, compile_kwargs: dict[str, Any], name: str, fallback: Callable,
              symbolic_ints: bool = True) -> AotRegion:
         aot = AotRegion(own_code(fn), compile_kwargs.get("options", {}), self.artifacts, name, self.stats,
-                        fallback=fallback, option=f"{self.config_path}.compile.aot", symbolic_ints=symbolic_ints)
+                        fallback=fallback, option=f"{self.config_path}.compile.aot", symbolic_ints=symbolic_ints,
+                        shared_rows=self.options.compile.dynamic)
         self._aots.append(aot)
         return aot
 

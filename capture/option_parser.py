@@ -86,18 +86,15 @@ def _check_together(options: CaptureOptions, path: str) -> None:
 
 
 def _check_compile(compile: CompileOptions, path: str) -> None:
-    """`aot` persists the regional layer: torch 2.13 cannot serialize a frozen graph, a batch size
-    left symbolic would specialize on its first bucket where Dynamo would recompile, and an inductor
-    mode cannot be combined with the guard filter an artifact needs.  Any mode but default is
+    """`aot` persists each bucket's region: torch 2.13 cannot serialize a frozen graph, and an
+    inductor mode cannot be combined with the guard filter an artifact needs.  Any mode but default is
     torch.compile's `mode`, which excludes the `options` freezing, the guard filter and the C++
     wrapper are passed as."""
     if compile.aot:
         if compile.mode != "default":
             raise CaptureConfigError(f"{path}.aot=true needs {path}.mode=default (or set {path}.aot=false)")
-        for option, wrong in (("regional", False), ("freezing", True), ("dynamic", True)):
-            if getattr(compile, option) is wrong:
-                needed = f"{path}.{option}={str(not wrong).lower()}"
-                raise CaptureConfigError(f"{path}.aot=true needs {needed} (or set {path}.aot=false)")
+        if compile.freezing:
+            raise CaptureConfigError(f"{path}.aot=true needs {path}.freezing=false (or set {path}.aot=false)")
     if compile.mode != "default" and (compile.freezing or compile.skip_module_guards or compile.cpp_wrapper):
         raise CaptureConfigError(
             f"{path}.mode={compile.mode!r} cannot be combined with freezing, skip_module_guards or cpp_wrapper"

@@ -83,7 +83,9 @@ class CompileOptions:
     """Inductor's mode; anything but default cannot be combined with freezing, skip_module_guards
     or cpp_wrapper."""
     dynamic: bool = _option(False, check.flag)
-    """true: one compile with a symbolic batch size instead of one per bucket."""
+    """true: one compile with a symbolic batch size for every bucket above 1 instead of one per
+    bucket (B=1 keeps its own: Dynamo specializes a size of 1).  With aot, one artifact serves
+    them all: one compile on a cold start, one load on a warm one."""
     freezing: bool = _option(False, check.flag)
     """Inductor freezing: weights as constants, prepacked."""
     cache_dir: str | None = _option(None, check.directory)
@@ -107,8 +109,7 @@ class CompileOptions:
     aot: bool = _option(False, check.flag)
     """Each bucket's region (the regional layer, or the whole forward) compiled ahead of time (no
     Dynamo frame per call) and, with capture.cache_dir set, saved beside the plan so a later start
-    loads it instead of compiling.  Needs regional, mode default, no freezing, dynamic false;
-    graph=compile only."""
+    loads it instead of compiling.  Needs mode default and no freezing; graph=compile only."""
 
 
 @dataclass(frozen=True)

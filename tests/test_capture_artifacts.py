@@ -7,6 +7,7 @@ round trip runs in a fresh process."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -30,18 +31,21 @@ from graphexec import Engine, SamplingParams
 from graphexec.config import EngineConfig
 from graphexec.runner.capture_key import capture_key
 
-PLAN = ["model=tiny-llama", "capture=auto", "capture.decode.buckets=[1,2]", "capture.decode.progress=false",
-        "capture.decode.compile.whole_forward_buckets=[1]", "capture.background=false", "capture.decode.keep=all",
-        "cache.num_slots=2048"]
+# Bucket 1 the whole forward; buckets 2 and 4 one regional layer with a symbolic row count (dynamic).
+PLAN = ["model=tiny-llama", "capture=auto", "capture.decode.buckets=[1,2,4]", "capture.decode.progress=false",
+        "capture.decode.compile.regional=true", "capture.decode.compile.whole_forward_buckets=[1]",
+        "capture.background=false", "capture.decode.keep=all", "cache.num_slots=2048"]
 ARTIFACT = "capture.decode.forward.b1.aot"  # the one the B=1 steps below run
-ARTIFACTS = [ARTIFACT, "capture.decode.layer.b2.aot"]
-PROMPTS = [[5, 6, 7, 8, 9], [40, 41, 42]]
+ARTIFACTS = [ARTIFACT, "capture.decode.layer.rows.aot"]
+PROMPTS = [[5, 6, 7, 8, 9], [40, 41, 42], [7, 7, 7, 7], [90, 3, 60]]
 
 
 def _greedy(engine) -> list[list[int]]:
-    """Each prompt alone, so every decode step is a B=1 step (the captured bucket)."""
+    """Each of two prompts alone (B=1 decode steps), then two together (B=2) and four (B=4)."""
     engine.flush_cache()
-    return [engine.generate([p], SamplingParams(max_new_tokens=6, temperature=0.0))[0].token_ids for p in PROMPTS]
+    params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    alone = [engine.generate([p], params)[0].token_ids for p in PROMPTS[:2]]
+    return alone + [out.token_ids for n in (2, 4) for out in engine.generate(PROMPTS[:n], params)]
 
 
 # ---- the store -------------------------------------------------------------------------------------
@@ -108,7 +112,7 @@ def test_changed_source_names_the_edited_module():
     assert _changed_source(fake("0" * 64)) == "capture.full_graph (lines 1-3)"
 
 
-@pytest.mark.parametrize("option", ["freezing=true", "dynamic=true", "regional=false", "mode=max-autotune"])
+@pytest.mark.parametrize("option", ["freezing=true", "mode=max-autotune"])
 def test_aot_refuses_what_it_cannot_persist(option):
     env = CaptureEnv(model=lambda *a, **k: None, device=torch.device("cpu"), padding=None, empty_batches={})
     name, value = option.split("=")
@@ -185,7 +189,7 @@ def test_a_capture_process_compiles_while_the_engine_serves_and_the_engine_only_
     stats = built.stats
     # The engine compiled nothing: it loaded what the capture process saved.
     assert (stats["aot_compiles"], stats["artifacts_saved"], stats["artifacts_loaded"]) == (0, 0, 2)
-    assert stats["buckets"][1]["origin"] == stats["buckets"][2]["origin"] == "artifact" and stats["executions"] > 0
+    assert all(stats["buckets"][b]["origin"] == "artifact" for b in (1, 2, 4)) and stats["executions"] > 0
     assert sorted(p.name for p in built.cache_dir.glob("*/capture.*.aot")) == ARTIFACTS
     # What inductor's ISA probe answered in that process, recorded for the next one (capture/vec_isa.py).
     (record,) = built.cache_dir.glob(f"*/{vec_isa.NAME}.aot")
@@ -212,8 +216,9 @@ from graphexec import Engine, SamplingParams
 from graphexec.config import EngineConfig
 from graphexec.runner.capture_key import capture_key
 with Engine(overrides=json.loads(sys.argv[1])) as engine:
-    tokens = [engine.generate([p], SamplingParams(max_new_tokens=6, temperature=0.0))[0].token_ids
-              for p in json.loads(sys.argv[2])]
+    params, prompts = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True), json.loads(sys.argv[2])
+    tokens = [engine.generate([p], params)[0].token_ids for p in prompts[:2]]
+    tokens += [out.token_ids for n in (2, 4) for out in engine.generate(prompts[:n], params)]
     stats = engine.runner.backend_stats()["decode"]
 print(json.dumps({"tokens": tokens, "stats": stats, "dynamo": dict(counters["stats"]),
                   "aot_autograd": dict(counters["aot_autograd"]), "isa_probes": isa_probes}, default=str))
@@ -228,8 +233,9 @@ def test_a_fresh_process_loads_the_artifact_and_compiles_nothing(built, tiny):
     assert result.returncode == 0, result.stderr[-2000:]
     out = json.loads(result.stdout.strip().splitlines()[-1])
     stats = out["stats"]
+    # Buckets 2 and 4 share one artifact: two loads in all.
     assert (stats["aot_compiles"], stats["artifacts_loaded"], stats["artifacts_rejected"]) == (0, 2, 0)
-    assert stats["buckets"]["1"]["origin"] == stats["buckets"]["2"]["origin"] == "artifact" and stats["executions"] > 0
+    assert all(stats["buckets"][b]["origin"] == "artifact" for b in "124") and stats["executions"] > 0
     # Neither Dynamo nor AOTAutograd/inductor compiled a graph in that process.
     assert out["dynamo"].get("unique_graphs", 0) == 0 and out["aot_autograd"].get("total", 0) == 0
     assert out["tokens"] == built.tokens == _greedy(tiny)
@@ -265,7 +271,7 @@ def test_a_damaged_or_foreign_artifact_is_rebuilt_with_one_warning(built, tmp_pa
     with caplog.at_level(logging.WARNING, logger="capture.artifacts"), Engine(overrides=overrides) as engine:
         assert _greedy(engine) == built.tokens
         stats = engine.runner.backend_stats()["decode"]
-    # A foreign folder holds only the copied artifact: bucket 2's layer is compiled there too.
+    # A foreign folder holds only the copied artifact: buckets 2 and 4's layer is compiled there too.
     compiled = 2 if damage == "foreign" else 1
     assert (stats["artifacts_rejected"], stats["aot_compiles"], stats["artifacts_saved"]) == (1, compiled, compiled)
     warnings = [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
@@ -284,7 +290,7 @@ def test_a_region_that_cannot_be_compiled_ahead_of_time_falls_back_to_dynamo(tmp
     with caplog.at_level(logging.WARNING, logger="capture.aot_region"), Engine(overrides=[*PLAN, f"capture.cache_dir={tmp_path}"]) as engine:
         assert _greedy(engine) == built.tokens
         stats = engine.runner.backend_stats()["decode"]
-    assert stats["buckets"][1]["origin"] == stats["buckets"][2]["origin"] == "dynamo"
+    assert all(stats["buckets"][b]["origin"] == "dynamo" for b in (1, 2, 4))
     assert (stats["aot_compiles"], stats["artifacts_saved"]) == (0, 0)
     warned = [r.getMessage() for r in caplog.records if "cannot be compiled ahead of time" in r.getMessage()]
     assert len(warned) == 2 and any(".forward" in m for m in warned) and any(".layer" in m for m in warned)
@@ -334,6 +340,50 @@ def test_a_layer_whose_guards_reject_a_later_layer_hands_the_bucket_to_dynamo(tm
         layer.trust(1)
     assert stats.origins[1] == "dynamo" and not list(tmp_path.iterdir())
     assert len([r for r in caplog.records if "guards reject layer 1" in r.getMessage()]) == 1
+
+
+def test_buckets_above_one_share_one_region_with_a_symbolic_row_count(tmp_path, monkeypatch):
+    """compile.dynamic: every bucket above 1 runs one compiled region (compiled on the first of
+    them, its rows marked dynamic, saved once as `<region>.rows`); B=1 has its own."""
+    from capture import aot_region
+    from capture.backend import BackendStats
+
+    class Compiled:  # what aot_compile returns: remembers the row count it was compiled on
+        def __init__(self, rows):
+            self.rows = rows
+
+        def guard_check(self, *args):
+            return True
+
+        def disable_guard_check(self):
+            pass
+
+        def __call__(self, module, rows, *rest):
+            return (self.rows, rows.shape[0])
+
+        def save_compiled_function(self, path):
+            Path(path).write_bytes(b"compiled for %d rows" % self.rows)
+
+    marked = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: SimpleNamespace(aot_compile=lambda a: Compiled(a[0][1].shape[0])))
+    monkeypatch.setattr(torch._dynamo, "mark_dynamic", lambda t, dim: marked.append(("dynamic", tuple(t.shape))))
+    monkeypatch.setattr(torch._dynamo, "mark_static", lambda t, dim: marked.append(("static", tuple(t.shape))))
+    stats = BackendStats()
+    region = aot_region.AotRegion(lambda *a: None, {}, ArtifactStore(tmp_path, "k"), "capture.decode.forward", stats,
+                                  fallback=lambda *args: "dynamo", shared_rows=True)
+    region._isa = SimpleNamespace(answered=contextlib.nullcontext, remember=lambda: None)  # no inductor here
+    model, rope = torch.nn.Identity(), torch.zeros(100, 4)
+    outs = []
+    for bucket in (2, 4, 1, 2, 4):
+        outs.append(region(model, torch.zeros(bucket, dtype=torch.long), rope))
+        region.trust(bucket)
+    # Two compiles (the shared region on bucket 2, B=1's own); bucket 4 runs bucket 2's.
+    assert outs == [(2, 2), (2, 4), (1, 1), (2, 2), (2, 4)] and stats.aot_compiles == 2
+    assert stats.origins == {1: "compiled", 2: "compiled", 4: "compiled"}
+    # The shared region's rows are dynamic; the rotary table (not a row count long) and B=1's stay static.
+    assert marked == [("dynamic", (2,)), ("static", (100, 4)), ("static", (1,)), ("static", (100, 4))]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["capture.decode.forward.b1.aot", "capture.decode.forward.rows.aot"]
+    assert stats.artifacts_saved == 2
 
 
 def test_a_later_layer_built_differently_hands_the_bucket_to_dynamo(tmp_path, caplog, monkeypatch):

@@ -334,14 +334,15 @@ def test_every_packed_module_equals_its_dequantized_twin(tiny_k_gguf):
     assert checked == 2 * 4
 
 
-def test_default_plan_compiles_one_layer_per_layer_structure(tiny_k_gguf, tmp_path):
+def test_regional_plan_compiles_one_layer_per_layer_structure(tiny_k_gguf, tmp_path):
     """Layer 0 and layer 1 of this file are built differently (PartsLinear vs BlockLinear): the
-    default plan's ahead-of-time layer (module guards filtered out) must not hand one layer's graph
+    regional plan's ahead-of-time layer (module guards filtered out) must not hand one layer's graph
     to the other (it raised KeyError 'blocks' on a real Q4_K_M file): one compiled layer per
     structure, each its own artifact, tokens equal eager's, and a second engine loads them all."""
     params = [SamplingParams(max_new_tokens=6 + i, temperature=0.0, ignore_eos=True) for i in range(3)]
     auto = ["capture=auto", "capture.background=false", "capture.decode.buckets=[1,2]", "capture.decode.keep=all",
-            "capture.decode.compile.whole_forward_buckets=[]", f"capture.cache_dir={tmp_path / 'plans'}"]
+            "capture.decode.compile.regional=true", "capture.decode.compile.whole_forward_buckets=[]",
+            f"capture.cache_dir={tmp_path / 'plans'}"]
     eager = [o.token_ids for o in _engine(tiny_k_gguf, "capture=eager").generate(_prompts()[:3], params)]
     for expected_origin in ("compiled", "artifact"):
         engine = _engine(tiny_k_gguf, *auto)
