@@ -73,10 +73,12 @@ def _get(tree: dict, dotted: str):
 def build_engine(cfg):
     """The engine a suite measures, from the composed Hydra config, with every kept graph captured
     before it returns (never in the background while a suite times it)."""
-    from omegaconf import OmegaConf
+    from omegaconf import open_dict
 
     from graphexec.config import EngineConfig
     from graphexec.engine.engine import Engine
 
-    cfg = OmegaConf.merge(cfg, {"capture": {"background": False}})
+    cfg = cfg.copy()
+    with open_dict(cfg):  # a plan without the key (capture=eager) is a struct without it
+        cfg.capture.background = False
     return Engine(config=EngineConfig.from_dictconfig(cfg))

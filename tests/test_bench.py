@@ -169,6 +169,21 @@ def test_decode_suite_pairs_buckets_and_splits_a_step_into_model_and_host(tmp_pa
     assert "host overhead" in (tmp_path / "report.md").read_text()
 
 
+def test_a_suite_builds_an_engine_from_a_plan_without_background_capture():
+    """A suite times an engine that captures nothing in the background; capture=eager's plan has no
+    `background` key at all, and setting it must not trip over the struct config (it did)."""
+    from bench.suites import build_engine
+    from graphexec.config import compose
+
+    cfg = compose(["model=tiny-llama", "capture=eager", "cache.num_slots=512"])
+    engine = build_engine(cfg)
+    try:
+        assert engine.config.capture.background is False and not engine.runner.capture_pending()
+    finally:
+        engine.shutdown()
+    assert "background" not in cfg.capture  # the caller's config untouched
+
+
 def test_step_timers_leave_the_engine_as_they_found_it(tiny_engine):
     from bench.host_overhead import breakdown, step_timers
     from graphexec import SamplingParams
