@@ -171,6 +171,11 @@ class BucketedBackend(CaptureBackend):
         not yet.  False for a backend whose compiled code does not persist."""
         return False
 
+    def compiled_with(self, bucket: int) -> str:
+        """What compiling `bucket` produces: buckets with the same answer share one compile, so
+        one process must build them, in order (the first compiles, the others reuse it)."""
+        return str(bucket)
+
     def compiling_elsewhere(self, bucket: int) -> None:
         """Another process is compiling `bucket` for this one (its state says so until captured)."""
         if self.stats.states.get(bucket) == "pending":

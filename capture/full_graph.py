@@ -65,14 +65,19 @@ class FullGraphBackend(BucketedBackend):
         # Only an ahead-of-time compiled region persists.
         return self._uses_aot() and self.artifacts is not None and not self._stored(bucket)
 
+    def compiled_with(self, bucket: int) -> str:
+        return self._artifact_of(bucket) if self._uses_aot() else super().compiled_with(bucket)
+
+    def _artifact_of(self, bucket: int) -> str:
+        return artifact_name(self._region(self._is_whole(bucket)), bucket, self.options.compile.dynamic)
+
     def _stored(self, bucket: int) -> bool:
         """Whether the bucket's region is in the artifact store.  A regional bucket counts as
         stored once the first layer structure's artifact is there (a file mixing structures
         compiles its others on load)."""
         if not self._uses_aot() or self.artifacts is None:
             return False
-        name = artifact_name(self._region(self._is_whole(bucket)), bucket, self.options.compile.dynamic)
-        return self.artifacts.path(name).exists()
+        return self.artifacts.path(self._artifact_of(bucket)).exists()
 
     def _region(self, whole: bool) -> str:
         """The name the whole forward's region, or the regional layer's (its first structure's), is

@@ -22,7 +22,7 @@ _HEADER = """# Capture options
 Each ForwardMode's entry under `capture` (`extend`, `decode`, `mixed`, `idle`, `target_verify`)
 names a `backend` and that backend's options; anything else in the entry is refused, naming the
 option (`eager` excepted: it ignores them).  A plan without `target_verify` runs speculative
-verification with decode's entry (verify batches are decode rows).  Plan-wide options (`background`, `idle_delay_s`, `compile_in_child`, `cache_dir`) and a
+verification with decode's entry (verify batches are decode rows).  Plan-wide options (`background`, `idle_delay_s`, `compile_in_child`, `compile_processes`, `cache_dir`) and a
 mode's `devices` list are graphexec's (`graphexec/config.py`).
 """
 

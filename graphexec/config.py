@@ -131,6 +131,10 @@ class CapturePlan:
     # The child loads the weights again: one more copy of them in memory while it runs.  false:
     # compile on the loop thread too (a request arriving mid-compile waits for it).
     compile_in_child: bool = True
+    # With compile_in_child: how many such processes may compile at once, each building whole
+    # groups of buckets that share one compile (auto: B=1's forward in one, the forward every
+    # larger bucket shares in the other).  Each loads the weights again while it runs.
+    compile_processes: int = 1
     # Where capture plans (which bucket keeps its graph, measured how) are kept, one file per key
     # (capture/plan_store.py); null: not kept, every start measures again.
     cache_dir: str | None = None
@@ -459,7 +463,7 @@ def _capture_plan(values: Mapping[str, Any]) -> CapturePlan:
         ):
             raise ConfigError(f"capture.{key}.devices must be a non-empty list of 'cpu' and 'cuda' (elsewhere: eager), got {devices!r}")
         specs[mode.config_key] = BackendSpec(backend=backend, options=MappingProxyType(entry))
-    plan_keys = {"name", "background", "cache_dir", "idle_delay_s", "compile_in_child"}
+    plan_keys = {"name", "background", "cache_dir", "idle_delay_s", "compile_in_child", "compile_processes"}
     extra = sorted(set(values) - {m.config_key for m in ForwardMode} - plan_keys)
     if extra:
         raise ConfigError(
@@ -477,6 +481,9 @@ def _capture_plan(values: Mapping[str, Any]) -> CapturePlan:
     compile_in_child = values.get("compile_in_child", True)
     if not isinstance(compile_in_child, bool):
         raise ConfigError(f"capture.compile_in_child must be true or false, got {compile_in_child!r}")
+    compile_processes = values.get("compile_processes", 1)
+    if isinstance(compile_processes, bool) or not isinstance(compile_processes, int) or compile_processes < 1:
+        raise ConfigError(f"capture.compile_processes must be an integer >= 1, got {compile_processes!r}")
     idle_delay_s = values.get("idle_delay_s", 1.0)
     if isinstance(idle_delay_s, bool) or not isinstance(idle_delay_s, (int, float)) or idle_delay_s < 0:
         raise ConfigError(f"capture.idle_delay_s must be a number of seconds >= 0, got {idle_delay_s!r}")
@@ -486,5 +493,6 @@ def _capture_plan(values: Mapping[str, Any]) -> CapturePlan:
         cache_dir=cache_dir,
         idle_delay_s=float(idle_delay_s),
         compile_in_child=compile_in_child,
+        compile_processes=compile_processes,
         **specs,
     )

@@ -49,15 +49,20 @@ class Config:
 class FakeRunner:
     """The runner's side of background capture: pending buckets, the ones a child could build."""
 
-    def __init__(self, buckets, apart, outcomes=None, pidfile=None):
+    def __init__(self, buckets, apart, outcomes=None, pidfile=None, shared=()):
         self.config = Config(outcomes, pidfile=pidfile)
         self.artifact_key = "k"
         self.pending = list(buckets)
         self.apart = set(apart)
+        self.shared = set(shared)  # these share one compile (one group)
         self.captured, self.compiling = [], []
 
     def buckets_to_build_apart(self):
-        return [("capture.decode", b) for b in self.pending if b in self.apart]
+        groups = {}
+        for b in self.pending:
+            if b in self.apart:
+                groups.setdefault("shared" if b in self.shared else b, []).append(("capture.decode", b))
+        return list(groups.values())
 
     def capture_next(self, skip=()):
         for bucket in self.pending:
@@ -99,6 +104,21 @@ def test_the_loop_captures_what_the_child_built_and_what_it_could_not(tmp_path, 
         assert "bucket 4 (boom)" in messages[0]
     if outcomes.get("2") == "exit":
         assert "exited with code 7" in messages[0] and "('capture.decode', 2)" in messages[0]
+
+
+def test_groups_of_buckets_go_to_as_many_children_as_allowed(tmp_path, caplog):
+    """Buckets that share one compile stay in one child; with two processes allowed, B=1's group
+    and the shared group build side by side, and the loop captures each once its child is done."""
+    runner = FakeRunner([1, 2, 4, 8], apart=[1, 2, 4, 8], shared=[2, 4, 8], outcomes={"8": "failed"})
+    work = BackgroundCapture([runner], in_child=True, child_command=COMMAND, processes=2)
+    with caplog.at_level(logging.INFO, logger="graphexec.engine.background_capture"):
+        assert work.run() == POLL_S  # both started; nothing built yet, so nothing for the loop
+        assert len(work._children) == 2
+        _drive(work)
+    builds = sorted(r.getMessage() for r in caplog.records if r.getMessage().startswith("capture process") and "builds" in r.getMessage())
+    assert [m.split(" builds ")[1] for m in builds] == ["capture.decode bucket 1", "capture.decode bucket 2, capture.decode bucket 4, capture.decode bucket 8"]
+    assert sorted(runner.captured) == [1, 2, 4, 8] and sorted(runner.compiling) == [1, 2, 4, 8] and not work._children
+    assert len([r for r in caplog.records if "could not build capture.decode bucket 8" in r.getMessage()]) == 1
 
 
 def test_nothing_to_build_apart_starts_no_child(tmp_path):

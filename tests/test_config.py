@@ -72,3 +72,20 @@ def test_config_groups_exist():
 def test_bad_plan_options_name_themselves(override, option):
     with pytest.raises(ConfigError, match=option.replace(".", r"\.")):
         EngineConfig.from_overrides([override])
+
+
+@pytest.mark.parametrize("override, named", [
+    ("capture.background=1", "capture.background must be true or false"),
+    ("capture.compile_in_child=yes", "capture.compile_in_child must be true or false"),
+    ("capture.compile_processes=0", "capture.compile_processes must be an integer >= 1"),
+    ("capture.compile_processes=true", "capture.compile_processes must be an integer >= 1"),
+    ("capture.idle_delay_s=-1", "capture.idle_delay_s must be a number of seconds >= 0"),
+])
+def test_a_bad_plan_option_is_refused_naming_it(override, named):
+    with pytest.raises(ConfigError, match=named):
+        EngineConfig.from_overrides([override])
+
+
+def test_the_default_plan_compiles_in_two_processes_and_a_hand_made_one_in_one():
+    assert EngineConfig.from_overrides([]).capture.compile_processes == 2
+    assert EngineConfig.from_overrides(["capture=graph_first"]).capture.compile_processes == 1

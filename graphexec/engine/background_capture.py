@@ -49,24 +49,27 @@ _LOG_TAIL = 2000
 
 class BackgroundCapture:
     """EngineLoop's idle work: capture every pending bucket of `runners`, the first runner's
-    buildable ones in a child process when `in_child`."""
+    buildable ones in child processes when `in_child` (at most `processes` of them, each building
+    whole groups of buckets that share one compile)."""
 
-    def __init__(self, runners: Sequence[ModelRunner], in_child: bool, child_command: Sequence[str] | None = None):
+    def __init__(self, runners: Sequence[ModelRunner], in_child: bool, child_command: Sequence[str] | None = None,
+                 processes: int = 1):
         self.runners = list(runners)
         self._in_child = in_child
+        self._processes = processes
         self._child_command = child_command  # CaptureChild.start's `command` (tests)
-        self._child: CaptureChild | None = None
-        # (config path, bucket) the child has yet to build: the loop thread leaves them alone.
+        self._children: list[CaptureChild] = []
+        # (config path, bucket) a child has yet to build: the loop thread leaves them alone.
         self._owed: set[tuple[str, int]] = set()
 
     def run(self) -> float | None:
         """One unit of work: seconds until the next call may come (0: at once), None when done."""
         target = self.runners[0]
-        if self._child is not None:
-            self._follow_child(target)
+        if self._children:
+            self._follow_children(target)
         elif self._in_child:
-            self._in_child = False  # one child per engine: what it fails is captured here
-            self._start_child(target)
+            self._in_child = False  # children once per engine: what they fail is captured here
+            self._start_children(target)
         for runner in self.runners:
             skip = self._owed if runner is target else ()
             if runner.capture_pending(skip):
@@ -75,43 +78,50 @@ class BackgroundCapture:
                 self.pause()
                 runner.capture_next(skip)
                 return 0.0
-        if self._child is not None:
-            self._child.resume()
+        if self._children:
+            for child in self._children:
+                child.resume()
             return POLL_S
         return None
 
     def pause(self) -> None:
-        """The loop is about to serve: stop the child until the next `run`."""
-        if self._child is not None:
-            self._child.pause()
+        """The loop is about to serve: stop the children until the next `run`."""
+        for child in self._children:
+            child.pause()
 
     def close(self) -> None:
-        """The loop stops: end the child, whatever it was doing."""
-        if self._child is not None:
-            self._child.kill()
-            self._child = None
+        """The loop stops: end the children, whatever they were doing."""
+        for child in self._children:
+            child.kill()
+        self._children = []
 
-    def _start_child(self, target: ModelRunner) -> None:
-        buckets = target.buckets_to_build_apart()
-        if not buckets:
-            return
-        try:
-            self._child = CaptureChild.start(target.config, buckets, target.artifact_key, self._child_command)
-        except Exception as error:  # noqa: BLE001 - no process (OSError), a config that cannot travel: the loop captures
-            _log.warning("could not start a capture process (%r); capturing on the engine loop instead", error)
-            return
-        self._owed = set(buckets)
-        _log.info("capture process %d builds %s", self._child.pid, ", ".join(f"{p} bucket {b}" for p, b in buckets))
-        # The first artifact loaded here would import Dynamo and inductor on the loop thread
-        # (2.3-3.4 s on 2 cores): import them now, on a thread that ends, while the child compiles
-        # for longer than that.  A request that comes during the import still waits about as long
-        # as it would behind the loop's: the importing thread holds the GIL, and an eager forward
-        # takes it back after every op (a 16-token request: 4.1 s during a 3.8 s import, 0.4 s
-        # alone; docs/STATUS.md, issue 22).
-        threading.Thread(target=_import_compiler, name="graphexec-import-compiler", daemon=True).start()
+    def _start_children(self, target: ModelRunner) -> None:
+        groups = target.buckets_to_build_apart()
+        # Whole groups to each child, in turn: the first group (B=1's) starts at once in the first.
+        jobs = [[b for group in groups[i :: self._processes] for b in group] for i in range(min(self._processes, len(groups)))]
+        for buckets in jobs:
+            try:
+                child = CaptureChild.start(target.config, buckets, target.artifact_key, self._child_command)
+            except Exception as error:  # noqa: BLE001 - no process (OSError), a config that cannot travel: the loop captures
+                _log.warning("could not start a capture process (%r); capturing on the engine loop instead", error)
+                continue
+            self._children.append(child)
+            self._owed.update(buckets)
+            _log.info("capture process %d builds %s", child.pid, ", ".join(f"{p} bucket {b}" for p, b in buckets))
+        if self._children:
+            # The first artifact loaded here would import Dynamo and inductor on the loop thread
+            # (2.3-3.4 s on 2 cores): import them now, on a thread that ends, while the children
+            # compile for longer than that.  A request that comes during the import still waits
+            # about as long as it would behind the loop's: the importing thread holds the GIL, and
+            # an eager forward takes it back after every op (a 16-token request: 4.1 s during a
+            # 3.8 s import, 0.4 s alone; docs/STATUS.md, issue 22).
+            threading.Thread(target=_import_compiler, name="graphexec-import-compiler", daemon=True).start()
 
-    def _follow_child(self, target: ModelRunner) -> None:
-        child = self._child
+    def _follow_children(self, target: ModelRunner) -> None:
+        self._children = [child for child in self._children if not self._follow(child, target)]
+
+    def _follow(self, child: CaptureChild, target: ModelRunner) -> bool:
+        """Take the child's reports; True once it has exited (and is reaped)."""
         exit_code = child.exit_code()  # before reading: every report of an exited child is in the pipe
         for report in child.reports():
             bucket = (report.config_path, report.bucket)
@@ -119,20 +129,23 @@ class BackgroundCapture:
                 target.compiling_apart(*bucket)
             elif report.event == "done":
                 self._owed.discard(bucket)
+                child.built.add(bucket)
             else:
                 _log.warning("capture process could not build %s bucket %d (%s); capturing it on the engine loop",
                              *bucket, report.error)
                 self._owed.discard(bucket)
+                child.built.add(bucket)
         if exit_code is None:
-            return
-        if self._owed:
+            return False
+        left = sorted(set(child.buckets) - child.built)
+        if left:
             _log.warning("capture process exited with code %d before building %s; capturing them on the engine "
-                         "loop.  Its log ends:\n%s", exit_code, sorted(self._owed), child.log_tail())
+                         "loop.  Its log ends:\n%s", exit_code, left, child.log_tail())
+            self._owed.difference_update(left)
         elif exit_code != 0:
             _log.info("capture process exited with code %d after building everything", exit_code)
         child.kill()
-        self._child = None
-        self._owed = set()
+        return True
 
 
 def _import_compiler() -> None:
@@ -166,9 +179,11 @@ class CaptureChild:
     """The process building buckets for this engine: started, stopped and continued as a process
     group, its reports read without blocking, its stderr kept in a file for a failure's warning."""
 
-    def __init__(self, proc: subprocess.Popen, log):
+    def __init__(self, proc: subprocess.Popen, log, buckets: list[tuple[str, int]]):
         self._proc = proc
         self._log = log
+        self.buckets = [tuple(b) for b in buckets]  # what it was given
+        self.built: set[tuple[str, int]] = set()  # what it reported done or failed
         self._partial = b""
         self._running = True
         self.pid = proc.pid
@@ -194,7 +209,7 @@ class CaptureChild:
         except OSError:
             pass  # it exited at once: its exit code and log say why
         os.set_blocking(proc.stdout.fileno(), False)
-        return cls(proc, log)
+        return cls(proc, log, buckets)
 
     def reports(self) -> list[Report]:
         """What the child reported since the last call."""

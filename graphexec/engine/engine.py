@@ -92,7 +92,8 @@ class Engine:
         runners = [self.runner] + ([self.draft.runner] if self.draft is not None else [])
         idle_work = None
         if background and any(r.capture_pending() for r in runners):
-            idle_work = BackgroundCapture(runners, in_child=self.config.capture.compile_in_child)
+            plan = self.config.capture
+            idle_work = BackgroundCapture(runners, in_child=plan.compile_in_child, processes=plan.compile_processes)
         self._loop = EngineLoop(
             self.scheduler,
             self.runner,

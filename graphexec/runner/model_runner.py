@@ -155,10 +155,18 @@ class ModelRunner:
             return True
         return False
 
-    def buckets_to_build_apart(self) -> list[tuple[str, int]]:
+    def buckets_to_build_apart(self) -> list[list[tuple[str, int]]]:
         """(config path, bucket) of every pending bucket that another process with this runner's
-        config could compile and save for this one to load (`build_apart` there), in capture order."""
-        return [(b.config_path, bucket) for b in self._bucketed() for bucket in b.pending_buckets() if b.builds_apart(bucket)]
+        config could compile and save for this one to load (`build_apart` there), in capture
+        order, grouped: the buckets of a group share one compile (`compiled_with`), so one process
+        builds all of them; groups are in the order of their first bucket."""
+        groups: dict[tuple[str, str], list[tuple[str, int]]] = {}
+        for backend in self._bucketed():
+            for bucket in backend.pending_buckets():
+                if backend.builds_apart(bucket):
+                    key = (backend.config_path, backend.compiled_with(bucket))
+                    groups.setdefault(key, []).append((backend.config_path, bucket))
+        return list(groups.values())
 
     def compiling_apart(self, config_path: str, bucket: int) -> None:
         """Another process is compiling `bucket` of the backend at `config_path` (its state shows it)."""
