@@ -9,10 +9,11 @@ A compile on the loop thread makes a request that arrives meanwhile wait for it 
 forward: tens of seconds on 2 cores), and a compile beside a serving engine slows every step it
 shares the cores with (docs/STATUS.md, issue 22: eager 29 ms/token became 43-305 ms).  So with
 `capture.compile_in_child` the buckets whose compiled code persists (full_graph `compile.aot`,
-with `capture.cache_dir`) are compiled by one child process with the engine's config
-(graphexec/engine/capture_worker.py), which the loop stops with SIGSTOP, its whole process group
-(inductor's compile workers and the C++ compiler too), while any request is served, and
-continues while idle.  The loop then only loads what the child saved: the artifact, the
+with `capture.cache_dir`) are compiled by a child process with the engine's config
+(graphexec/engine/capture_worker.py), or by up to `capture.compile_processes` of them side by
+side, each given whole groups of buckets that share one compile; the loop stops each with
+SIGSTOP, its whole process group (inductor's compile workers and the C++ compiler too), while
+any request is served, and continues them while idle.  The loop then only loads what the child saved: the artifact, the
 bucket's capture forward and its timing against eager (capture/measure.py), a fraction of a
 second to ~2 s (a whole forward); Dynamo and inductor are imported while the child compiles.
 Buckets that cannot be built apart (no artifacts: a CUDA graph, the op tape, `compile.aot` off)
