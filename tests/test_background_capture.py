@@ -114,6 +114,9 @@ def test_groups_of_buckets_go_to_as_many_children_as_allowed(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="graphexec.engine.background_capture"):
         assert work.run() == POLL_S  # both started; nothing built yet, so nothing for the loop
         assert len(work._children) == 2
+        # Where they contend for the cores, the first (B=1's) goes ahead.
+        base = os.getpriority(os.PRIO_PROCESS, 0)
+        assert [os.getpriority(os.PRIO_PROCESS, c.pid) for c in work._children] == [base, base + 10]
         _drive(work)
     builds = sorted(r.getMessage() for r in caplog.records if r.getMessage().startswith("capture process") and "builds" in r.getMessage())
     assert [m.split(" builds ")[1] for m in builds] == ["capture.decode bucket 1", "capture.decode bucket 2, capture.decode bucket 4, capture.decode bucket 8"]

@@ -44,6 +44,9 @@ _log = logging.getLogger(__name__)
 # How often an idle loop looks at a running child's reports: what a built bucket may wait before
 # the loop loads it.
 POLL_S = 0.2
+# How much lower the CPU priority of every capture process but the first is: where they contend
+# for the cores, the first (B=1's compile) goes ahead.
+_LATER_CHILD_NICENESS = 10
 # Bytes of a failed child's stderr quoted in the warning.
 _LOG_TAIL = 2000
 
@@ -100,9 +103,11 @@ class BackgroundCapture:
         groups = target.buckets_to_build_apart()
         # Whole groups to each child, in turn: the first group (B=1's) starts at once in the first.
         jobs = [[b for group in groups[i :: self._processes] for b in group] for i in range(min(self._processes, len(groups)))]
-        for buckets in jobs:
+        for index, buckets in enumerate(jobs):
             try:
-                child = CaptureChild.start(target.config, buckets, target.artifact_key, self._child_command)
+                # The first child builds the most used buckets (B=1): the others yield the cores to it.
+                child = CaptureChild.start(target.config, buckets, target.artifact_key, self._child_command,
+                                           niceness=_LATER_CHILD_NICENESS if index else 0)
             except Exception as error:  # noqa: BLE001 - no process (OSError), a config that cannot travel: the loop captures
                 _log.warning("could not start a capture process (%r); capturing on the engine loop instead", error)
                 continue
@@ -191,8 +196,9 @@ class CaptureChild:
 
     @classmethod
     def start(cls, config, buckets: list[tuple[str, int]], key: str | None,
-              command: Sequence[str] | None = None) -> CaptureChild:
-        """`command` replaces the worker module (tests); it reads the same JSON from stdin."""
+              command: Sequence[str] | None = None, niceness: int = 0) -> CaptureChild:
+        """`command` replaces the worker module (tests); it reads the same JSON from stdin.
+        `niceness`: how much lower than this process's its CPU priority is (and its compilers')."""
         threads = torch.get_num_threads()  # part of the plan's key: the child must compile under the same
         payload = json.dumps({"config": config.to_plain(), "buckets": buckets, "key": key, "threads": threads}).encode()
         log = tempfile.TemporaryFile()
@@ -204,6 +210,9 @@ class CaptureChild:
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, process_group=0,
             env=dict(os.environ, OMP_NUM_THREADS=str(threads)),
         )
+        if niceness:
+            # Before it imports torch (seconds), so the compilers it starts inherit it.
+            os.setpriority(os.PRIO_PROCESS, proc.pid, os.getpriority(os.PRIO_PROCESS, 0) + niceness)
         try:
             proc.stdin.write(payload)
             proc.stdin.close()
