@@ -13,9 +13,10 @@ with `capture.cache_dir`) are compiled by a child process with the engine's conf
 (graphexec/engine/capture_worker.py), or by up to `capture.compile_processes` of them side by
 side, each given whole groups of buckets that share one compile; the loop stops each with
 SIGSTOP, its whole process group (inductor's compile workers and the C++ compiler too), while
-any request is served, and continues them while idle.  The loop then only loads what the child saved: the artifact, the
-bucket's capture forward and its timing against eager (capture/measure.py), a fraction of a
-second to ~2 s (a whole forward); Dynamo and inductor are imported while the child compiles.
+any request is served, and continues them while idle.  The loop then only loads what a child
+saved: the artifact, the bucket's capture forward and its timing against eager
+(capture/measure.py), a fraction of a second to ~2 s (a whole forward); Dynamo and inductor are
+imported while the children compile.
 Buckets that cannot be built apart (no artifacts: a CUDA graph, the op tape, `compile.aot` off)
 are captured on the loop thread as before, and so are a draft model's and any the child failed
 to build.
