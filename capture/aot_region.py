@@ -85,7 +85,7 @@ class AotRegion:
         self._fallback = fallback
         self._option = option  # the config option that asked for this, for messages
         self._ready: dict[int, RegionFn] = {}  # rows (the bucket) -> what runs a call
-        # Per slot (`_slot`: the bucket, or SHARED for the buckets that share one region):
+        # Per slot (`slot_of`: the bucket, or SHARED for the buckets that share one region):
         self._aot: dict[int, Any] = {}  # its ahead-of-time compiled region (not Dynamo's)
         self._origins: dict[int, str] = {}  # where that came from: "artifact" | "compiled"
         self._structures: dict[int, str] = {}  # `_digest` of the module's structure it runs
@@ -103,7 +103,7 @@ class AotRegion:
         compiled for it, and stop checking.  Its later batches are the same static buffers (shapes,
         dtypes, device) through the same modules, so checking again on every call (a regional
         layer: 30 a step, ~7 us each through inspect's argument binding) buys nothing."""
-        slot = self._slot(bucket)
+        slot = slot_of(bucket, self._shared_rows)
         fn = self._aot.get(slot)
         if fn is None:  # Dynamo's
             return
@@ -114,18 +114,15 @@ class AotRegion:
             self._unsaved.discard(slot)
             self._save(self._artifact(slot), fn, self._structures[slot])
 
-    def _slot(self, bucket: int) -> int:
-        return SHARED if self._shared_rows and bucket > 1 else bucket
-
     def _first_call(self, bucket: int, args: tuple) -> torch.Tensor:
-        slot = self._slot(bucket)
+        slot = slot_of(bucket, self._shared_rows)
         structure = layer_structure(args[0])  # what the artifact must have been compiled on, and checks
         if slot in self._aot:  # a shared region another bucket loaded or compiled
             self._stats.origins[bucket] = self._origins[slot]
             self._use(bucket, slot, structure)
             return self._ready[bucket](*args)
-        name = self._artifact(slot)
-        fn = self._load(name, args, _digest(structure))
+        name, digest = self._artifact(slot), _digest(structure)
+        fn = self._load(name, args, digest)
         if fn is not None:
             try:
                 out = fn(*args)
@@ -134,8 +131,8 @@ class AotRegion:
             else:
                 self._isa.remember()
                 self._stats.artifacts_loaded += 1
-                self._stats.origins[bucket] = self._origins[slot] = "artifact"
-                self._aot[slot] = fn
+                self._hold(slot, fn, "artifact", digest)
+                self._stats.origins[bucket] = "artifact"
                 self._use(bucket, slot, structure)
                 return out
         fn = self._compile(bucket, args)
@@ -143,10 +140,16 @@ class AotRegion:
             self._ready[bucket] = self._fallback
             return self._fallback(*args)
         self._unsaved.add(slot)
-        self._origins[slot] = "compiled"
-        self._aot[slot] = fn
+        self._hold(slot, fn, "compiled", digest)
         self._use(bucket, slot, structure)
         return self._ready[bucket](*args)
+
+    def _hold(self, slot: int, fn, origin: str, structure: str) -> None:
+        """fn runs `slot`'s buckets: where it came from, and the `_digest` of the modules it was
+        compiled on (what its artifact records)."""
+        self._aot[slot] = fn
+        self._origins[slot] = origin
+        self._structures[slot] = structure
 
     def _use(self, bucket: int, slot: int, structure: tuple) -> None:
         """fn for `bucket`, its guards checked on every call until `trust`: a call whose input
@@ -155,7 +158,6 @@ class AotRegion:
         module guards are filtered out of an artifact; a K-quant file mixes weight types between
         layers), hands this bucket and every later one to Dynamo."""
         fn = self._aot[slot]
-        self._structures[slot] = _digest(structure)
 
         def checked(*args):
             if layer_structure(args[0]) != structure:
@@ -212,7 +214,7 @@ class AotRegion:
         if self._unavailable:
             self._stats.origins[bucket] = "dynamo"
             return None
-        shared = self._slot(bucket) == SHARED
+        shared = slot_of(bucket, self._shared_rows) == SHARED
         for arg in args:
             if isinstance(arg, torch.Tensor):
                 if shared and arg.shape[0] == bucket:  # a row dimension (the rotary tables are longer)
@@ -255,9 +257,14 @@ class AotRegion:
 SHARED = 0
 
 
-def artifact_name(region: str, bucket: int, shared_rows: bool = False) -> str:
-    """What the region `region` (e.g. capture.decode.layer) compiled for `bucket` is stored as."""
-    return f"{region}.rows" if bucket == SHARED or (shared_rows and bucket > 1) else f"{region}.b{bucket}"
+def slot_of(bucket: int, shared_rows: bool) -> int:
+    """Which compiled region runs `bucket`: its own, or with `shared_rows` (above 1) the shared one."""
+    return SHARED if shared_rows and bucket > 1 else bucket
+
+
+def artifact_name(region: str, slot: int) -> str:
+    """What the region `region` (e.g. capture.decode.layer) compiled for `slot` (`slot_of`) is stored as."""
+    return f"{region}.rows" if slot == SHARED else f"{region}.b{slot}"
 
 
 def layer_structure(layer: torch.nn.Module) -> tuple:

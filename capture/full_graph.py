@@ -30,7 +30,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from capture.aot_region import AotRegion, artifact_name, layer_structure
+from capture.aot_region import AotRegion, artifact_name, layer_structure, slot_of
 from capture.backend import CaptureEnv
 from capture.batch import BucketableBatch, Phase
 from capture.bucketed import BucketedBackend, BucketRunner
@@ -69,7 +69,7 @@ class FullGraphBackend(BucketedBackend):
         return self._artifact_of(bucket) if self._uses_aot() else super().compiled_with(bucket)
 
     def _artifact_of(self, bucket: int) -> str:
-        return artifact_name(self._region(self._is_whole(bucket)), bucket, self.options.compile.dynamic)
+        return artifact_name(self._region(self._is_whole(bucket)), slot_of(bucket, self.options.compile.dynamic))
 
     def _stored(self, bucket: int) -> bool:
         """Whether the bucket's region is in the artifact store.  A regional bucket counts as

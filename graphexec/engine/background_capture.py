@@ -136,15 +136,13 @@ class BackgroundCapture:
                 target.compiling_apart(*bucket)
             elif report.event == "done":
                 self._owed.discard(bucket)
-                child.built.add(bucket)
             else:
                 _log.warning("capture process could not build %s bucket %d (%s); capturing it on the engine loop",
                              *bucket, report.error)
                 self._owed.discard(bucket)
-                child.built.add(bucket)
         if exit_code is None:
             return False
-        left = sorted(set(child.buckets) - child.built)
+        left = child.unreported()
         if left:
             _log.warning("capture process exited with code %d before building %s; capturing them on the engine "
                          "loop.  Its log ends:\n%s", exit_code, left, child.log_tail())
@@ -189,8 +187,7 @@ class CaptureChild:
     def __init__(self, proc: subprocess.Popen, log, buckets: list[tuple[str, int]]):
         self._proc = proc
         self._log = log
-        self.buckets = [tuple(b) for b in buckets]  # what it was given
-        self.built: set[tuple[str, int]] = set()  # what it reported done or failed
+        self._unreported = {tuple(b) for b in buckets}  # given, neither reported done nor failed yet
         self._partial = b""
         self._running = True
         self.pid = proc.pid
@@ -237,10 +234,18 @@ class CaptureChild:
         reports = []
         for line in lines:
             try:
-                reports.append(Report.parse(line))
+                report = Report.parse(line)
             except (ValueError, KeyError, TypeError):
                 _log.debug("capture process said %r", line)  # not a report (a library printing)
+                continue
+            if report.event != "start":
+                self._unreported.discard((report.config_path, report.bucket))
+            reports.append(report)
         return reports
+
+    def unreported(self) -> list[tuple[str, int]]:
+        """The buckets it was given and has reported neither built nor failed."""
+        return sorted(self._unreported)
 
     def exit_code(self) -> int | None:
         """Its exit code once it has exited.  Not reaped here: until `kill` reaps it, its process
