@@ -482,8 +482,7 @@ def _capture_plan(values: Mapping[str, Any]) -> CapturePlan:
     if not isinstance(compile_in_child, bool):
         raise ConfigError(f"capture.compile_in_child must be true or false, got {compile_in_child!r}")
     compile_processes = values.get("compile_processes", 1)
-    if isinstance(compile_processes, bool) or not isinstance(compile_processes, int) or compile_processes < 1:
-        raise ConfigError(f"capture.compile_processes must be an integer >= 1, got {compile_processes!r}")
+    _check_positive_int(compile_processes, "capture.compile_processes")
     idle_delay_s = values.get("idle_delay_s", 1.0)
     if isinstance(idle_delay_s, bool) or not isinstance(idle_delay_s, (int, float)) or idle_delay_s < 0:
         raise ConfigError(f"capture.idle_delay_s must be a number of seconds >= 0, got {idle_delay_s!r}")
