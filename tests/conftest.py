@@ -14,6 +14,30 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 if importlib.util.find_spec("triton") is not None and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under pytest-xdist (the README's test command: three workers on 2 cores) each worker runs
+# single-threaded, its subprocesses too: OpenMP teams of two threads from several processes on two
+# cores spin against each other (a busy neighbour makes OpenMP code collapse), where single-threaded
+# workers share the cores.  The kernel tests keep two threads (`_kernel_threads`): how
+# at::parallel_for splits work between threads is part of what they test.
+_XDIST_WORKER = bool(os.environ.get("PYTEST_XDIST_WORKER"))
+if _XDIST_WORKER:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+_KERNEL_TESTS = {"test_attention_cpu.py", "test_quant.py", "test_quant_q8.py", "test_kquants.py", "test_moe.py"}
+
+
+@pytest.fixture(autouse=True)
+def _kernel_threads(request):
+    if not _XDIST_WORKER or request.path.name not in _KERNEL_TESTS:
+        yield
+        return
+    torch.set_num_threads(2)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(1)
+
+
 TINY_OVERRIDES = ["model=tiny-llama", "capture=eager", "cache.num_slots=2048"]
 
 
