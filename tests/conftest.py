@@ -60,10 +60,13 @@ def smollm2_engine():
 
 
 @pytest.fixture(scope="session")
-def hf_smollm2():
+def hf_smollm2(tmp_path_factory):
+    """transformers' SmolLM2: dequantized once per run, saved where every xdist worker of the run
+    finds it (the parent of a worker's base temp dir is the run's)."""
     from tests.reference import hf_smollm2 as load
 
-    return load()
+    base = tmp_path_factory.getbasetemp()
+    return load((base.parent if _XDIST_WORKER else base) / "hf-smollm2.pt")
 
 
 @pytest.fixture(scope="session")

@@ -3,21 +3,33 @@
 from __future__ import annotations
 
 import inspect
+from pathlib import Path
 
 import torch
 
 from bench.hf_baseline import hf_model_from  # noqa: F401  (the tests import it from here)
 
 
-def hf_smollm2():
+def hf_smollm2(saved: Path | None = None):
+    """transformers' SmolLM2 from the default GGUF, dequantized to fp32 (~30 s: transformers
+    dequantizes in Python).  With `saved`, a file the test processes of one run share: the first
+    to get there pickles its model there, the others load that copy (a second or two).  Pickled,
+    because transformers refuses to save a model it loaded from a GGUF."""
     import transformers
 
     from graphexec.loader import default_smollm2_gguf
 
     path = default_smollm2_gguf()
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    ).eval()
+    if saved is None:
+        return transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    from filelock import FileLock
+
+    with FileLock(f"{saved}.lock"):
+        if not saved.exists():
+            model = hf_smollm2()
+            torch.save(model, saved)
+            return model
+    return torch.load(saved, weights_only=False).eval()
 
 
 def hf_smollm2_tokenizer():

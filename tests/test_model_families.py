@@ -510,15 +510,15 @@ def test_tp2_equals_tp1(families, tmp_path):
     parallel.tp_size=2 against 1, all ranks as real processes at once; ATOL as
     tests/test_tp_model.py's (the all-reduce changes the summation order).  (Llama 3's scaled
     RoPE tables are built as Llama's are.)"""
-    from tests.test_tp_model import ATOL, _max_diff, _run_ranks
+    from tests.test_tp_model import ATOL, _max_diff, _run_rank_series
 
-    groups = []
+    series = []
     for family in families:
         save_family(family, tmp_path / family)
-        overrides = ["model=hf", f"model.path={tmp_path / family}", "cache.num_slots=512", "capture=eager"]
-        groups += [(1, overrides), (2, overrides)]
-    results = _run_ranks(*groups, tmp_path=tmp_path)
-    for (reference,), ranks in zip(results[0::2], results[1::2]):
+        series.append(["model=hf", f"model.path={tmp_path / family}", "cache.num_slots=512", "capture=eager"])
+    references, sharded = _run_rank_series((1, series), (2, series), tmp_path=tmp_path)
+    assert len(references) == len(sharded) == len(families)
+    for (reference,), ranks in zip(references, sharded):
         diffs = _max_diff(ranks[0][1], reference[1])
         assert max(diffs.values()) < ATOL, diffs
         assert max(_max_diff(ranks[1][1], ranks[0][1]).values()) == 0.0

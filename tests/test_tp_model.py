@@ -219,15 +219,11 @@ GRAPH = ["capture=graph_first", "capture.decode.buckets=[2]", "capture.extend.ba
 PROMPTS = [[5, 17, 33, 100, 7, 8, 9, 250, 61, 2], [40, 41, 42, 43, 44, 45]]
 
 
-def _rank(rank: int, size: int, store: str, overrides: list[str], out_file: str) -> None:
+def _rank(rank: int, size: int, store: str, runs: list[tuple[list[str], str]]) -> None:
+    """This rank's side of each (overrides, out file) run, in order, in one process group."""
     import torch.distributed as dist
 
-    from graphexec.batch.request import Req
-    from graphexec.config import EngineConfig
-    from graphexec.engine.rank_setup import load_and_capture
     from graphexec.parallel.group import SINGLE, TPGroup
-    from graphexec.sampling_params import SamplingParams
-    from graphexec.scheduler.scheduler import Scheduler
 
     # graphexec's own calls must not use deprecated collectives (all_gather_tensor warned).
     warnings.filterwarnings("error", category=FutureWarning, module=r"graphexec\.")
@@ -237,45 +233,64 @@ def _rank(rank: int, size: int, store: str, overrides: list[str], out_file: str)
         dist.init_process_group("gloo", init_method=store, rank=rank, world_size=size)
         tp = TPGroup(rank, size, dist.group.WORLD)
     try:
-        config = EngineConfig.from_overrides(overrides)
-        with torch.inference_mode():
-            rank_parts = load_and_capture(config, tp)
-            runner = rank_parts.runner
-            scheduler = Scheduler(runner, rank_parts.kv_cache, config.scheduler)
-            params = SamplingParams(max_new_tokens=4, ignore_eos=True)
-            reqs = [Req(f"r{i}", p, params, (), runner.max_context) for i, p in enumerate(PROMPTS)]
-            fb = runner.init_forward_batch(scheduler.plan_extend(reqs))
-            prefill_hidden = runner.forward(fb)
-            prefill_logits = runner.logits_processor(prefill_hidden, fb)
-            for req, token in zip(reqs, prefill_logits.argmax(-1).tolist()):
-                req.num_computed_tokens = req.seq_len
-                req.output_ids.append(token)
-            fb = runner.init_forward_batch(scheduler.plan_decode(reqs))
-            decode_hidden = runner.forward(fb)
-            decode_logits = runner.logits_processor(decode_hidden, fb)
-        result = dict(
-            prefill_hidden=prefill_hidden, prefill_logits=prefill_logits,
-            decode_hidden=decode_hidden, decode_logits=decode_logits,
-        )
-        kv_heads = runner.kv_cache.token_pool.k_pool.shape[2]
-        stats = runner.backend_stats()
-        ran = {mode: (stats[mode]["backend"], stats[mode]["executions"], stats[mode]["fallbacks"]) for mode in ("extend", "decode")}
-        torch.save((rank, {k: v.clone().numpy() for k, v in result.items()}, runner.weight_nbytes(), kv_heads, ran), out_file)
+        for overrides, out_file in runs:
+            _rank_run(rank, tp, overrides, out_file)
     finally:
         if size > 1:
             dist.destroy_process_group()
 
 
+def _rank_run(rank: int, tp, overrides: list[str], out_file: str) -> None:
+    from graphexec.batch.request import Req
+    from graphexec.config import EngineConfig
+    from graphexec.engine.rank_setup import load_and_capture
+    from graphexec.sampling_params import SamplingParams
+    from graphexec.scheduler.scheduler import Scheduler
+
+    config = EngineConfig.from_overrides(overrides)
+    with torch.inference_mode():
+        rank_parts = load_and_capture(config, tp)
+        runner = rank_parts.runner
+        scheduler = Scheduler(runner, rank_parts.kv_cache, config.scheduler)
+        params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+        reqs = [Req(f"r{i}", p, params, (), runner.max_context) for i, p in enumerate(PROMPTS)]
+        fb = runner.init_forward_batch(scheduler.plan_extend(reqs))
+        prefill_hidden = runner.forward(fb)
+        prefill_logits = runner.logits_processor(prefill_hidden, fb)
+        for req, token in zip(reqs, prefill_logits.argmax(-1).tolist()):
+            req.num_computed_tokens = req.seq_len
+            req.output_ids.append(token)
+        fb = runner.init_forward_batch(scheduler.plan_decode(reqs))
+        decode_hidden = runner.forward(fb)
+        decode_logits = runner.logits_processor(decode_hidden, fb)
+    result = dict(
+        prefill_hidden=prefill_hidden, prefill_logits=prefill_logits,
+        decode_hidden=decode_hidden, decode_logits=decode_logits,
+    )
+    kv_heads = runner.kv_cache.token_pool.k_pool.shape[2]
+    stats = runner.backend_stats()
+    ran = {mode: (stats[mode]["backend"], stats[mode]["executions"], stats[mode]["fallbacks"]) for mode in ("extend", "decode")}
+    torch.save((rank, {k: v.clone().numpy() for k, v in result.items()}, runner.weight_nbytes(), kv_heads, ran), out_file)
+
+
 def _run_ranks(*groups: tuple[int, list[str]], tmp_path) -> list[list[tuple]]:
     """Each (size, overrides) group's ranks as plain subprocesses, all groups at once (a reference
-    run overlaps the sharded one), results per group.  Subprocesses, not multiprocessing: its
-    resource tracker would outlive the test, and tests/test_tp_engine.py checks that nothing does."""
+    run overlaps the sharded one), results per group."""
+    return [series[0] for series in _run_rank_series(*[(size, [overrides]) for size, overrides in groups], tmp_path=tmp_path)]
+
+
+def _run_rank_series(*groups: tuple[int, list[list[str]]], tmp_path) -> list[list[list[tuple]]]:
+    """Each (size, [overrides, ...]) group's ranks as plain subprocesses that run every overrides
+    in turn (one process per rank, not per run: each start imports torch again), all groups at
+    once; results per group, per run, per rank.  Subprocesses, not multiprocessing: its resource
+    tracker would outlive the test, and tests/test_tp_engine.py checks that nothing does."""
     runs = []
-    for g, (size, overrides) in enumerate(groups):
+    for g, (size, series) in enumerate(groups):
         store = f"file://{tmp_path}/store-{g}-{size}"
-        outs = [tmp_path / f"group{g}-rank{r}-of-{size}.pt" for r in range(size)]
+        outs = [[tmp_path / f"group{g}-run{i}-rank{r}-of-{size}.pt" for r in range(size)] for i in range(len(series))]
+        jobs = [[(overrides, str(outs[i][r])) for i, overrides in enumerate(series)] for r in range(size)]
         runs.append((outs, [
-            subprocess.Popen([sys.executable, "-c", f"from tests.test_tp_model import _rank; _rank{(r, size, store, overrides, str(outs[r]))!r}"],
+            subprocess.Popen([sys.executable, "-c", f"from tests.test_tp_model import _rank; _rank{(r, size, store, jobs[r])!r}"],
                              cwd=Path(__file__).parent.parent)
             for r in range(size)
         ]))
@@ -288,7 +303,7 @@ def _run_ranks(*groups: tuple[int, list[str]], tmp_path) -> list[list[tuple]]:
                 p.kill()
                 p.wait()
     assert codes == [0] * len(procs)
-    return [[torch.load(out, weights_only=False) for out in outs] for outs, _ in runs]
+    return [[[torch.load(out, weights_only=False) for out in run] for run in outs] for outs, _ in runs]
 
 
 def _max_diff(a: dict, b: dict) -> dict[str, float]:
