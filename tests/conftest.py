@@ -17,18 +17,17 @@ if importlib.util.find_spec("triton") is not None and not torch.cuda.is_availabl
 # Under pytest-xdist (the README's test command: three workers on 2 cores) each worker runs
 # single-threaded, its subprocesses too: OpenMP teams of two threads from several processes on two
 # cores spin against each other (a busy neighbour makes OpenMP code collapse), where single-threaded
-# workers share the cores.  The kernel tests keep two threads (`_kernel_threads`): how
-# at::parallel_for splits work between threads is part of what they test.
+# workers share the cores.  Tests marked `two_threads` (the kernel tests: how at::parallel_for
+# splits work between threads is part of what they test) keep two (`_two_threads`).
 _XDIST_WORKER = bool(os.environ.get("PYTEST_XDIST_WORKER"))
 if _XDIST_WORKER:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
-_KERNEL_TESTS = {"test_attention_cpu.py", "test_quant.py", "test_quant_q8.py", "test_kquants.py", "test_moe.py"}
 
 
 @pytest.fixture(autouse=True)
-def _kernel_threads(request):
-    if not _XDIST_WORKER or request.path.name not in _KERNEL_TESTS:
+def _two_threads(request):
+    if not _XDIST_WORKER or request.node.get_closest_marker("two_threads") is None:
         yield
         return
     torch.set_num_threads(2)

@@ -19,6 +19,9 @@ from graphexec.batch.forward_batch import ForwardBatch
 from graphexec.batch.forward_mode import ForwardMode
 from graphexec.cache.kv_pool import TokenToKVPool
 
+# at::parallel_for's split between threads is part of what these test (tests/conftest.py)
+pytestmark = pytest.mark.two_threads
+
 
 @pytest.fixture(scope="module", autouse=True)
 def kernels():

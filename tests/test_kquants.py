@@ -27,6 +27,9 @@ from tests.invariants import assert_no_leak
 from tests.reference import hf_greedy, hf_model_from
 from tests.test_loader import save_tiny, write_tiny_gguf
 
+# at::parallel_for's split between threads is part of what these test (tests/conftest.py)
+pytestmark = pytest.mark.two_threads
+
 Q = gguf.GGMLQuantizationType
 TYPES = ["Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1"]
 # Byte offsets of each type's fp16 fields (d, and dmin or m): the rest of a block is any bytes.

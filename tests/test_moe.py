@@ -10,6 +10,9 @@ import torch
 
 from graphexec.models.moe import route
 
+# at::parallel_for's split between threads is part of what these test (tests/conftest.py)
+pytestmark = pytest.mark.two_threads
+
 transformers = pytest.importorskip("transformers")
 
 HIDDEN, INTER, EXPERTS = 32, 24, 6

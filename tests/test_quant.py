@@ -15,6 +15,9 @@ from tests.invariants import assert_no_leak
 from tests.reference import hf_greedy, hf_model_from
 from tests.test_loader import TINY, save_tiny, write_tiny_gguf
 
+# at::parallel_for's split between threads is part of what these test (tests/conftest.py)
+pytestmark = pytest.mark.two_threads
+
 Q = gguf.GGMLQuantizationType
 TYPES = ["Q4_0", "Q4_1", "Q8_0"]
 

@@ -25,6 +25,9 @@ from tests.reference import hf_greedy, hf_model_from
 from tests.test_kquants import TYPES as BLOCK_TYPES, _weight as _block_weight
 from tests.test_quant import TYPES, _engine, _packed, _prompts, tiny_quantized_gguf  # noqa: F401 (fixture)
 
+# at::parallel_for's split between threads is part of what these test (tests/conftest.py)
+pytestmark = pytest.mark.two_threads
+
 
 @pytest.fixture(scope="module", autouse=True)
 def kernels():
