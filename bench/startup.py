@@ -75,9 +75,11 @@ print(json.dumps({"engine_s": engine_s, "first_token_s": first_s, "all_ready_s":
 """
 
 _NO_AOT = ["capture.decode.compile.aot=false"]  # the decode layer traced by Dynamo on every start
+_AOTI = ["capture.decode.compile.aoti=true"]  # the forward as AOTInductor packages (C++ loader)
 _PLANS = {"eager": ["capture=eager"], "auto": ["capture=auto"], "auto_blocking": ["capture=auto", "capture.background=false"],
           "auto_in_loop": ["capture=auto", "capture.compile_in_child=false"],
           "auto_dynamo": ["capture=auto", *_NO_AOT], "auto_blocking_dynamo": ["capture=auto", "capture.background=false", *_NO_AOT],
+          "auto_aoti": ["capture=auto", *_AOTI], "auto_blocking_aoti": ["capture=auto", "capture.background=false", *_AOTI],
           "graph_first": ["capture=graph_first"]}
 
 

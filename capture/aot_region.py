@@ -44,7 +44,7 @@ from capture.vec_isa import IsaRecord
 
 _log = logging.getLogger(__name__)
 
-# An artifact's payload: this, the module's structure `_digest`, a newline, torch's compiled function.
+# An artifact's payload: this, the module's structure `structure_digest`, a newline, torch's compiled function.
 _STRUCTURE = b"module-structure "
 # (module, rows, ...) -> output rows: (layer, positions, x, rotary, layer_id) for the regional
 # layer, (model, input_ids, positions) for the whole forward.
@@ -67,8 +67,12 @@ class AotRegion:
         symbolic_ints: bool = True,
         shared_rows: bool = False,
     ):
-        options = dict(options)
-        options["guard_filter_fn"] = _serializable_guards(options.get("guard_filter_fn"), fn.__code__.co_varnames[0])
+        # The guards an artifact carries are `_serializable_guards`' alone.  A caller's filter
+        # (skip_module_guards) would also drop the key-order guard of the module dict a whole
+        # forward iterates, which loading needs (without it: "'_Missing' object has no attribute
+        # '_modules'"); what it would drop beyond that, the module argument's guards, goes anyway.
+        options = {k: v for k, v in options.items() if k != "guard_filter_fn"}
+        options["guard_filter_fn"] = _serializable_guards(fn.__code__.co_varnames[0])
         # symbolic_ints (dynamic=True) keeps the layer's layer_id symbolic (without it the graph
         # guards `layer_id == 0`); the shapes are pinned per bucket with mark_static before
         # tracing.  The whole forward has no int to keep, and with dynamic=True its float
@@ -88,7 +92,7 @@ class AotRegion:
         # Per slot (`slot_of`: the bucket, or SHARED for the buckets that share one region):
         self._aot: dict[int, Any] = {}  # its ahead-of-time compiled region (not Dynamo's)
         self._origins: dict[int, str] = {}  # where that came from: "artifact" | "compiled"
-        self._structures: dict[int, str] = {}  # `_digest` of the module's structure it runs
+        self._structures: dict[int, str] = {}  # `structure_digest` of the module's structure it runs
         self._unsaved: set[int] = set()  # compiled here, saved once `trust`ed
         self._unavailable = False
 
@@ -121,7 +125,7 @@ class AotRegion:
             self._stats.origins[bucket] = self._origins[slot]
             self._use(bucket, slot, structure)
             return self._ready[bucket](*args)
-        name, digest = self._artifact(slot), _digest(structure)
+        name, digest = self._artifact(slot), structure_digest(structure)
         fn = self._load(name, args, digest)
         if fn is not None:
             try:
@@ -145,7 +149,7 @@ class AotRegion:
         return self._ready[bucket](*args)
 
     def _hold(self, slot: int, fn, origin: str, structure: str) -> None:
-        """fn runs `slot`'s buckets: where it came from, and the `_digest` of the modules it was
+        """fn runs `slot`'s buckets: where it came from, and the `structure_digest` of the modules it was
         compiled on (what its artifact records)."""
         self._aot[slot] = fn
         self._origins[slot] = origin
@@ -283,17 +287,16 @@ def layer_structure(layer: torch.nn.Module) -> tuple:
     )
 
 
-def _digest(structure: tuple) -> str:
+def structure_digest(structure: tuple) -> str:
     """`layer_structure` as a short string an artifact carries (the dtypes' and types' reprs are
     stable across processes of one torch version, which the key pins)."""
     return hashlib.sha256(repr(structure).encode()).hexdigest()
 
 
-def _serializable_guards(keep_first: Callable | None, module_arg: str) -> Callable:
-    """The guards an artifact carries: the caller's filter (skip_module_guards), then none on the
-    module argument `module_arg` (the region's first), then torch's own rule for aot_compile (no
-    global state, none of the kinds it cannot serialize), which a caller's filter would otherwise
-    replace.
+def _serializable_guards(module_arg: str) -> Callable:
+    """The guards an artifact carries: none on the module argument `module_arg` (the region's
+    first), then torch's own rule for aot_compile (no global state, none of the kinds it cannot
+    serialize), which a filter of our own would otherwise replace.
 
     Dynamo guards every module, attribute and weight a region reads when the module comes in as an
     argument (skip_module_guards does not see it as one): a whole forward carried ~4,700 guards, and
@@ -305,9 +308,7 @@ def _serializable_guards(keep_first: Callable | None, module_arg: str) -> Callab
     unsupported = CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES
 
     def keep(entries):
-        first = keep_first(entries) if keep_first is not None else [True] * len(entries)
-        return [k and not (e.is_global or e.guard_type in unsupported or _on_module(e, module_arg))
-                for k, e in zip(first, entries)]
+        return [not (e.is_global or e.guard_type in unsupported or _on_module(e, module_arg)) for e in entries]
 
     return keep
 

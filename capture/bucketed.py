@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import time
 from abc import abstractmethod
-from typing import Callable, Iterator, Mapping
+from typing import Callable, ContextManager, Iterator, Mapping
 
 import torch
 from tqdm import tqdm
@@ -182,9 +182,13 @@ class BucketedBackend(CaptureBackend):
             self.stats.states[bucket] = "compiling"
 
     def _build(self, bucket: int, batch: BucketableBatch) -> BucketRunner:
-        limit = self.recompile_limit
-        with torch._dynamo.config.patch(recompile_limit=limit, accumulated_recompile_limit=max(65536, limit)):
+        with self._compile_limits(bucket):
             return self._measured(bucket, lambda: self._make_runner(bucket, batch))
+
+    def _compile_limits(self, bucket: int) -> ContextManager:
+        """Dynamo's recompile limits lifted for `bucket`'s compile (see `recompile_limit`)."""
+        limit = self.recompile_limit
+        return torch._dynamo.config.patch(recompile_limit=limit, accumulated_recompile_limit=max(65536, limit))
 
     def _decide(self, bucket: int, batch: BucketableBatch, runner: BucketRunner) -> BucketDecision:
         """The preset decision, else `keep=all`, else the graph timed against eager on `batch`."""

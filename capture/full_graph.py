@@ -26,11 +26,13 @@ tracing and compiling.  Every option, checked, is capture/options.py's `FullGrap
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+import contextlib
+from typing import Any, Callable, ContextManager, Mapping
 
 import torch
 
 from capture.aot_region import AotRegion, artifact_name, layer_structure, slot_of
+from capture.aoti_forward import AotiForward
 from capture.backend import CaptureEnv
 from capture.batch import BucketableBatch, Phase
 from capture.bucketed import BucketedBackend, BucketRunner
@@ -51,7 +53,7 @@ class FullGraphBackend(BucketedBackend):
         super().__init__(env, options, config_path)
         self._regional: Callable | None = None
         self._whole: Callable | None = None
-        self._aots: list[AotRegion] = []  # one per distinct layer structure, and the whole forward's
+        self._aots: list[AotRegion | AotiForward] = []  # one per distinct layer structure, and the whole forward's
 
     def pending_buckets(self) -> list[int]:
         # A whole forward compiles as many times longer as the model is deep: every regional
@@ -160,7 +162,7 @@ class FullGraphBackend(BucketedBackend):
     def _layer_runner(self, index: int, dynamic: bool, compile_kwargs: dict[str, Any]) -> Callable:
         """The compiled layer for the index-th distinct layer structure (its own code object, so
         its own Dynamo cache; its own artifact)."""
-        compiled_layer = torch.compile(own_code(_call_layer), dynamic=True if dynamic else None, **compile_kwargs)
+        compiled_layer = _torch_compile(own_code(_call_layer), compile_kwargs, dynamic=True if dynamic else None)
 
         def run(layer, positions, x, rotary, layer_id):
             if not dynamic:
@@ -171,7 +173,9 @@ class FullGraphBackend(BucketedBackend):
         if not self._uses_aot():
             return run
         name = self._region(whole=False) + (f".s{index}" if index else "")
-        return self._aot(_call_layer, compile_kwargs, name, fallback=run)
+        aot = self._aot(_call_layer, compile_kwargs, name, fallback=run)
+        self._aots.append(aot)
+        return aot
 
     def _whole_forward(self, compile_kwargs: dict[str, Any]) -> Callable:
         options = compile_kwargs.get("options", {})
@@ -180,25 +184,42 @@ class FullGraphBackend(BucketedBackend):
             # kernels at -O3 it was most of the compile; built apart it is built at -O1, its
             # kernels still at -O3 (docs/STATUS.md, issue 22: cold compile times).
             compile_kwargs = compile_kwargs | {"options": options | {"cpp_wrapper_build_separate": True}}
-        compiled = torch.compile(own_forward(self.env.model), **compile_kwargs)
         if not self._uses_aot():
-            return compiled
-        aot = self._aot(_call_forward, compile_kwargs, self._region(whole=True),
-                        fallback=lambda model, ids, positions: compiled(ids, positions), symbolic_ints=False)
+            return _torch_compile(own_forward(self.env.model), compile_kwargs)
+        compiled: list[Callable] = []  # made on first need: torch.compile imports Dynamo
+
+        def dynamo_forward(model, ids, positions):
+            if not compiled:
+                compiled.append(_torch_compile(own_forward(model), compile_kwargs))
+            return compiled[0](ids, positions)
+
+        if self.options.compile.aoti:
+            aot = AotiForward(self.artifacts, self._region(whole=True), self.stats, fallback=dynamo_forward,
+                              max_rows=max(self.buckets), option=f"{self.config_path}.compile.aoti",
+                              shared_rows=self.options.compile.dynamic)
+        else:
+            aot = self._aot(_call_forward, compile_kwargs, self._region(whole=True), fallback=dynamo_forward,
+                            symbolic_ints=False)
+        self._aots.append(aot)
         return lambda ids, positions: aot(self.env.model, ids, positions)
 
     def _aot(self, fn: Callable, compile_kwargs: dict[str, Any], name: str, fallback: Callable,
              symbolic_ints: bool = True) -> AotRegion:
-        aot = AotRegion(own_code(fn), compile_kwargs.get("options", {}), self.artifacts, name, self.stats,
-                        fallback=fallback, option=f"{self.config_path}.compile.aot", symbolic_ints=symbolic_ints,
-                        shared_rows=self.options.compile.dynamic)
-        self._aots.append(aot)
-        return aot
+        return AotRegion(own_code(fn), compile_kwargs.get("options", {}), self.artifacts, name, self.stats,
+                         fallback=fallback, option=f"{self.config_path}.compile.aot", symbolic_ints=symbolic_ints,
+                         shared_rows=self.options.compile.dynamic)
 
     def _uses_aot(self) -> bool:
         # TODO(gpu): the cuda_graph mechanism records over the Dynamo-compiled layer; an artifact
         # would spare a GPU start the trace too, but that path has never run.
         return self.mechanism == "compile" and self.options.compile.aot
+
+    def _compile_limits(self, bucket: int) -> ContextManager:
+        # A package is exported, not traced by Dynamo, and loading one must not import Dynamo
+        # (the point of aoti: capture/aoti_forward.py).
+        if self._uses_aot() and self.options.compile.aoti and self._is_whole(bucket):
+            return contextlib.nullcontext()
+        return super()._compile_limits(bucket)
 
     def _make_runner(self, bucket: int, batch: BucketableBatch) -> BucketRunner:
         # A bucket is compiled (or its artifact loaded) on its first call, here.
@@ -207,6 +228,14 @@ class FullGraphBackend(BucketedBackend):
         for aot in self._aots:
             aot.trust(bucket)
         return runner
+
+
+def _torch_compile(fn: Callable, compile_kwargs: dict[str, Any], **more) -> Callable:
+    """torch.compile over a copy of the options: it pops guard_filter_fn out of the dict it is
+    given, so a shared one would compile every later region without the filter."""
+    options = compile_kwargs.get("options")
+    kwargs = compile_kwargs if options is None else compile_kwargs | {"options": dict(options)}
+    return torch.compile(fn, **(kwargs | more))
 
 
 def _call_layer(layer, positions, x, rotary, layer_id):

@@ -286,7 +286,7 @@ def test_a_region_that_cannot_be_compiled_ahead_of_time_falls_back_to_dynamo(tmp
     bucket is compiled by Dynamo instead, with one warning per region, and serves the same tokens."""
     from capture import aot_region
 
-    monkeypatch.setattr(aot_region, "_serializable_guards", lambda keep_first, module_arg: lambda entries: [True] * len(entries))
+    monkeypatch.setattr(aot_region, "_serializable_guards", lambda module_arg: lambda entries: [True] * len(entries))
     with caplog.at_level(logging.WARNING, logger="capture.aot_region"), Engine(overrides=[*PLAN, f"capture.cache_dir={tmp_path}"]) as engine:
         assert _greedy(engine) == built.tokens
         stats = engine.runner.backend_stats()["decode"]
@@ -309,11 +309,9 @@ def test_an_artifact_carries_no_guard_on_the_module_it_runs():
     entries = [entry("layer"), entry("layer._modules['mlp']._buffers['codes']"), entry("layer.tp", "TYPE_MATCH"),
                entry("layer._modules['layers']._modules", "DICT_KEYS_MATCH"), entry("x"), entry("layer_id", "TYPE_MATCH"),
                entry("rotary._buffers['cos_table']"), entry("", "GRAD_MODE", is_global=True)]
-    keep = aot_region._serializable_guards(None, "layer")(entries)
+    keep = aot_region._serializable_guards("layer")(entries)
     assert [e.name for e, k in zip(entries, keep) if k] == [
         "layer._modules['layers']._modules", "x", "layer_id", "rotary._buffers['cos_table']"]
-    # A caller's filter still applies first.
-    assert not any(aot_region._serializable_guards(lambda es: [False] * len(es), "layer")(entries))
 
 
 def test_a_layer_whose_guards_reject_a_later_layer_hands_the_bucket_to_dynamo(tmp_path, caplog, monkeypatch):

@@ -1,0 +1,178 @@
+"""The forward as AOTInductor packages (`compile.aoti`, capture/aoti_forward.py): built by the
+capture process while the engine serves, loaded by a later start through torch's C++ loader
+without importing Dynamo or inductor, the weights the live model's own; a damaged, foreign or
+stale package is rejected with one warning and rebuilt; a forward that cannot be exported is
+compiled by Dynamo instead.  Tiny model; bucket 1 has its own package, buckets 2 and 4 share one
+whose row count is a Dim."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from capture import aoti_forward
+from capture.aoti_forward import AotiForward, source_digest
+from capture.artifacts import ArtifactStore
+from capture.errors import CaptureConfigError
+from capture.full_graph import FullGraphBackend
+from capture import CaptureEnv
+from graphexec import Engine, SamplingParams
+
+PLAN = ["model=tiny-llama", "capture=auto", "capture.decode.buckets=[1,2,4]", "capture.decode.progress=false",
+        "capture.decode.compile.aoti=true", "capture.decode.keep=all", "cache.num_slots=2048",
+        "capture.background=true", "capture.idle_delay_s=0"]
+B1 = "capture.decode.forward.b1"
+PACKAGES = [f"{B1}.aot", "capture.decode.forward.rows.aot"]
+PROMPTS = [[5, 6, 7, 8, 9], [40, 41, 42], [7, 7, 7, 7], [90, 3, 60]]
+
+
+def _greedy(engine) -> list[list[int]]:
+    """Each of two prompts alone (B=1 decode steps), then two together (B=2) and four (B=4)."""
+    engine.flush_cache()
+    params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    alone = [engine.generate([p], params)[0].token_ids for p in PROMPTS[:2]]
+    return alone + [out.token_ids for n in (2, 4) for out in engine.generate(PROMPTS[:n], params)]
+
+
+def _serve_until_captured(engine) -> list[list[list[int]]]:
+    """Greedy tokens, again and again while buckets are pending (the capture runs between)."""
+    seen, deadline = [], time.monotonic() + 300
+    while engine.runner.capture_pending() and time.monotonic() < deadline:
+        seen.append(_greedy(engine))
+        time.sleep(0.5)  # idle: the capture process runs only now
+    assert not engine.runner.capture_pending(), "capture did not finish in 300 s"
+    return seen
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """A plan directory whose packages a capture process compiled while the engine served."""
+    cache_dir = tmp_path_factory.mktemp("plans")
+    with Engine(overrides=[*PLAN, f"capture.cache_dir={cache_dir}"]) as engine:
+        seen = _serve_until_captured(engine)
+        tokens = _greedy(engine)
+        stats = engine.runner.backend_stats()["decode"]
+    return SimpleNamespace(cache_dir=cache_dir, stats=stats, tokens=tokens, seen=seen)
+
+
+def test_the_capture_process_builds_the_packages_and_the_engine_only_loads_them(built, tiny):
+    stats = built.stats
+    assert (stats["aot_compiles"], stats["artifacts_saved"], stats["artifacts_loaded"]) == (0, 0, 2)
+    assert all(stats["buckets"][b]["origin"] == "artifact" for b in (1, 2, 4)) and stats["executions"] > 0
+    assert sorted(p.name for p in built.cache_dir.glob("*/capture.*.aot")) == PACKAGES
+    # The weights stay out of a package: the tiny model's alone are ~1.3 MB of fp32.
+    assert all(p.stat().st_size < 4 << 20 for p in built.cache_dir.glob("*/capture.*.aot"))
+    assert built.seen and built.tokens == _greedy(tiny) and all(tokens == built.tokens for tokens in built.seen)
+
+
+_FRESH = textwrap.dedent(r"""
+    import json, sys
+    from graphexec import Engine, SamplingParams
+    with Engine(overrides=json.loads(sys.argv[1])) as engine:
+        params, prompts = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True), json.loads(sys.argv[2])
+        tokens = [engine.generate([p], params)[0].token_ids for p in prompts[:2]]
+        tokens += [out.token_ids for n in (2, 4) for out in engine.generate(prompts[:n], params)]
+        stats = engine.runner.backend_stats()["decode"]
+    compiler = sorted(m for m in ("torch._dynamo", "torch._inductor") if m in sys.modules)
+    print(json.dumps({"tokens": tokens, "stats": stats, "compiler": compiler}, default=str))
+""")
+
+
+def test_a_fresh_process_loads_the_packages_without_importing_the_compiler(built, tiny):
+    overrides = [*PLAN, "capture.background=false", f"capture.cache_dir={built.cache_dir}"]
+    result = subprocess.run([sys.executable, "-c", _FRESH, json.dumps(overrides), json.dumps(PROMPTS)],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    stats = out["stats"]
+    assert (stats["aot_compiles"], stats["artifacts_loaded"], stats["artifacts_rejected"]) == (0, 2, 0)
+    assert all(stats["buckets"][b]["origin"] == "artifact" for b in "124") and stats["executions"] > 0
+    # Neither Dynamo nor inductor was even imported: the C++ loader needs none of them.
+    assert out["compiler"] == []
+    assert out["tokens"] == built.tokens == _greedy(tiny)
+
+
+def _header_and_package(store: ArtifactStore) -> tuple[bytes, bytes]:
+    header, _, package = store.load(B1).partition(b"\n")
+    return header, package
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage", "structure", "source", "other format"])
+def test_a_damaged_foreign_or_stale_package_is_rebuilt_with_one_warning(built, tmp_path, caplog, monkeypatch, damage):
+    shutil.copytree(built.cache_dir, tmp_path, dirs_exist_ok=True)
+    (artifact,) = tmp_path.glob(f"*/{B1}.aot")
+    store = ArtifactStore(artifact.parent, artifact.parent.name)
+    header, package = _header_and_package(store)
+    prefix, structure, sources = header.split(b" ")
+    if damage == "truncate":
+        artifact.write_bytes(artifact.read_bytes()[:-5000])
+    elif damage == "garbage":  # a well-formed file of this key whose package the loader cannot open
+        store.save(B1, header + b"\nnot a package")
+    elif damage == "structure":  # compiled on other modules (an export records no guard to see it)
+        store.save(B1, b" ".join([prefix, b"0" * 64, sources]) + b"\n" + package)
+    elif damage == "source":  # compiled from model code that has since been edited
+        store.save(B1, b" ".join([prefix, structure, b"0" * 64]) + b"\n" + package)
+    else:  # aot_compile's format under this name
+        store.save(B1, b"module-structure " + structure + b"\n" + package)
+    # The rebuild's compile, without paying for one: it yields the package the capture process built.
+    compiles = []
+    monkeypatch.setattr(AotiForward, "_package", lambda self, *args: compiles.append(args[0]) or package)
+    overrides = [*PLAN, "capture.background=false", f"capture.cache_dir={tmp_path}"]
+    with caplog.at_level(logging.WARNING, logger="capture.artifacts"), Engine(overrides=overrides) as engine:
+        assert _greedy(engine) == built.tokens
+        stats = engine.runner.backend_stats()["decode"]
+    assert compiles == [1]
+    assert (stats["artifacts_rejected"], stats["aot_compiles"], stats["artifacts_saved"], stats["artifacts_loaded"]) == (1, 1, 1, 1)
+    warnings = [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
+    assert len(warnings) == 1 and f"{B1}.aot" in warnings[0]
+    expected = {"truncate": "truncated", "garbage": "does not load", "structure": "modules it runs differ",
+                "source": "source changed", "other format": "not an AOTInductor package"}[damage]
+    assert expected in warnings[0]
+    assert _header_and_package(store) == (header, package)  # rewritten as built
+
+
+def test_a_forward_that_cannot_be_exported_is_compiled_by_dynamo(tmp_path, caplog, monkeypatch, tiny):
+    def refuse(*args, **kwargs):
+        raise NotImplementedError("cannot export this")
+
+    monkeypatch.setattr(torch.export, "export", refuse)
+    overrides = [*PLAN, "capture.decode.buckets=[1]", "capture.background=false", f"capture.cache_dir={tmp_path}"]
+    with caplog.at_level(logging.WARNING, logger="capture.aoti_forward"), Engine(overrides=overrides) as engine:
+        assert _greedy(engine) == _greedy(tiny)
+        stats = engine.runner.backend_stats()["decode"]
+    assert stats["buckets"][1]["origin"] == "dynamo" and (stats["aot_compiles"], stats["artifacts_saved"]) == (0, 0)
+    (warning,) = [r.getMessage() for r in caplog.records if r.name == "capture.aoti_forward"]
+    assert "capture.decode.compile.aoti" in warning and "cannot export this" in warning
+    assert not list(tmp_path.glob("*/capture.*.aot"))
+
+
+def test_aoti_needs_aot():
+    env = CaptureEnv(model=lambda *a, **k: None, device=torch.device("cpu"), padding=None, empty_batches={})
+    with pytest.raises(CaptureConfigError, match="capture.decode.compile.aoti=true needs capture.decode.compile.aot=true"):
+        FullGraphBackend(env, {"buckets": [1], "compile": {"aoti": True}})
+
+
+def test_the_source_digest_covers_every_file_beside_the_models_modules(tmp_path, monkeypatch):
+    package = tmp_path / "fakemodels"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "net.py").write_text("import torch\nclass Net(torch.nn.Module):\n    pass\n")
+    (package / "helpers.py").write_text("def scale(x):\n    return x * 2\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from fakemodels.net import Net
+
+    model = torch.nn.Sequential(Net(), torch.nn.Linear(2, 2))
+    before = source_digest(model)
+    assert source_digest(model) == before
+    (package / "helpers.py").write_text("def scale(x):\n    return x * 3\n")  # a helper the module calls
+    assert source_digest(model) != before
+    assert aoti_forward.source_digest(torch.nn.Linear(2, 2)) == aoti_forward.source_digest(torch.nn.ReLU())  # torch's own: none
