@@ -10,9 +10,10 @@
 
     graphexec-bench startup --plans eager auto --rounds 2                      # warm caches
     graphexec-bench startup --plans eager auto --rounds 1 --cold               # each run: empty inductor cache and plan dir
-    graphexec-bench startup --plans eager auto_blocking auto_blocking_dynamo --capture-overrides capture.decode.keep=all
-        # every decode graph live before the engine returns: loaded artifacts (compile.aot) against
-        # Dynamo over inductor's warm cache (compile.aot=false), the same buckets on both sides
+    graphexec-bench startup --plans eager auto_blocking auto_blocking_aot_compile auto_blocking_dynamo --capture-overrides capture.decode.keep=all
+        # every decode graph live before the engine returns: AOTInductor packages (compile.aoti), against
+        # aot_compile's artifacts (compile.aoti=false), against Dynamo over inductor's warm cache
+        # (compile.aot=false), the same buckets on each side
     graphexec-bench startup --plans auto auto_in_loop --rounds 1 --cold --probe-every 5
         # requests during a cold background capture: compiled by the capture process against on
         # the engine loop (capture.compile_in_child=false)
@@ -75,11 +76,12 @@ print(json.dumps({"engine_s": engine_s, "first_token_s": first_s, "all_ready_s":
 """
 
 _NO_AOT = ["capture.decode.compile.aot=false"]  # the decode layer traced by Dynamo on every start
-_AOTI = ["capture.decode.compile.aoti=true"]  # the forward as AOTInductor packages (C++ loader)
+_AOT_COMPILE = ["capture.decode.compile.aoti=false"]  # aot_compile's artifacts, not AOTInductor packages
 _PLANS = {"eager": ["capture=eager"], "auto": ["capture=auto"], "auto_blocking": ["capture=auto", "capture.background=false"],
           "auto_in_loop": ["capture=auto", "capture.compile_in_child=false"],
           "auto_dynamo": ["capture=auto", *_NO_AOT], "auto_blocking_dynamo": ["capture=auto", "capture.background=false", *_NO_AOT],
-          "auto_aoti": ["capture=auto", *_AOTI], "auto_blocking_aoti": ["capture=auto", "capture.background=false", *_AOTI],
+          "auto_aot_compile": ["capture=auto", *_AOT_COMPILE],
+          "auto_blocking_aot_compile": ["capture=auto", "capture.background=false", *_AOT_COMPILE],
           "graph_first": ["capture=graph_first"]}
 
 

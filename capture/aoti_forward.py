@@ -77,6 +77,16 @@ class AotiForward:
             return self._first_call(input_ids.shape[0], model, input_ids, positions)
         return fn(model, input_ids, positions)
 
+    def adopt(self, bucket: int) -> bool:
+        """Make `bucket` ready on its slot's package if that has already run once (a shared one
+        serves every bucket above 1): True, and the bucket needs no run of its own."""
+        slot = slot_of(bucket, self._shared_rows)
+        if slot not in self._loaders:
+            return False
+        self._stats.origins[bucket] = self._origins[slot]
+        self._ready[bucket] = self._ready_fn(self._loaders[slot])
+        return True
+
     def trust(self, bucket: int) -> None:
         """The bucket's capture forward ran: save the package compiled for it (if it was)."""
         payload = self._unsaved.pop(slot_of(bucket, self._shared_rows), None)
@@ -103,14 +113,15 @@ class AotiForward:
                 self._ready[bucket] = self._fallback
                 return self._fallback(model, input_ids, positions)
             loader, payload = compiled
+            out = _run(loader, input_ids, positions)
             self._unsaved[slot] = payload
             self._hold(bucket, slot, loader, "compiled")
-        else:
-            self._stats.origins[bucket] = self._origins[slot]
-            self._ready[bucket] = self._ready_fn(self._loaders[slot])
+            return out
+        self.adopt(bucket)
         return self._ready[bucket](model, input_ids, positions)
 
     def _hold(self, bucket: int, slot: int, loader, origin: str) -> None:
+        """The loader runs `slot`'s buckets: it has run one of them once."""
         self._loaders[slot] = loader
         self._origins[slot] = origin
         self._stats.origins[bucket] = origin

@@ -171,6 +171,19 @@ class BucketedBackend(CaptureBackend):
         not yet.  False for a backend whose compiled code does not persist."""
         return False
 
+    def only_loads(self, bucket: int) -> bool:
+        """Whether capturing `bucket` would only load stored compiled code that needs no compiler
+        imported: milliseconds, so a request need not be kept from waiting on it."""
+        return False
+
+    def load_needs_compiler(self, bucket: int) -> bool:
+        """Whether loading `bucket`'s stored compiled code (once saved) imports Dynamo and inductor."""
+        return True
+
+    def pending_only_load(self) -> bool:
+        """Whether every pending bucket `only_loads` (cheap: the loop asks between requests)."""
+        return all(self.only_loads(b) for b in BucketedBackend.pending_buckets(self))
+
     def compiled_with(self, bucket: int) -> str:
         """What compiling `bucket` produces: buckets with the same answer share one compile, so
         one process must build them, in order (the first compiles, the others reuse it)."""
@@ -228,13 +241,19 @@ class BucketedBackend(CaptureBackend):
             return self._run_model
         forward = self._bucket_forward(bucket)
         if self.recorder is None:
-            forward(batch)  # compiles this bucket's static shape
+            if not self._ready_without_a_run(bucket):
+                forward(batch)  # compiles this bucket's static shape
             return forward
         for _ in range(_WARMUPS_BEFORE_RECORDING):
             forward(batch)
         recorded = record_segments(self.recorder, lambda: forward(batch), implicit=self.implicit_segments)
         self._recorded[bucket] = recorded
         return lambda fb: recorded.replay()
+
+    def _ready_without_a_run(self, bucket: int) -> bool:
+        """True when `bucket`'s compiled code is ready without running it once on its capture
+        batch (where it compiles, or where what was loaded for it is first checked)."""
+        return False
 
     def segments_of(self, bucket: int) -> SegmentedGraph | None:
         """The recorded graphs and breaks of a bucket (None unless the mechanism records)."""

@@ -54,6 +54,7 @@ class FullGraphBackend(BucketedBackend):
         self._regional: Callable | None = None
         self._whole: Callable | None = None
         self._aots: list[AotRegion | AotiForward] = []  # one per distinct layer structure, and the whole forward's
+        self._aoti: AotiForward | None = None  # the whole forward's, with compile.aoti
 
     def pending_buckets(self) -> list[int]:
         # A whole forward compiles as many times longer as the model is deep: every regional
@@ -66,6 +67,14 @@ class FullGraphBackend(BucketedBackend):
     def builds_apart(self, bucket: int) -> bool:
         # Only an ahead-of-time compiled region persists.
         return self._uses_aot() and self.artifacts is not None and not self._stored(bucket)
+
+    def only_loads(self, bucket: int) -> bool:
+        return not self.load_needs_compiler(bucket) and self._stored(bucket)
+
+    def load_needs_compiler(self, bucket: int) -> bool:
+        # Only a package loads without importing Dynamo and inductor (~2.5 s in the first load
+        # of a process, compile.aot's artifacts).
+        return not (self._uses_aot() and self.options.compile.aoti and self._is_whole(bucket))
 
     def compiled_with(self, bucket: int) -> str:
         return self._artifact_of(bucket) if self._uses_aot() else super().compiled_with(bucket)
@@ -194,7 +203,7 @@ class FullGraphBackend(BucketedBackend):
             return compiled[0](ids, positions)
 
         if self.options.compile.aoti:
-            aot = AotiForward(self.artifacts, self._region(whole=True), self.stats, fallback=dynamo_forward,
+            aot = self._aoti = AotiForward(self.artifacts, self._region(whole=True), self.stats, fallback=dynamo_forward,
                               max_rows=max(self.buckets), option=f"{self.config_path}.compile.aoti",
                               shared_rows=self.options.compile.dynamic)
         else:
@@ -220,6 +229,11 @@ class FullGraphBackend(BucketedBackend):
         if self._uses_aot() and self.options.compile.aoti and self._is_whole(bucket):
             return contextlib.nullcontext()
         return super()._compile_limits(bucket)
+
+    def _ready_without_a_run(self, bucket: int) -> bool:
+        # A package an earlier bucket loaded and ran serves this one as it is: no guards to check,
+        # nothing to compile (a warm start's buckets above 2 then cost nothing but the swap).
+        return self._aoti is not None and self._is_whole(bucket) and self._aoti.adopt(bucket)
 
     def _make_runner(self, bucket: int, batch: BucketableBatch) -> BucketRunner:
         # A bucket is compiled (or its artifact loaded) on its first call, here.

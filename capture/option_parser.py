@@ -90,8 +90,6 @@ def _check_compile(compile: CompileOptions, path: str) -> None:
     inductor mode cannot be combined with the guard filter an artifact needs.  Any mode but default is
     torch.compile's `mode`, which excludes the `options` freezing, the guard filter and the C++
     wrapper are passed as."""
-    if compile.aoti and not compile.aot:
-        raise CaptureConfigError(f"{path}.aoti=true needs {path}.aot=true (or set {path}.aoti=false)")
     if compile.aot:
         if compile.mode != "default":
             raise CaptureConfigError(f"{path}.aot=true needs {path}.mode=default (or set {path}.aot=false)")

@@ -111,7 +111,7 @@ class CompileOptions:
     Dynamo frame per call) and, with capture.cache_dir set, saved beside the plan so a later start
     loads it instead of compiling.  Needs mode default and no freezing; graph=compile only."""
     aoti: bool = _option(False, check.flag)
-    """With aot: each whole-forward bucket exported (torch.export) and compiled by AOTInductor into
+    """With aot (ignored without): each whole-forward bucket exported (torch.export) and compiled by AOTInductor into
     a package, without the weights (the loader is handed the live model's), that torch's C++ loader
     opens in milliseconds without importing Dynamo or inductor: a warm start's graphs are live about
     as soon as the weights are loaded (capture/aoti_forward.py).  The regional layer keeps aot's

@@ -22,9 +22,6 @@ import torch
 from capture import aoti_forward
 from capture.aoti_forward import AotiForward, source_digest
 from capture.artifacts import ArtifactStore
-from capture.errors import CaptureConfigError
-from capture.full_graph import FullGraphBackend
-from capture import CaptureEnv
 from graphexec import Engine, SamplingParams
 
 PLAN = ["model=tiny-llama", "capture=auto", "capture.decode.buckets=[1,2,4]", "capture.decode.progress=false",
@@ -101,6 +98,24 @@ def test_a_fresh_process_loads_the_packages_without_importing_the_compiler(built
     assert out["tokens"] == built.tokens == _greedy(tiny)
 
 
+def test_a_warm_background_start_loads_its_packages_at_once(built, tmp_path, tiny):
+    """Packages load in milliseconds: the loop does not wait `idle_delay_s` for them (here an
+    hour, so only that can have put them live).  A cold start, which would compile, still waits."""
+    overrides = [*PLAN, "capture.idle_delay_s=3600"]
+    with Engine(overrides=[*overrides, f"capture.cache_dir={tmp_path}"]) as cold:
+        assert cold.runner.capture_pending() and not cold.runner.capture_only_loads()
+    with Engine(overrides=[*overrides, f"capture.cache_dir={built.cache_dir}"]) as engine:
+        deadline = time.monotonic() + 120
+        while engine.runner.capture_pending() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        stats = engine.runner.backend_stats()["decode"]
+        assert not engine.runner.capture_pending() and stats["artifacts_loaded"] == 2
+        assert all(stats["buckets"][b]["origin"] == "artifact" for b in (1, 2, 4))
+        assert _greedy(engine) == built.tokens == _greedy(tiny)
+        # So while capture processes build them, this process need not import the compiler either.
+        assert not engine.runner.loads_need_compiler([("capture.decode", b) for b in (1, 2, 4)])
+
+
 def _header_and_package(store: ArtifactStore) -> tuple[bytes, bytes]:
     header, _, package = store.load(B1).partition(b"\n")
     return header, package
@@ -153,12 +168,6 @@ def test_a_forward_that_cannot_be_exported_is_compiled_by_dynamo(tmp_path, caplo
     (warning,) = [r.getMessage() for r in caplog.records if r.name == "capture.aoti_forward"]
     assert "capture.decode.compile.aoti" in warning and "cannot export this" in warning
     assert not list(tmp_path.glob("*/capture.*.aot"))
-
-
-def test_aoti_needs_aot():
-    env = CaptureEnv(model=lambda *a, **k: None, device=torch.device("cpu"), padding=None, empty_batches={})
-    with pytest.raises(CaptureConfigError, match="capture.decode.compile.aoti=true needs capture.decode.compile.aot=true"):
-        FullGraphBackend(env, {"buckets": [1], "compile": {"aoti": True}})
 
 
 def test_the_source_digest_covers_every_file_beside_the_models_modules(tmp_path, monkeypatch):

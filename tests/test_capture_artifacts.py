@@ -34,7 +34,8 @@ from graphexec.runner.capture_key import capture_key
 # Bucket 1 the whole forward; buckets 2 and 4 one regional layer with a symbolic row count (dynamic).
 PLAN = ["model=tiny-llama", "capture=auto", "capture.decode.buckets=[1,2,4]", "capture.decode.progress=false",
         "capture.decode.compile.regional=true", "capture.decode.compile.whole_forward_buckets=[1]",
-        "capture.background=false", "capture.decode.keep=all", "cache.num_slots=2048"]
+        "capture.background=false", "capture.decode.keep=all", "cache.num_slots=2048",
+        "capture.decode.compile.aoti=false"]  # aot_compile's format (AOTInductor packages: test_aoti_forward.py)
 ARTIFACT = "capture.decode.forward.b1.aot"  # the one the B=1 steps below run
 ARTIFACTS = [ARTIFACT, "capture.decode.layer.rows.aot"]
 PROMPTS = [[5, 6, 7, 8, 9], [40, 41, 42], [7, 7, 7, 7], [90, 3, 60]]

@@ -89,6 +89,10 @@ class BackgroundCapture:
             return POLL_S
         return None
 
+    def waits(self) -> bool:
+        # Loading stored packages takes milliseconds; anything else may compile on this thread.
+        return not all(runner.capture_only_loads() for runner in self.runners)
+
     def pause(self) -> None:
         """The loop is about to serve: stop the children until the next `run`."""
         for child in self._children:
@@ -115,7 +119,7 @@ class BackgroundCapture:
             self._children.append(child)
             self._owed.update(buckets)
             _log.info("capture process %d builds %s", child.pid, ", ".join(f"{p} bucket {b}" for p, b in buckets))
-        if self._children:
+        if self._children and target.loads_need_compiler(sorted(self._owed)):
             # The first artifact loaded here would import Dynamo and inductor on the loop thread
             # (2.3-3.4 s on 2 cores): import them now, on a thread that ends, while the children
             # compile for longer than that.  A request that comes during the import still waits

@@ -75,6 +75,10 @@ class IdleWork(Protocol):
     def pause(self) -> None:
         """The loop is about to serve: stop anything running beside it until the next `run`."""
 
+    def waits(self) -> bool:
+        """Whether the next unit must wait for the loop to have been idle `idle_delay_s` (false:
+        it takes milliseconds, so a request that comes meanwhile hardly waits)."""
+
     def close(self) -> None:
         """The loop stops: end anything still running."""
 
@@ -107,9 +111,10 @@ class EngineLoop:
         # Loop thread only once started.
         self._idle_work = idle_work
         # Idle work waits until nothing has happened for this long: a caller that submits right
-        # after building the engine (graphexec-generate) never waits for a capture.
+        # after building the engine (graphexec-generate) never waits for a capture; work that
+        # takes milliseconds (`IdleWork.waits`: loading stored graphs) does not wait.
         self._idle_delay_s = idle_delay_s
-        self._idle_after = time.monotonic() + idle_delay_s
+        self._idle_after = time.monotonic() + self._idle_delay()
         # Replaced whole by the thread that owns scheduler and runner; read by any thread.
         self._snapshot = LoopSnapshot.take(scheduler, runner)
         if keep_alive_s is not None or idle_work is not None:
@@ -225,7 +230,7 @@ class EngineLoop:
                 continue
             if self._idle_work is not None:
                 self._idle_work.pause()
-            self._idle_after = time.monotonic() + self._idle_delay_s
+            self._idle_after = time.monotonic() + self._idle_delay()
             try:
                 for command in commands:
                     self._apply(command)
@@ -240,6 +245,12 @@ class EngineLoop:
             except Exception as error:  # a bug outside the model step: fail what is running, keep serving
                 _log.exception("engine loop iteration failed")
                 self._fail(list(self._trackers.values()), error)
+
+    def _idle_delay(self) -> float:
+        """How long the loop must be idle before the next unit of idle work."""
+        if self._idle_work is None or self._idle_work.waits():
+            return self._idle_delay_s
+        return 0.0
 
     def _do_idle_work(self) -> None:
         try:

@@ -168,6 +168,10 @@ class ModelRunner:
                     groups.setdefault(key, []).append((backend.config_path, bucket))
         return list(groups.values())
 
+    def loads_need_compiler(self, buckets: list[tuple[str, int]]) -> bool:
+        """Whether loading any of `buckets` ((config path, bucket)), once built, imports Dynamo and inductor."""
+        return any(self._bucketed_at(path).load_needs_compiler(bucket) for path, bucket in buckets)
+
     def compiling_apart(self, config_path: str, bucket: int) -> None:
         """Another process is compiling `bucket` of the backend at `config_path` (its state shows it)."""
         self._bucketed_at(config_path).compiling_elsewhere(bucket)
@@ -203,6 +207,10 @@ class ModelRunner:
         """Whether any bucket, but those in `skip` ((config path, bucket)), is still to be captured
         (background capture)."""
         return any((b.config_path, bucket) not in skip for b in self._bucketed() for bucket in b.pending_buckets())
+
+    def capture_only_loads(self) -> bool:
+        """Whether every bucket still to be captured only loads stored code (milliseconds each)."""
+        return all(b.pending_only_load() for b in self._bucketed())
 
     def _save_plan(self) -> None:
         """Keep what has been decided so far, so a later start neither measures nor compiles a
