@@ -179,10 +179,7 @@ class AotiForward:
         """The .pt2 bytes of `model`'s forward exported on these inputs and compiled by AOTInductor."""
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"the forward is a {type(model).__name__}, not a module torch.export can take")
-        dims = None
-        if slot_of(bucket, self._shared_rows) == SHARED:
-            rows = torch.export.Dim("rows", min=2, max=max(self._max_rows, 2))
-            dims = ({0: rows}, {0: rows})
+        dims = row_dims(self._max_rows) if slot_of(bucket, self._shared_rows) == SHARED else None
         program = torch.export.export(model, (input_ids, positions), dynamic_shapes=dims, strict=False)
         collectives = sorted({str(node.target) for node in program.graph.nodes
                               if node.op == "call_function" and str(node.target).startswith(_COLLECTIVE_NAMESPACES)})
@@ -212,6 +209,15 @@ class AotiForward:
             _log.warning("could not write compiled artifact %s: %r", self._store.path(name), error)
             return
         self._stats.artifacts_saved += 1
+
+
+def row_dims(max_rows: int) -> tuple | None:
+    """The shared package's dynamic shapes: its row count from 2 to the largest bucket (None, a
+    static shape, when that is 2: a Dim cannot span one size)."""
+    if max_rows <= 2:
+        return None
+    rows = torch.export.Dim("rows", min=2, max=max_rows)
+    return ({0: rows}, {0: rows})
 
 
 def _open(package: bytes, model: torch.nn.Module):

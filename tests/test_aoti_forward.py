@@ -170,6 +170,18 @@ def test_a_forward_that_cannot_be_exported_is_compiled_by_dynamo(tmp_path, caplo
     assert not list(tmp_path.glob("*/capture.*.aot"))
 
 
+@pytest.mark.parametrize("max_rows", [2, 3, 64])
+def test_the_shared_package_spans_every_bucket_above_one(max_rows):
+    """Exported on any one bucket above 1, the shared package takes them all (a Dim cannot span
+    the single size of buckets [1, 2]: that one is static)."""
+    model = torch.nn.Linear(4, 4)
+    dims = aoti_forward.row_dims(max_rows)
+    x = torch.randn(max_rows, 4)
+    program = torch.export.export(model, (x,), dynamic_shapes=None if dims is None else (dims[0],), strict=False)
+    for rows in range(2, max_rows + 1):
+        torch.testing.assert_close(program.module()(x[:rows]), model(x[:rows]))
+
+
 def test_the_source_digest_covers_every_file_beside_the_models_modules(tmp_path, monkeypatch):
     package = tmp_path / "fakemodels"
     package.mkdir()
