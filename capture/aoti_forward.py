@@ -146,8 +146,10 @@ class AotiForward:
         stored_header, _, package = payload.partition(b"\n")
         if not stored_header.startswith(_HEADER):
             return self._reject(name, "it is not an AOTInductor package (another format)")
-        structure, _, sources = stored_header.removeprefix(_HEADER).partition(b" ")
-        if structure != header.split(b" ")[1]:
+        def structure(line: bytes) -> bytes:
+            return line.removeprefix(_HEADER).split(b" ")[0]
+
+        if structure(stored_header) != structure(header):
             return self._reject(name, "the modules it runs differ from those it was compiled on")
         if stored_header != header:
             return self._reject(name, "the model's source changed since it was compiled")

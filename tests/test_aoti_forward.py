@@ -22,24 +22,14 @@ import torch
 from capture import aoti_forward
 from capture.aoti_forward import AotiForward, source_digest
 from capture.artifacts import ArtifactStore
-from graphexec import Engine, SamplingParams
+from graphexec import Engine
+from tests.test_capture_artifacts import PROMPTS, _greedy  # the same requests: B=1, 2 and 4 steps
 
 PLAN = ["model=tiny-llama", "capture=auto", "capture.decode.buckets=[1,2,4]", "capture.decode.progress=false",
         "capture.decode.compile.aoti=true", "capture.decode.keep=all", "cache.num_slots=2048",
         "capture.background=true", "capture.idle_delay_s=0"]
 B1 = "capture.decode.forward.b1"
 PACKAGES = [f"{B1}.aot", "capture.decode.forward.rows.aot"]
-PROMPTS = [[5, 6, 7, 8, 9], [40, 41, 42], [7, 7, 7, 7], [90, 3, 60]]
-
-
-def _greedy(engine) -> list[list[int]]:
-    """Each of two prompts alone (B=1 decode steps), then two together (B=2) and four (B=4)."""
-    engine.flush_cache()
-    params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
-    alone = [engine.generate([p], params)[0].token_ids for p in PROMPTS[:2]]
-    return alone + [out.token_ids for n in (2, 4) for out in engine.generate(PROMPTS[:n], params)]
-
-
 def _serve_until_captured(engine) -> list[list[list[int]]]:
     """Greedy tokens, again and again while buckets are pending (the capture runs between)."""
     seen, deadline = [], time.monotonic() + 300
