@@ -74,7 +74,11 @@ class FullGraphBackend(BucketedBackend):
     def load_needs_compiler(self, bucket: int) -> bool:
         # Only a package loads without importing Dynamo and inductor (~2.5 s in the first load
         # of a process, compile.aot's artifacts).
-        return not (self._uses_aot() and self.options.compile.aoti and self._is_whole(bucket))
+        return not self._packaged(bucket)
+
+    def _packaged(self, bucket: int) -> bool:
+        """Whether `bucket` runs an AOTInductor package (capture/aoti_forward.py)."""
+        return self._uses_aot() and self.options.compile.aoti and self._is_whole(bucket)
 
     def compiled_with(self, bucket: int) -> str:
         return self._artifact_of(bucket) if self._uses_aot() else super().compiled_with(bucket)
@@ -226,14 +230,14 @@ class FullGraphBackend(BucketedBackend):
     def _compile_limits(self, bucket: int) -> ContextManager:
         # A package is exported, not traced by Dynamo, and loading one must not import Dynamo
         # (the point of aoti: capture/aoti_forward.py).
-        if self._uses_aot() and self.options.compile.aoti and self._is_whole(bucket):
+        if self._packaged(bucket):
             return contextlib.nullcontext()
         return super()._compile_limits(bucket)
 
     def _ready_without_a_run(self, bucket: int) -> bool:
         # A package an earlier bucket loaded and ran serves this one as it is: no guards to check,
         # nothing to compile (a warm start's buckets above 2 then cost nothing but the swap).
-        return self._aoti is not None and self._is_whole(bucket) and self._aoti.adopt(bucket)
+        return self._aoti is not None and self._packaged(bucket) and self._aoti.adopt(bucket)
 
     def _make_runner(self, bucket: int, batch: BucketableBatch) -> BucketRunner:
         # A bucket is compiled (or its artifact loaded) on its first call, here.
