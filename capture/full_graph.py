@@ -54,7 +54,7 @@ class FullGraphBackend(BucketedBackend):
         self._regional: Callable | None = None
         self._whole: Callable | None = None
         self._aots: list[AotRegion | AotiForward] = []  # one per distinct layer structure, and the whole forward's
-        self._aoti: AotiForward | None = None  # the whole forward's, with compile.aoti
+        self._packages: AotiForward | None = None  # the whole forward's, with compile.aoti
 
     def pending_buckets(self) -> list[int]:
         # A whole forward compiles as many times longer as the model is deep: every regional
@@ -207,7 +207,7 @@ class FullGraphBackend(BucketedBackend):
             return compiled[0](ids, positions)
 
         if self.options.compile.aoti:
-            aot = self._aoti = AotiForward(self.artifacts, self._region(whole=True), self.stats, fallback=dynamo_forward,
+            aot = self._packages = AotiForward(self.artifacts, self._region(whole=True), self.stats, fallback=dynamo_forward,
                               max_rows=max(self.buckets), option=f"{self.config_path}.compile.aoti",
                               shared_rows=self.options.compile.dynamic)
         else:
@@ -237,7 +237,7 @@ class FullGraphBackend(BucketedBackend):
     def _ready_without_a_run(self, bucket: int) -> bool:
         # A package an earlier bucket loaded and ran serves this one as it is: no guards to check,
         # nothing to compile (a warm start's buckets above 2 then cost nothing but the swap).
-        return self._aoti is not None and self._packaged(bucket) and self._aoti.adopt(bucket)
+        return self._packages is not None and self._packaged(bucket) and self._packages.adopt(bucket)
 
     def _make_runner(self, bucket: int, batch: BucketableBatch) -> BucketRunner:
         # A bucket is compiled (or its artifact loaded) on its first call, here.

@@ -152,11 +152,13 @@ def built(tmp_path_factory):
     overrides = [*PLAN, "capture.background=true", "capture.idle_delay_s=0", f"capture.cache_dir={cache_dir}"]
     seen, child_states = [], []
     with Engine(overrides=overrides) as engine:
-        deadline = time.monotonic() + 300
+        deadline = time.monotonic() + 600
         while engine.runner.capture_pending() and time.monotonic() < deadline:
             seen.append(_greedy(engine))
             child_states += _capture_child_states_while_serving(engine)
-            time.sleep(0.5)  # idle: the capture process runs only now
+            # Idle: the capture processes run only now (long enough on a busy machine to finish).
+            time.sleep(3.0)
+        assert not engine.runner.capture_pending(), "capture did not finish in 600 s"
         tokens = _greedy(engine)
         stats = engine.runner.backend_stats()["decode"]
     return SimpleNamespace(cache_dir=cache_dir, stats=stats, tokens=tokens, seen=seen, child_states=child_states,
