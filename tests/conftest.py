@@ -40,9 +40,27 @@ def _two_threads(request):
 TINY_OVERRIDES = ["model=tiny-llama", "capture=eager", "cache.num_slots=2048"]
 
 
+# The files that take longest, longest first (measured with the README's command, `--durations`),
+# run before the rest: xdist's loadfile hands out whole files in collection order
+# (`--no-loadscope-reorder` in pyproject.toml), and a long file handed out last keeps one worker
+# busy after the others have finished.  A stale order costs minutes, never a result.
+LONGEST_FIRST = (
+    "test_aoti_forward.py", "test_tp_model.py", "test_capture_plan.py", "test_model_families.py",
+    "test_triton_attention.py", "test_structured_output.py", "test_server_tools.py", "test_kquants.py",
+    "test_quant_q8.py", "test_tp_engine.py", "test_fidelity.py", "test_packaging.py", "test_tc_piecewise.py",
+    "test_lm_eval.py", "test_capture_artifacts.py", "test_bench_capture.py", "test_cli.py", "test_bench_serve.py",
+)
+
+
+def _longest_first(items) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: files stay whole
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
 
+    _longest_first(items)
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU; this machine has none (run on the lent device)")

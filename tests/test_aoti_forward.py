@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -22,7 +24,7 @@ import torch
 from capture import aoti_forward
 from capture.aoti_forward import AotiForward, source_digest
 from capture.artifacts import ArtifactStore
-from graphexec import Engine
+from graphexec import Engine, SamplingParams
 from tests.test_capture_artifacts import PROMPTS, _greedy  # the same requests: B=1, 2 and 4 steps
 
 PLAN = ["model=tiny-llama", "capture=auto", "capture.decode.buckets=[1,2,4]", "capture.decode.progress=false",
@@ -30,14 +32,39 @@ PLAN = ["model=tiny-llama", "capture=auto", "capture.decode.buckets=[1,2,4]", "c
         "capture.background=true", "capture.idle_delay_s=0"]
 B1 = "capture.decode.forward.b1"
 PACKAGES = [f"{B1}.aot", "capture.decode.forward.rows.aot"]
-def _serve_until_captured(engine) -> list[list[list[int]]]:
-    """Greedy tokens, again and again while buckets are pending (the capture runs between)."""
-    seen, deadline = [], time.monotonic() + 600
+def _serve_until_captured(engine) -> tuple[list[list[list[int]]], list[str]]:
+    """Greedy tokens, again and again while buckets are pending (the capture runs between), and
+    the capture processes' states seen while a request was served."""
+    seen, child_states, deadline = [], [], time.monotonic() + 600
     while engine.runner.capture_pending() and time.monotonic() < deadline:
         seen.append(_greedy(engine))
+        child_states += _capture_child_states_while_serving(engine)
         time.sleep(3.0)  # idle: the capture processes run only now
     assert not engine.runner.capture_pending(), "capture did not finish in 600 s"
-    return seen
+    return seen, child_states
+
+
+def _capture_child_states_while_serving(engine) -> list[str]:
+    """The capture processes' states (/proc: T stopped, R/S running) once a request is being served."""
+    states = []
+    for _ in engine.stream([5, 6, 7], SamplingParams(max_new_tokens=48, temperature=0.0, ignore_eos=True)):
+        if not states:
+            states = [state for _, state in _capture_children()]
+    return states
+
+
+def _capture_children() -> list[tuple[int, str]]:
+    """(pid, state) of this process's capture_worker children."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(fields[1]) == os.getpid() and b"graphexec.engine.capture_worker" in cmdline:
+            found.append((int(stat.parent.name), fields[0]))
+    return found
 
 
 @pytest.fixture(scope="module")
@@ -45,10 +72,11 @@ def built(tmp_path_factory):
     """A plan directory whose packages a capture process compiled while the engine served."""
     cache_dir = tmp_path_factory.mktemp("plans")
     with Engine(overrides=[*PLAN, f"capture.cache_dir={cache_dir}"]) as engine:
-        seen = _serve_until_captured(engine)
+        seen, child_states = _serve_until_captured(engine)
         tokens = _greedy(engine)
         stats = engine.runner.backend_stats()["decode"]
-    return SimpleNamespace(cache_dir=cache_dir, stats=stats, tokens=tokens, seen=seen)
+    return SimpleNamespace(cache_dir=cache_dir, stats=stats, tokens=tokens, seen=seen, child_states=child_states,
+                           children_after=_capture_children())
 
 
 def test_the_capture_process_builds_the_packages_and_the_engine_only_loads_them(built, tiny):
@@ -58,6 +86,8 @@ def test_the_capture_process_builds_the_packages_and_the_engine_only_loads_them(
     assert sorted(p.name for p in built.cache_dir.glob("*/capture.*.aot")) == PACKAGES
     # The weights stay out of a package: the tiny model's alone are ~1.3 MB of fp32.
     assert all(p.stat().st_size < 4 << 20 for p in built.cache_dir.glob("*/capture.*.aot"))
+    # Stopped while a request was served; gone once the engine is.
+    assert "T" in built.child_states and built.children_after == []
     assert built.seen and built.tokens == _greedy(tiny) and all(tokens == built.tokens for tokens in built.seen)
 
 

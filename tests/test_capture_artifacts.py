@@ -2,19 +2,18 @@
 (`compile.aot`), saved beside the capture plan and loaded by a later start with the same key; a
 damaged, foreign or stale artifact is rejected with one warning and rebuilt (capture/artifacts.py,
 capture/aot_region.py).  One engine builds the artifacts for the whole module (tiny model, bucket 1
-the whole forward, bucket 2 the regional layer) through its capture process, while serving; the
-round trip runs in a fresh process."""
+the whole forward, bucket 2 the regional layer) before serving; the round trip runs in a fresh
+process.  The capture process that compiles while the engine serves: tests/test_aoti_forward.py
+(the default format; the process is the same for both)."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import logging
-import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -145,63 +144,25 @@ def test_whole_forward_buckets_are_captured_after_the_regional_ones(tmp_path):
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    """A plan directory whose kept buckets' regions a capture process compiled and saved while the
-    engine served requests (background capture, graphexec/engine/background_capture.py), and the
-    engine's tokens before, during and after."""
+    """A plan directory whose kept buckets' regions an engine compiled and saved before serving, and
+    that engine's tokens."""
     cache_dir = tmp_path_factory.mktemp("plans")
-    overrides = [*PLAN, "capture.background=true", "capture.idle_delay_s=0", f"capture.cache_dir={cache_dir}"]
-    seen, child_states = [], []
-    with Engine(overrides=overrides) as engine:
-        deadline = time.monotonic() + 600
-        while engine.runner.capture_pending() and time.monotonic() < deadline:
-            seen.append(_greedy(engine))
-            child_states += _capture_child_states_while_serving(engine)
-            # Idle: the capture processes run only now (long enough on a busy machine to finish).
-            time.sleep(3.0)
-        assert not engine.runner.capture_pending(), "capture did not finish in 600 s"
+    with Engine(overrides=[*PLAN, f"capture.cache_dir={cache_dir}"]) as engine:
         tokens = _greedy(engine)
         stats = engine.runner.backend_stats()["decode"]
-    return SimpleNamespace(cache_dir=cache_dir, stats=stats, tokens=tokens, seen=seen, child_states=child_states,
-                           children_after=_capture_children())
+    return SimpleNamespace(cache_dir=cache_dir, stats=stats, tokens=tokens)
 
 
-def _capture_child_states_while_serving(engine) -> list[str]:
-    """The capture process's state (/proc: T stopped, R/S running) once a request is being served."""
-    states = []
-    for _ in engine.stream([5, 6, 7], SamplingParams(max_new_tokens=48, temperature=0.0, ignore_eos=True)):
-        if not states:
-            states = [state for _, state in _capture_children()]
-    return states
-
-
-def _capture_children() -> list[tuple[int, str]]:
-    """(pid, state) of this process's capture_worker children."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            cmdline = (stat.parent / "cmdline").read_bytes()
-        except OSError:
-            continue
-        if int(fields[1]) == os.getpid() and b"graphexec.engine.capture_worker" in cmdline:
-            found.append((int(stat.parent.name), fields[0]))
-    return found
-
-
-def test_a_capture_process_compiles_while_the_engine_serves_and_the_engine_only_loads(built, tiny):
+def test_the_engine_compiles_and_saves_each_region_once(built, tiny):
     stats = built.stats
-    # The engine compiled nothing: it loaded what the capture process saved.
-    assert (stats["aot_compiles"], stats["artifacts_saved"], stats["artifacts_loaded"]) == (0, 0, 2)
-    assert all(stats["buckets"][b]["origin"] == "artifact" for b in (1, 2, 4)) and stats["executions"] > 0
+    assert (stats["aot_compiles"], stats["artifacts_saved"]) == (2, 2)
+    assert all(stats["buckets"][b]["origin"] == "compiled" for b in (1, 2, 4)) and stats["executions"] > 0
     assert sorted(p.name for p in built.cache_dir.glob("*/capture.*.aot")) == ARTIFACTS
     # What inductor's ISA probe answered in that process, recorded for the next one (capture/vec_isa.py).
     (record,) = built.cache_dir.glob(f"*/{vec_isa.NAME}.aot")
     assert json.loads(ArtifactStore(record.parent, record.parent.name).load(vec_isa.NAME))["isas"]
     assert "checks" in json.loads(ArtifactStore(record.parent, record.parent.name).load(vec_isa.NAME))
-    # Stopped while a request was served; gone once the engine is.
-    assert "T" in built.child_states and built.children_after == []
-    # The same tokens as eager before, during and after every swap.
-    assert built.seen and built.tokens == _greedy(tiny) and all(tokens == built.tokens for tokens in built.seen)
+    assert built.tokens == _greedy(tiny)
 
 
 _FRESH = r"""

@@ -134,9 +134,11 @@ def test_compile_sees_one_opaque_node():
     def forward(x):
         return torch.nn.functional.silu(layer(x)) * 2
 
-    x = torch.randn(4, 256)
+    x = torch.randn(4, 256, generator=torch.Generator().manual_seed(4))
     compiled = torch.compile(forward, backend=recording_backend, fullgraph=True)
-    torch.testing.assert_close(compiled(x), torch.nn.functional.silu(x @ dense.T) * 2, rtol=1e-5, atol=1e-5)
+    # Only the summation order differs from the dense matmul (the bound of the test above; an
+    # unseeded x once landed 1.1e-5 off at atol 1e-5).
+    torch.testing.assert_close(compiled(x), torch.nn.functional.silu(x @ dense.T) * 2, rtol=1e-5, atol=5e-5)
     (graph,) = graphs
     targets = [str(node.target) for node in graph.graph.nodes if node.op == "call_function"]
     assert targets.count("graphexec.qlinear_blocks") == 1, targets  # the op itself, nothing of its insides
