@@ -38,7 +38,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from capture.artifacts import ArtifactStore, UntrustedArtifact
+from capture.artifacts import ArtifactStore
 from capture.backend import BackendStats
 from capture.vec_isa import IsaRecord
 
@@ -183,15 +183,10 @@ class AotRegion:
         return artifact_name(self._name, slot)
 
     def _load(self, name: str, args: tuple, structure: str) -> RegionFn | None:
-        if self._store is None:
+        parts = None if self._store is None else self._store.load_parts(name, self._reject)
+        if parts is None:
             return None
-        try:
-            payload = self._store.load(name)
-        except UntrustedArtifact as error:
-            return self._reject(name, str(error))
-        if payload is None:
-            return None
-        header, _, payload = payload.partition(b"\n")
+        header, payload = parts
         if not header.startswith(_STRUCTURE):
             return self._reject(name, "it does not record the modules it was compiled on (an older format)")
         if header != _STRUCTURE + structure.encode():

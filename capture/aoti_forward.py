@@ -39,7 +39,7 @@ from typing import Any, Callable
 import torch
 
 from capture.aot_region import SHARED, structure_digest, artifact_name, layer_structure, slot_of
-from capture.artifacts import ArtifactStore, UntrustedArtifact
+from capture.artifacts import ArtifactStore
 from capture.backend import BackendStats
 from capture.vec_isa import IsaRecord
 
@@ -135,15 +135,10 @@ class AotiForward:
         return artifact_name(self._name, slot)
 
     def _load(self, name: str, model, header: bytes):
-        if self._store is None:
+        parts = None if self._store is None else self._store.load_parts(name, self._reject)
+        if parts is None:
             return None
-        try:
-            payload = self._store.load(name)
-        except UntrustedArtifact as error:
-            return self._reject(name, str(error))
-        if payload is None:
-            return None
-        stored_header, _, package = payload.partition(b"\n")
+        stored_header, package = parts
         if not stored_header.startswith(_HEADER):
             return self._reject(name, "it is not an AOTInductor package (another format)")
         def structure(line: bytes) -> bytes:

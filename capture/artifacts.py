@@ -19,6 +19,7 @@ import logging
 import os
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 _log = logging.getLogger(__name__)
 _MAGIC = b"graphexec-artifact 1\n"
@@ -65,6 +66,18 @@ class ArtifactStore:
         if key != self.key_hash or stored_name != name:
             raise UntrustedArtifact("it was written for another key or artifact")
         return payload
+
+    def load_parts(self, name: str, reject: Callable[[str, str], None]) -> tuple[bytes, bytes] | None:
+        """`name`'s payload split at its first line (what a format records it was compiled on) and
+        the rest; None when there is none, or, after `reject(name, why)`, when it cannot be trusted."""
+        try:
+            payload = self.load(name)
+        except UntrustedArtifact as error:
+            return reject(name, str(error))
+        if payload is None:
+            return None
+        first_line, _, rest = payload.partition(b"\n")
+        return first_line, rest
 
     def save(self, name: str, payload: bytes) -> None:
         """Write atomically: a reader sees the old file or the new one, never half of one."""
