@@ -241,7 +241,7 @@ class BucketedBackend(CaptureBackend):
             return self._run_model
         forward = self._bucket_forward(bucket)
         if self.recorder is None:
-            if not self._ready_without_a_run(bucket):
+            if not self._adopt_without_a_run(bucket):
                 forward(batch)  # compiles this bucket's static shape
             return forward
         for _ in range(_WARMUPS_BEFORE_RECORDING):
@@ -250,9 +250,10 @@ class BucketedBackend(CaptureBackend):
         self._recorded[bucket] = recorded
         return lambda fb: recorded.replay()
 
-    def _ready_without_a_run(self, bucket: int) -> bool:
-        """True when `bucket`'s compiled code is ready without running it once on its capture
-        batch (where it compiles, or where what was loaded for it is first checked)."""
+    def _adopt_without_a_run(self, bucket: int) -> bool:
+        """Make `bucket` ready without running it once on its capture batch (where it compiles, or
+        where what was loaded for it is first checked) if code that already ran can serve it; True
+        when it did."""
         return False
 
     def segments_of(self, bucket: int) -> SegmentedGraph | None:
