@@ -7,7 +7,9 @@ process's first load), a package is a shared object and its metadata that torch'
 then puts every kept bucket live about as soon as the weights are loaded.
 
 Building one: `torch.export.export` of the model's forward on the bucket's capture batch (row count
-static, or with `shared_rows` a `Dim` over every bucket above 1, stored as `<name>.rows`), then
+static, or with `shared_rows` one package for every bucket, its row count a `Dim` from 1 to the
+largest bucket, stored as `<name>.rows`: one compile on a cold start, not one for B=1 and one for
+the rest; B=1 ran as fast on it as on its own, bench=decode), then
 `torch._inductor.aoti_compile_and_package` with the weights left out of the package
 (`package_constants_in_so` false): on load the loader is handed the live model's own parameters
 and buffers as user-managed constants, so no second copy of the weights exists, on disk or in
@@ -38,7 +40,7 @@ from typing import Any, Callable
 
 import torch
 
-from capture.aot_region import SHARED, structure_digest, artifact_name, layer_structure, slot_of
+from capture.aot_region import SHARED, structure_digest, artifact_name, layer_structure
 from capture.artifacts import ArtifactStore
 from capture.backend import BackendStats
 from capture.vec_isa import IsaRecord
@@ -78,9 +80,9 @@ class AotiForward:
         return fn(model, input_ids, positions)
 
     def adopt(self, bucket: int) -> bool:
-        """Make `bucket` ready on its slot's package if that has already run once (a shared one
-        serves every bucket above 1): True, and the bucket needs no run of its own."""
-        slot = slot_of(bucket, self._shared_rows)
+        """Make `bucket` ready on its slot's package if that has already run once (the shared one
+        serves every bucket): True, and the bucket needs no run of its own."""
+        slot = self._slot(bucket)
         if slot not in self._loaders:
             return False
         self._stats.origins[bucket] = self._origins[slot]
@@ -89,12 +91,15 @@ class AotiForward:
 
     def trust(self, bucket: int) -> None:
         """The bucket's capture forward ran: save the package compiled for it (if it was)."""
-        payload = self._unsaved.pop(slot_of(bucket, self._shared_rows), None)
+        payload = self._unsaved.pop(self._slot(bucket), None)
         if payload is not None:
-            self._save(self._artifact(slot_of(bucket, self._shared_rows)), payload)
+            self._save(self._artifact(self._slot(bucket)), payload)
+
+    def _slot(self, bucket: int) -> int:
+        return package_slot(bucket, self._shared_rows, self._max_rows)
 
     def _first_call(self, bucket: int, model, input_ids, positions) -> torch.Tensor:
-        slot = slot_of(bucket, self._shared_rows)
+        slot = self._slot(bucket)
         if slot not in self._loaders:
             header = _header(model)
             loader = self._load(self._artifact(slot), model, header)
@@ -176,7 +181,12 @@ class AotiForward:
         """The .pt2 bytes of `model`'s forward exported on these inputs and compiled by AOTInductor."""
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"the forward is a {type(model).__name__}, not a module torch.export can take")
-        dims = row_dims(self._max_rows) if slot_of(bucket, self._shared_rows) == SHARED else None
+        dims = row_dims(self._max_rows) if self._slot(bucket) == SHARED else None
+        if dims is not None and input_ids.shape[0] == 1:
+            # Export fixes a dimension it sees at size 1, so the package B=1 shares is traced on
+            # two rows.  Only shapes matter to the trace: the attention op, which reads the batch's
+            # metadata, is opaque to it.
+            input_ids, positions = input_ids.repeat(2), positions.repeat(2)
         program = torch.export.export(model, (input_ids, positions), dynamic_shapes=dims, strict=False)
         collectives = sorted({str(node.target) for node in program.graph.nodes
                               if node.op == "call_function" and str(node.target).startswith(_COLLECTIVE_NAMESPACES)})
@@ -208,12 +218,18 @@ class AotiForward:
         self._stats.artifacts_saved += 1
 
 
+def package_slot(bucket: int, shared_rows: bool, max_rows: int) -> int:
+    """Which package runs `bucket`: with `shared_rows` the one every bucket shares (unless the
+    only bucket is 1), else its own."""
+    return SHARED if shared_rows and max_rows > 1 else bucket
+
+
 def row_dims(max_rows: int) -> tuple | None:
-    """The shared package's dynamic shapes: its row count from 2 to the largest bucket (None, a
-    static shape, when that is 2: a Dim cannot span one size)."""
-    if max_rows <= 2:
+    """The shared package's dynamic shapes: its row count from 1 to the largest bucket (None, a
+    static shape, when that is 1)."""
+    if max_rows <= 1:
         return None
-    rows = torch.export.Dim("rows", min=2, max=max_rows)
+    rows = torch.export.Dim("rows", min=1, max=max_rows)
     return ({0: rows}, {0: rows})
 
 

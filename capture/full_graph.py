@@ -32,7 +32,7 @@ from typing import Any, Callable, ContextManager, Mapping
 import torch
 
 from capture.aot_region import AotRegion, artifact_name, layer_structure, slot_of
-from capture.aoti_forward import AotiForward
+from capture.aoti_forward import AotiForward, package_slot
 from capture.backend import CaptureEnv
 from capture.batch import BucketableBatch, Phase
 from capture.bucketed import BucketedBackend, BucketRunner
@@ -84,7 +84,9 @@ class FullGraphBackend(BucketedBackend):
         return self._artifact_of(bucket) if self._uses_aot() else super().compiled_with(bucket)
 
     def _artifact_of(self, bucket: int) -> str:
-        return artifact_name(self._region(self._is_whole(bucket)), slot_of(bucket, self.options.compile.dynamic))
+        dynamic = self.options.compile.dynamic
+        slot = package_slot(bucket, dynamic, max(self.buckets)) if self._packaged(bucket) else slot_of(bucket, dynamic)
+        return artifact_name(self._region(self._is_whole(bucket)), slot)
 
     def _stored(self, bucket: int) -> bool:
         """Whether the bucket's region is in the artifact store.  A regional bucket counts as

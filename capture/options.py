@@ -85,7 +85,8 @@ class CompileOptions:
     dynamic: bool = _option(False, check.flag)
     """true: one compile with a symbolic batch size for every bucket above 1 instead of one per
     bucket (B=1 keeps its own: Dynamo specializes a size of 1).  With aot, one artifact serves
-    them all: one compile on a cold start, one load on a warm one."""
+    them all: one compile on a cold start, one load on a warm one.  With aoti, B=1 shares the
+    package too (exported on two rows, its row count a Dim from 1)."""
     freezing: bool = _option(False, check.flag)
     """Inductor freezing: weights as constants, prepacked."""
     cache_dir: str | None = _option(None, check.directory)

@@ -2,8 +2,8 @@
 capture process while the engine serves, loaded by a later start through torch's C++ loader
 without importing Dynamo or inductor, the weights the live model's own; a damaged, foreign or
 stale package is rejected with one warning and rebuilt; a forward that cannot be exported is
-compiled by Dynamo instead.  Tiny model; bucket 1 has its own package, buckets 2 and 4 share one
-whose row count is a Dim."""
+compiled by Dynamo instead.  Tiny model; buckets 1, 2 and 4 share one package whose row count is
+a Dim."""
 
 from __future__ import annotations
 
@@ -30,8 +30,7 @@ from tests.test_capture_artifacts import PROMPTS, _greedy  # the same requests: 
 PLAN = ["model=tiny-llama", "capture=auto", "capture.decode.buckets=[1,2,4]", "capture.decode.progress=false",
         "capture.decode.compile.aoti=true", "capture.decode.keep=all", "cache.num_slots=2048",
         "capture.background=true", "capture.idle_delay_s=0"]
-B1 = "capture.decode.forward.b1"
-PACKAGES = [f"{B1}.aot", "capture.decode.forward.rows.aot"]
+PACKAGE = "capture.decode.forward.rows"  # every bucket's: its row count a Dim from 1 to 4
 def _serve_until_captured(engine) -> tuple[list[list[list[int]]], list[str]]:
     """Greedy tokens, again and again while buckets are pending (the capture runs between), and
     the capture processes' states seen while a request was served."""
@@ -81,9 +80,10 @@ def built(tmp_path_factory):
 
 def test_the_capture_process_builds_the_packages_and_the_engine_only_loads_them(built, tiny):
     stats = built.stats
-    assert (stats["aot_compiles"], stats["artifacts_saved"], stats["artifacts_loaded"]) == (0, 0, 2)
+    assert (stats["aot_compiles"], stats["artifacts_saved"], stats["artifacts_loaded"]) == (0, 0, 1)
     assert all(stats["buckets"][b]["origin"] == "artifact" for b in (1, 2, 4)) and stats["executions"] > 0
-    assert sorted(p.name for p in built.cache_dir.glob("*/capture.*.aot")) == PACKAGES
+    # One package for every bucket, built on bucket 1's batch (the capture order), traced on two rows.
+    assert sorted(p.name for p in built.cache_dir.glob("*/capture.*.aot")) == [f"{PACKAGE}.aot"]
     # The weights stay out of a package: the tiny model's alone are ~1.3 MB of fp32.
     assert all(p.stat().st_size < 4 << 20 for p in built.cache_dir.glob("*/capture.*.aot"))
     # Stopped while a request was served; gone once the engine is.
@@ -111,7 +111,7 @@ def test_a_fresh_process_loads_the_packages_without_importing_the_compiler(built
     assert result.returncode == 0, result.stderr[-2000:]
     out = json.loads(result.stdout.strip().splitlines()[-1])
     stats = out["stats"]
-    assert (stats["aot_compiles"], stats["artifacts_loaded"], stats["artifacts_rejected"]) == (0, 2, 0)
+    assert (stats["aot_compiles"], stats["artifacts_loaded"], stats["artifacts_rejected"]) == (0, 1, 0)
     assert all(stats["buckets"][b]["origin"] == "artifact" for b in "124") and stats["executions"] > 0
     # Neither Dynamo nor inductor was even imported: the C++ loader needs none of them.
     assert out["compiler"] == []
@@ -129,7 +129,7 @@ def test_a_warm_background_start_loads_its_packages_at_once(built, tmp_path, tin
         while engine.runner.capture_pending() and time.monotonic() < deadline:
             time.sleep(0.05)
         stats = engine.runner.backend_stats()["decode"]
-        assert not engine.runner.capture_pending() and stats["artifacts_loaded"] == 2
+        assert not engine.runner.capture_pending() and stats["artifacts_loaded"] == 1
         assert all(stats["buckets"][b]["origin"] == "artifact" for b in (1, 2, 4))
         assert _greedy(engine) == built.tokens == _greedy(tiny)
         # So while capture processes build them, this process need not import the compiler either.
@@ -137,27 +137,27 @@ def test_a_warm_background_start_loads_its_packages_at_once(built, tmp_path, tin
 
 
 def _header_and_package(store: ArtifactStore) -> tuple[bytes, bytes]:
-    header, _, package = store.load(B1).partition(b"\n")
+    header, _, package = store.load(PACKAGE).partition(b"\n")
     return header, package
 
 
 @pytest.mark.parametrize("damage", ["truncate", "garbage", "structure", "source", "other format"])
 def test_a_damaged_foreign_or_stale_package_is_rebuilt_with_one_warning(built, tmp_path, caplog, monkeypatch, damage):
     shutil.copytree(built.cache_dir, tmp_path, dirs_exist_ok=True)
-    (artifact,) = tmp_path.glob(f"*/{B1}.aot")
+    (artifact,) = tmp_path.glob(f"*/{PACKAGE}.aot")
     store = ArtifactStore(artifact.parent, artifact.parent.name)
     header, package = _header_and_package(store)
     prefix, structure, sources = header.split(b" ")
     if damage == "truncate":
         artifact.write_bytes(artifact.read_bytes()[:-5000])
     elif damage == "garbage":  # a well-formed file of this key whose package the loader cannot open
-        store.save(B1, header + b"\nnot a package")
+        store.save(PACKAGE, header + b"\nnot a package")
     elif damage == "structure":  # compiled on other modules (an export records no guard to see it)
-        store.save(B1, b" ".join([prefix, b"0" * 64, sources]) + b"\n" + package)
+        store.save(PACKAGE, b" ".join([prefix, b"0" * 64, sources]) + b"\n" + package)
     elif damage == "source":  # compiled from model code that has since been edited
-        store.save(B1, b" ".join([prefix, structure, b"0" * 64]) + b"\n" + package)
+        store.save(PACKAGE, b" ".join([prefix, structure, b"0" * 64]) + b"\n" + package)
     else:  # aot_compile's format under this name
-        store.save(B1, b"module-structure " + structure + b"\n" + package)
+        store.save(PACKAGE, b"module-structure " + structure + b"\n" + package)
     # The rebuild's compile, without paying for one: it yields the package the capture process built.
     compiles = []
     monkeypatch.setattr(AotiForward, "_package", lambda self, *args: compiles.append(args[0]) or package)
@@ -165,10 +165,10 @@ def test_a_damaged_foreign_or_stale_package_is_rebuilt_with_one_warning(built, t
     with caplog.at_level(logging.WARNING, logger="capture.artifacts"), Engine(overrides=overrides) as engine:
         assert _greedy(engine) == built.tokens
         stats = engine.runner.backend_stats()["decode"]
-    assert compiles == [1]
-    assert (stats["artifacts_rejected"], stats["aot_compiles"], stats["artifacts_saved"], stats["artifacts_loaded"]) == (1, 1, 1, 1)
+    assert compiles == [4]  # captured before serving: the largest bucket first
+    assert (stats["artifacts_rejected"], stats["aot_compiles"], stats["artifacts_saved"], stats["artifacts_loaded"]) == (1, 1, 1, 0)
     warnings = [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
-    assert len(warnings) == 1 and f"{B1}.aot" in warnings[0]
+    assert len(warnings) == 1 and f"{PACKAGE}.aot" in warnings[0]
     expected = {"truncate": "truncated", "garbage": "does not load", "structure": "modules it runs differ",
                 "source": "source changed", "other format": "not an AOTInductor package"}[damage]
     assert expected in warnings[0]
@@ -191,15 +191,16 @@ def test_a_forward_that_cannot_be_exported_is_compiled_by_dynamo(tmp_path, caplo
 
 
 @pytest.mark.parametrize("max_rows", [2, 3, 64])
-def test_the_shared_package_spans_every_bucket_above_one(max_rows):
-    """Exported on any one bucket above 1, the shared package takes them all (a Dim cannot span
-    the single size of buckets [1, 2]: that one is static)."""
+def test_the_shared_package_spans_every_bucket(max_rows):
+    """Exported on two rows (what AotiForward traces when the batch at hand has one: export fixes
+    a dimension it sees at 1), the shared package takes every bucket from 1 up."""
     model = torch.nn.Linear(4, 4)
     dims = aoti_forward.row_dims(max_rows)
     x = torch.randn(max_rows, 4)
-    program = torch.export.export(model, (x,), dynamic_shapes=None if dims is None else (dims[0],), strict=False)
-    for rows in range(2, max_rows + 1):
+    program = torch.export.export(model, (x[:2],), dynamic_shapes=(dims[0],), strict=False)
+    for rows in range(1, max_rows + 1):
         torch.testing.assert_close(program.module()(x[:rows]), model(x[:rows]))
+    assert aoti_forward.row_dims(1) is None and aoti_forward.package_slot(1, True, 1) == 1  # bucket 1 alone: static
 
 
 def test_the_source_digest_covers_every_file_beside_the_models_modules(tmp_path, monkeypatch):
