@@ -9,7 +9,7 @@ then puts every kept bucket live about as soon as the weights are loaded.
 Building one: `torch.export.export` of the model's forward on the bucket's capture batch (row count
 static, or with `shared_rows` one package for every bucket, its row count a `Dim` from 1 to the
 largest bucket, stored as `<name>.rows`: one compile on a cold start, not one for B=1 and one for
-the rest; B=1 ran as fast on it as on its own, bench=decode), then
+the rest; B=1 ran within noise of its own package, docs/STATUS.md), then
 `torch._inductor.aoti_compile_and_package` with the weights left out of the package
 (`package_constants_in_so` false): on load the loader is handed the live model's own parameters
 and buffers as user-managed constants, so no second copy of the weights exists, on disk or in

@@ -238,7 +238,7 @@ class FullGraphBackend(BucketedBackend):
 
     def _adopt_without_a_run(self, bucket: int) -> bool:
         # A package an earlier bucket loaded and ran serves this one as it is: no guards to check,
-        # nothing to compile (a warm start's buckets above 2 then cost nothing but the swap).
+        # nothing to compile (a warm start's buckets after the first cost nothing but the swap).
         return self._packages is not None and self._packaged(bucket) and self._packages.adopt(bucket)
 
     def _make_runner(self, bucket: int, batch: BucketableBatch) -> BucketRunner:
