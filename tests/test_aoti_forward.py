@@ -31,6 +31,8 @@ PLAN = ["model=tiny-llama", "capture=auto", "capture.decode.buckets=[1,2,4]", "c
         "capture.decode.compile.aoti=true", "capture.decode.keep=all", "cache.num_slots=2048",
         "capture.background=true", "capture.idle_delay_s=0"]
 PACKAGE = "capture.decode.forward.rows"  # every bucket's: its row count a Dim from 1 to 4
+
+
 def _serve_until_captured(engine) -> tuple[list[list[list[int]]], list[str]]:
     """Greedy tokens, again and again while buckets are pending (the capture runs between), and
     the capture processes' states seen while a request was served."""
@@ -137,8 +139,7 @@ def test_a_warm_background_start_loads_its_packages_at_once(built, tmp_path, tin
 
 
 def _header_and_package(store: ArtifactStore) -> tuple[bytes, bytes]:
-    header, _, package = store.load(PACKAGE).partition(b"\n")
-    return header, package
+    return store.load_parts(PACKAGE, reject=lambda name, why: pytest.fail(f"{name} untrusted: {why}"))
 
 
 @pytest.mark.parametrize("damage", ["truncate", "garbage", "structure", "source", "other format"])
