@@ -251,3 +251,14 @@ def test_a_finished_request_is_counted_before_its_caller_hears_of_it(engine, mon
     assert len(seen_at_delivery) == 2
     for k, (unfinished, finished) in enumerate(sorted(seen_at_delivery, key=lambda seen: seen[1]), start=1):
         assert finished - before >= k and unfinished + finished - before == 2
+
+
+def test_loop_thread_pins_the_cuda_device_the_engine_was_built_on(monkeypatch):
+    # torch.cuda.set_device refuses `cuda` without an index (the GPU run of the fifteenth session
+    # found every device=cuda engine's loop dead on it); the building thread's current device is meant.
+    from graphexec.engine.engine_loop import cuda_index
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert cuda_index(torch.device("cuda")) == 3
+    assert cuda_index(torch.device("cuda:1")) == 1
+    assert cuda_index(torch.device("cpu")) is None

@@ -83,6 +83,15 @@ class IdleWork(Protocol):
         """The loop stops: end anything still running."""
 
 
+def cuda_index(device: torch.device) -> int | None:
+    """The CUDA device the loop thread pins, None off CUDA.  `device=cuda` without an index means
+    the current device of the thread that builds the engine (where the weights and graphs went);
+    `torch.cuda.set_device` refuses a device without an index."""
+    if device.type != "cuda":
+        return None
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 class EngineLoop:
     def __init__(
         self,
@@ -94,7 +103,7 @@ class EngineLoop:
     ):
         self._scheduler = scheduler
         self._runner = runner
-        self._device = runner.device
+        self._cuda_index = cuda_index(runner.device)
         self._name = name
         # Rank 0 of several: idle for this long, it tells the other ranks it is alive.
         self._keep_alive_s = keep_alive_s = runner.keep_alive_s
@@ -204,9 +213,9 @@ class EngineLoop:
     # ---- loop thread ----
 
     def _run(self) -> None:
-        if self._device.type == "cuda":
+        if self._cuda_index is not None:
             # The current CUDA device is per thread; graphs and pools live on the engine's.
-            torch.cuda.set_device(self._device)
+            torch.cuda.set_device(self._cuda_index)
         while True:
             idle_due = False
             with self._wakeup:
