@@ -139,7 +139,10 @@ def _greedy(engine):
 
 
 def test_auto_drops_a_slow_graph_keeps_a_fast_one_and_the_next_start_honours_it(tmp_path, slow_bucket_two, monkeypatch):
-    overrides = [*TINY, "capture.background=false", f"capture.cache_dir={tmp_path}", "capture.decode.min_speedup=0.2"]
+    # The op tape: the decision and its record are the same whatever the mechanism, and a tape is
+    # captured in milliseconds where a compile takes a minute (test_capture_artifacts keeps the compiled side).
+    overrides = [*TINY, "capture.background=false", f"capture.cache_dir={tmp_path}", "capture.decode.min_speedup=0.2",
+                 "capture.decode.graph=tape"]
     with Engine(overrides=overrides) as engine:
         buckets = engine.runner.backend_stats()["decode"]["buckets"]
         assert buckets[1]["state"] == "ready" and buckets[1]["kept"] and buckets[1]["reason"] == "faster"
@@ -168,7 +171,8 @@ def test_auto_drops_a_slow_graph_keeps_a_fast_one_and_the_next_start_honours_it(
 
 
 def test_a_corrupt_plan_is_rebuilt_with_one_warning_and_the_same_tokens(tmp_path, caplog):
-    overrides = [*TINY, "capture.background=false", f"capture.cache_dir={tmp_path}", "capture.decode.keep=all"]
+    overrides = [*TINY, "capture.background=false", f"capture.cache_dir={tmp_path}", "capture.decode.keep=all",
+                 "capture.decode.graph=tape"]  # the plan's file, whatever the mechanism (as above)
     with Engine(overrides=overrides) as engine:
         first = _greedy(engine)
     (plan,) = tmp_path.glob("*/plan.json")
