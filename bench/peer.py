@@ -1,18 +1,10 @@
-"""Peer suite: graphexec against llama.cpp (llama-cpp-python) on the same GGUF file.
+"""Peer suite: graphexec against llama.cpp on the same GGUF file; the parallel suite is this one
+with bench.tp_sizes (bench/README.md, "peer" and "parallel").
 
-Boundary: this module orchestrates and reports.  It builds the prompts once (token ids, so both
-sides read exactly the same ones), writes them into a spec file, runs each side as a fresh
-`graphexec-bench peer_worker` process per round, alternating the graphexec sides (one per
-bench.activations mode) and llama.cpp (A B C A B C ...) so machine noise lands on all alike, and
-turns the workers' JSON into min / median / max over rounds, ratios, a Markdown table and plots.
-With bench.requantize it first has llama.cpp re-quantize the GGUF (a worker process, cached file)
-and every side reads that file.  The measuring itself is bench/peer_worker.py's.
-
-Sides never share a process: two live OpenMP teams in one process slow both (docs/STATUS.md,
-"Threads").  Without llama_cpp, or with a model that is not a GGUF file, the graphexec sides still
-run and the peer is recorded as unavailable with the reason; a worker that fails is recorded as
-that round's error, not raised.
-"""
+Boundary: this module orchestrates and reports: the prompts as token ids in a spec file, each side a
+fresh `graphexec-bench peer_worker` process per round (two live OpenMP teams in one process slow both:
+docs/STATUS.md, "Threads"), then spreads over rounds, ratios, table and plots.  The measuring is
+bench/peer_worker.py's."""
 
 from __future__ import annotations
 
@@ -21,8 +13,8 @@ import importlib.metadata
 import importlib.util
 import json
 import os
-import sys
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -48,10 +40,10 @@ PROMPT_TEXT = (
     "channel that had shifted since her apprenticeship, and wrote careful notes in the margin about "
     "sandbanks, tides, lanterns and the names the villagers gave to every bend of the water."
 )
-
-
-# ---------------------------------------------------------------------------------------------
-# run
+# Short, answerable questions for bench.agreement: greedy continuations of ordinary chat turns.
+QUESTIONS = ("What is the capital of France?", "Name three primary colors.", "How many legs does a spider have?",
+             "Write a haiku about the sea.", "What is 12 times 7?", "Give one tip for sleeping better.",
+             "Why is the sky blue?", "Translate 'good morning' into Spanish.")
 
 
 def run(cfg, ctx) -> dict[str, Any]:
@@ -62,19 +54,18 @@ def run(cfg, ctx) -> dict[str, Any]:
     ours = graphexec_sides(opts["activations"], source, opts["tp_sizes"])
     gguf = gguf_path(source)
     peer = peer_status(opts, gguf, source)
-    requantized = requantize(opts, gguf) if opts["requantize"] is not None else None
+    requantized = requantize(opts, gguf, ctx.say) if opts["requantize"] is not None else None
     gguf = Path(requantized["file"]) if requantized else gguf
     spec = build_spec(tokenizer_of(source, gguf), opts, gguf)
     ctx.out_dir.mkdir(parents=True, exist_ok=True)
     spec_path = ctx.out_dir / SPEC_FILE
     spec_path.write_text(json.dumps(spec))
-    sides = [*ours, PEER] if peer["available"] else ours
 
     def one(side: str, round_index: int) -> dict[str, Any]:
         overrides = engine_overrides(side, ctx.overrides, gguf if requantized else None)
         return run_worker(side, spec_path, overrides, opts["threads"], opts["worker_timeout_s"])
 
-    raw, sequence = alternate(sides, opts["rounds"], one, ctx.say, "peer suite")
+    raw, sequence = alternate([*ours, PEER] if peer["available"] else ours, opts["rounds"], one, ctx.say, "peer suite")
     return assemble(opts, spec, peer, source, ctx.overrides, raw, sequence) | {"requantized": requantized}
 
 
@@ -87,8 +78,7 @@ def label(side: str) -> str:
 
 
 def engine_overrides(side: str, overrides: Sequence[str], requantized: Path | None) -> list[str]:
-    """A side's engine overrides: none for llama.cpp; for a graphexec side the command line's, then
-    the re-quantized file and the side's activations mode or tensor-parallel size (later overrides win)."""
+    """A graphexec side's: the command line's, the re-quantized file, its axis (the last wins)."""
     if side == PEER:
         return []
     mode = side_mode(side)
@@ -97,9 +87,8 @@ def engine_overrides(side: str, overrides: Sequence[str], requantized: Path | No
 
 
 def graphexec_sides(activations: list[str] | None, source, tp_sizes: list[int] | None = None) -> list[str]:
-    """bench.activations as side names, or with bench.tp_sizes one side per tensor-parallel size
-    (`graphexec_tp2`, float activations).  activations null: every mode the model runs (q8 needs a
-    GGUF with native weights, so float alone otherwise)."""
+    """bench.activations as side names (null: every mode the model runs), or with bench.tp_sizes one
+    side per tensor-parallel size (`graphexec_tp2`, float activations)."""
     if tp_sizes is not None:
         if activations is not None:
             raise ValueError("bench.tp_sizes and bench.activations are both set: give one axis")
@@ -127,17 +116,15 @@ def options(bench_cfg) -> dict[str, Any]:
                           "llamacpp.n_ctx", "llamacpp.n_batch", "agreement.new_tokens"), 1)
     o = checked_options(bench_cfg, ints | {"decode.new_tokens": 2, "batch.new_tokens": 2},
                         {"prefill.lengths": 1, "batch.sizes": 0})
-    agreement = o["agreement"]
-    if not isinstance(agreement["prompts"], int) or not 0 <= agreement["prompts"] <= len(QUESTIONS):
-        raise ValueError(f"bench.agreement.prompts={agreement['prompts']!r} must be an integer from 0 (off) to "
-                         f"{len(QUESTIONS)}")
-    if not isinstance(agreement["near_tie_nats"], (int, float)) or agreement["near_tie_nats"] < 0:
-        raise ValueError(f"bench.agreement.near_tie_nats={agreement['near_tie_nats']!r} must be a number >= 0")
-    tp = o["tp_sizes"]
+    prompts, nats, tp, kind = o["agreement"]["prompts"], o["agreement"]["near_tie_nats"], o["tp_sizes"], o["requantize"]
+    if not isinstance(prompts, int) or not 0 <= prompts <= len(QUESTIONS):
+        raise ValueError(f"bench.agreement.prompts={prompts!r} must be an integer from 0 (off) to {len(QUESTIONS)}")
+    if not isinstance(nats, (int, float)) or nats < 0:
+        raise ValueError(f"bench.agreement.near_tie_nats={nats!r} must be a number >= 0")
     if tp is not None and (not isinstance(tp, list) or not tp or not all(isinstance(n, int) and n >= 1 for n in tp)):
         raise ValueError(f"bench.tp_sizes={tp!r} must be null or a non-empty list of integers >= 1")
-    if o["requantize"] is not None and not (isinstance(o["requantize"], str) and o["requantize"].isidentifier()):
-        raise ValueError(f"bench.requantize={o['requantize']!r} must be null or a llama.cpp file type such as Q4_K_M")
+    if kind is not None and not (isinstance(kind, str) and kind.isidentifier()):
+        raise ValueError(f"bench.requantize={kind!r} must be null or a llama.cpp file type such as Q4_K_M")
     return o
 
 
@@ -157,30 +144,26 @@ def llamacpp_importable() -> bool:
 
 def peer_status(opts: dict[str, Any], gguf: Path | None, source) -> dict[str, Any]:
     llama = opts["llamacpp"]
-    reason = None
     if not llama["enabled"]:
         reason = "bench.llamacpp.enabled=false"
     elif gguf is None:
         reason = f"model={source.name} is model.source={source.source}: llama.cpp reads GGUF files only"
     elif not llamacpp_importable():
         reason = f"llama_cpp is not importable; {INSTALL_HINT}"
-    if reason is None:
+    else:
         need = max(opts["decode"]["prompt_len"] + opts["decode"]["new_tokens"], max(opts["prefill"]["lengths"]) + 1)
         if llama["n_ctx"] < need:
             raise ValueError(f"bench.llamacpp.n_ctx={llama['n_ctx']} is too small: the longest request needs {need} tokens")
-    return {"available": reason is None, "reason": reason, "version": _llamacpp_version() if reason is None else None}
+        try:
+            version = importlib.metadata.version("llama-cpp-python")
+        except importlib.metadata.PackageNotFoundError:
+            version = None
+        return {"available": True, "reason": None, "version": version}
+    return {"available": False, "reason": reason, "version": None}
 
 
-def _llamacpp_version() -> str | None:
-    try:
-        return importlib.metadata.version("llama-cpp-python")
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def requantize(opts: dict[str, Any], gguf: Path | None) -> dict[str, Any]:
-    """bench.requantize: the GGUF re-quantized by llama.cpp, in a worker process (the orchestrator
-    never loads llama.cpp's OpenMP runtime), once per source file: a cached file is reused."""
+def requantize(opts: dict[str, Any], gguf: Path | None, say: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
+    """bench.requantize's file, made once by a worker (never llama.cpp's OpenMP runtime in here)."""
     kind = opts["requantize"]
     if gguf is None:
         raise ValueError(f"bench.requantize={kind} needs a GGUF model (model.source=gguf)")
@@ -191,8 +174,7 @@ def requantize(opts: dict[str, Any], gguf: Path | None) -> dict[str, Any]:
     if not reused:
         dst.parent.mkdir(parents=True, exist_ok=True)
         tmp = dst.with_name(f"{dst.name}.{os.getpid()}.tmp")  # renamed when complete: no half file is ever reused
-        if opts["progress"]:
-            print(f"peer suite: re-quantizing {gguf.name} to {kind} (llama.cpp, once) ...", file=sys.stderr, flush=True)
+        say(f"peer suite: re-quantizing {gguf.name} to {kind} (llama.cpp, once) ...")
         out = run_command("peer_worker", ["--quantize", kind, str(gguf), str(tmp), "--threads", str(opts["threads"])],
                           opts["worker_timeout_s"], label="quantize worker", option="bench.worker_timeout_s")
         if out.get("error"):
@@ -204,18 +186,14 @@ def requantize(opts: dict[str, Any], gguf: Path | None) -> dict[str, Any]:
 
 
 def tensor_types(gguf: Path) -> dict[str, int]:
-    """Tensors per type, most first: a K-quant "file type" is a mix (llama.cpp falls back to other
-    types for rows that are not whole 256-element super-blocks, as most of SmolLM2-135M's are)."""
-    from collections import Counter
-
+    """Tensors per type, most first: a K-quant "file type" is a mix."""
     from graphexec.loader.gguf_file import read_gguf
 
     return dict(Counter(t.qtype.name for t in read_gguf(gguf).tensors).most_common())
 
 
 def requantized_path(gguf: Path, kind: str, cache_dir: str | None) -> Path:
-    """<cache>/<stem>.<key>.<kind>.gguf; the key hashes the source's path, size and mtime, so a
-    changed source is re-quantized rather than served stale."""
+    """<cache>/<stem>.<key>.<kind>.gguf; the key (path, size, mtime) re-quantizes a changed source."""
     st = gguf.stat()
     key = hashlib.sha256(f"{gguf.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:12]
     root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "graphexec" / "peer"
@@ -224,16 +202,13 @@ def requantized_path(gguf: Path, kind: str, cache_dir: str | None) -> Path:
 
 def tokenizer_of(source, gguf: Path | None):
     """Only the tokenizer (no weights) of the configured model (the serve suite's too)."""
-    if gguf is not None:
-        from graphexec.loader import load_gguf_tokenizer
+    from graphexec.loader import load_gguf_tokenizer
+    from graphexec.text.tokenizer import ByteTokenizer, Tokenizer
 
+    if gguf is not None:
         return load_gguf_tokenizer(gguf)
     if source.source == "random":
-        from graphexec.text.tokenizer import ByteTokenizer
-
         return ByteTokenizer(vocab_size=source.architecture.get("vocab_size", 258))
-    from graphexec.text.tokenizer import Tokenizer
-
     if not (Path(source.path) / "tokenizer.json").is_file():
         raise ValueError(f"model.path={source.path} has no tokenizer.json: the suite builds its prompts from text")
     return Tokenizer.from_hf_dir(source.path)
@@ -244,22 +219,24 @@ def build_spec(tokenizer, opts: dict[str, Any], gguf: Path | None) -> dict[str, 
     make = prompt_maker(tokenizer.encode(PROMPT_TEXT), tokenizer.bos_token_id)
     decode, batch, llama = opts["decode"], opts["batch"], opts["llamacpp"]
     return {
-        "threads": opts["threads"],
-        "warmup": bool(opts["warmup"]),
-        "repeats": opts["repeats"],
+        "threads": opts["threads"], "warmup": bool(opts["warmup"]), "repeats": opts["repeats"],
         "decode": {"prompt": make(decode["prompt_len"]), "new_tokens": decode["new_tokens"]},
         "prefill": [{"tokens": n, "prompt": make(n)} for n in opts["prefill"]["lengths"]],
-        "batch": {
-            "sizes": batch["sizes"],
-            "new_tokens": batch["new_tokens"],
-            # Rotations start at different tokens, so no prompt is a prefix of another.
-            "prompts": [make(batch["prompt_len"], offset=7 * i) for i in range(max(batch["sizes"], default=0))],
-        },
-        "agreement": {"prompts": agreement_prompts(tokenizer, opts["agreement"]["prompts"]),
+        # Rotations start at different tokens, so no batch prompt is a prefix of another.
+        "batch": {"sizes": batch["sizes"], "new_tokens": batch["new_tokens"],
+                  "prompts": [make(batch["prompt_len"], offset=7 * i) for i in range(max(batch["sizes"], default=0))]},
+        "agreement": {"prompts": [tokenizer.encode(_chat(tokenizer, q)) for q in QUESTIONS[:opts["agreement"]["prompts"]]],
                       "new_tokens": opts["agreement"]["new_tokens"]},
-        "llamacpp": {"gguf": None if gguf is None else str(gguf), "n_ctx": llama["n_ctx"],
-                     "n_batch": llama["n_batch"], "flash_attn": bool(llama["flash_attn"])},
+        "llamacpp": {"gguf": None if gguf is None else str(gguf), "n_ctx": llama["n_ctx"], "n_batch": llama["n_batch"],
+                     "flash_attn": bool(llama["flash_attn"])},
     }
+
+
+def _chat(tokenizer, question: str) -> str:
+    try:
+        return tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True)
+    except ValueError:  # no chat template: the plain question
+        return question
 
 
 def prompt_maker(ids: Sequence[int], bos_token_id: int | None) -> Callable[..., list[int]]:
@@ -279,20 +256,18 @@ def prompt_maker(ids: Sequence[int], bos_token_id: int | None) -> Callable[..., 
 
 
 def run_worker(side: str, spec_path: Path, overrides: Sequence[str], threads: int, timeout_s: float) -> dict[str, Any]:
-    """One side in a fresh process; its JSON, or {"error": ...}: a failure is this round's, not the suite's."""
+    """One side in a fresh process (one graphexec worker for any mode); its JSON, or {"error": ...}."""
     # Both sides' OpenMP runtimes read these at start: the same team size whatever the machine.
     env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
-    worker_side, extra = (PEER, []) if side == PEER else ("graphexec", list(overrides))  # one graphexec worker, any mode
+    worker_side, extra = (PEER, []) if side == PEER else ("graphexec", list(overrides))
     # On a shared machine other work competing for the cores is the main noise: record it.
-    facts: dict[str, Any] = {"busy_cores_before": busy_cores(), "error": None}
-    return facts | run_command("peer_worker", ["--side", worker_side, "--spec", str(spec_path), *extra], timeout_s,
-                               env=env, option="bench.worker_timeout_s")
+    return {"busy_cores_before": busy_cores(), "error": None} | run_command(
+        "peer_worker", ["--side", worker_side, "--spec", str(spec_path), *extra], timeout_s, env=env, option="bench.worker_timeout_s")
 
 
 def busy_cores(window_s: float = 0.5) -> float | None:
-    """Cores busy with other work (stolen time included) over a short window while none of this
-    suite's workers runs; None off Linux.  The load average would not do: it still carries the
-    previous worker's threads for minutes."""
+    """Cores busy with other work (stolen time included) while no worker runs; None off Linux.  Not
+    the load average: it still carries the previous worker's threads for minutes."""
     def sample() -> tuple[int, int]:
         fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
         return sum(fields[:8]), fields[3] + fields[4]  # total, idle + iowait
@@ -303,44 +278,37 @@ def busy_cores(window_s: float = 0.5) -> float | None:
         total1, idle1 = sample()
     except (OSError, ValueError, IndexError):
         return None
-    if total1 == total0:
-        return 0.0
-    return (1 - (idle1 - idle0) / (total1 - total0)) * (os.cpu_count() or 1)
+    return 0.0 if total1 == total0 else (1 - (idle1 - idle0) / (total1 - total0)) * (os.cpu_count() or 1)
 
 
-# ---------------------------------------------------------------------------------------------
-# aggregation
-
-
+# Aggregation: the workers' JSON as numbers per round, then spreads over rounds.
 def round_metrics(worker: dict[str, Any]) -> dict[str, float]:
     """One round of one side as flat numbers (medians over its repeats); {} for a failed round."""
     if worker.get("error"):
         return {}
-    m: dict[str, float | None] = {"start_s": worker["start_seconds"], "process_s": worker["process_seconds"]}
-    decode = worker["decode"]
-    m["decode_ms"] = median(d["decode_ms_per_token"] for d in decode)
-    m["decode_tok_s"] = None if not m["decode_ms"] else 1e3 / m["decode_ms"]
-    m["request_ms"] = median(d["request_ms_per_token"] for d in decode)
-    m["decode_ttft_s"] = median(d["ttft_s"] for d in decode)
+    decode, memory = worker["decode"], worker["memory"]
+    decode_ms = median(d["decode_ms_per_token"] for d in decode)
+    m = {"start_s": worker["start_seconds"], "process_s": worker["process_seconds"], "decode_ms": decode_ms,
+         "decode_tok_s": 1e3 / decode_ms if decode_ms else None, "request_ms": median(d["request_ms_per_token"] for d in decode),
+         "decode_ttft_s": median(d["ttft_s"] for d in decode)}
     m |= {f"pp_tok_s@{n}": median(r["tokens_per_s"] for r in reps) for n, reps in worker["prefill"].items()}
     m |= {f"batch_tok_s@{b}": median(r["decode_tokens_per_s"] for r in reps) for b, reps in worker["batch"].items()}
-    for name, key in (("peak_rss_mib", "peak_rss_bytes"), ("weight_mib", "weight_bytes"), ("kv_mib", "kv_bytes"), ("rope_mib", "rope_bytes")):
-        value = worker["memory"].get(key)
-        m[name] = None if value is None else value / 2**20
+    m |= {f"{name}_mib": memory[f"{name}_bytes"] / 2**20 for name in ("peak_rss", "weight", "kv", "rope")
+          if memory.get(f"{name}_bytes") is not None}
     return {k: v for k, v in m.items() if v is not None}
 
 
-def row_specs(prefill_lengths: Sequence[int], batch_sizes: Sequence[int], decode: dict[str, int]) -> list[dict[str, Any]]:
-    """The table's rows in order: key, label (↓ lower is better, ↑ higher), and which llama.cpp
-    number each row is compared with (its own key unless stated)."""
-    n, p = decode["new_tokens"], decode["prompt_len"]
-    rows = [
+def table_rows(workload: dict[str, Any], per_side: dict[str, list[dict[str, float]]], ours: Sequence[str]) -> list[dict[str, Any]]:
+    """The table's rows: key, label (↓ lower is better), the llama.cpp number compared (`peer_key`, its
+    own key unless stated), a spread per side and each graphexec side's ratio to llama.cpp."""
+    n, p = workload["decode_new_tokens"], workload["decode_prompt_tokens"]
+    specs = [
         ("decode_ms", f"B=1 decode ms/token ({n} new tokens, prefill excluded) ↓"),
         ("decode_tok_s", "B=1 decode tok/s ↑"),
         ("request_ms", f"B=1 whole request ms/token ({p}-token prompt + {n} tokens) ↓"),
         ("decode_ttft_s", f"B=1 time to first token s ({p}-token prompt) ↓"),
-        *[(f"pp_tok_s@{length}", f"prompt processing tok/s, {length} tokens ↑") for length in prefill_lengths],
-        *[(f"batch_tok_s@{b}", f"decode tok/s, graphexec B={b} vs llama.cpp B=1 ↑", "decode_tok_s") for b in batch_sizes],
+        *[(f"pp_tok_s@{length}", f"prompt processing tok/s, {length} tokens ↑") for length in workload["prefill_lengths"]],
+        *[(f"batch_tok_s@{b}", f"decode tok/s, graphexec B={b} vs llama.cpp B=1 ↑", "decode_tok_s") for b in workload["batch_sizes"]],
         ("start_s", "start-up s (load, and capture for graphexec) ↓"),
         ("peak_rss_mib", "peak RSS MiB ↓"),
         ("weight_mib", "weights MiB (graphexec: parameters + buffers, RoPE tables apart) ↓"),
@@ -348,64 +316,44 @@ def row_specs(prefill_lengths: Sequence[int], batch_sizes: Sequence[int], decode
         ("rope_mib", "RoPE cos/sin tables MiB"),
         ("process_s", "worker process s (imports to exit)"),
     ]
-    return [{"key": r[0], "label": r[1], "peer_key": r[2] if len(r) > 2 else r[0]} for r in rows]
-
-
-def table_rows(specs: list[dict[str, Any]], per_side: dict[str, list[dict[str, float]]], ours: Sequence[str]) -> list[dict[str, Any]]:
-    """A spread per side (graphexec sides `ours`, and llama.cpp), and each graphexec side's ratio
-    to llama.cpp in `ratios`."""
     rows = []
-    for spec in specs:
-        cells = {side: spread([m[spec["key"]] for m in per_side.get(side, []) if spec["key"] in m]) for side in ours}
-        theirs = spread([m[spec["peer_key"]] for m in per_side.get(PEER, []) if spec["peer_key"] in m])
+    for key, text, *compared in specs:
+        peer_key = compared[0] if compared else key
+        cells = {side: spread([m[key] for m in per_side.get(side, []) if key in m]) for side in ours}
+        theirs = spread([m[peer_key] for m in per_side.get(PEER, []) if peer_key in m])
         ratios = {side: c["median"] / theirs["median"] if c and theirs and theirs["median"] else None for side, c in cells.items()}
-        rows.append(spec | cells | {PEER: theirs, "ratios": ratios})
+        rows.append({"key": key, "label": text, "peer_key": peer_key} | cells | {PEER: theirs, "ratios": ratios})
     return rows
-
-
-def graphexec_of(result: dict[str, Any]) -> list[str]:
-    return [side for side in result["sides"] if side != PEER]
 
 
 def assemble(opts, spec, peer, source, overrides, raw, sequence) -> dict[str, Any]:
     from bench.e2e import agreement
 
-    per_side = {side: [round_metrics(w) for w in rounds] for side, rounds in raw.items()}
-    ok = {side: [w for w in rounds if not w.get("error")] for side, rounds in raw.items()}
     ours = [side for side in raw if side != PEER]
-    # The engine facts the setup line states are the same on every graphexec side but activations.
-    engine = next((w["engine"] for side in ours for w in ok[side]), None)
-    last_tokens = {side: ok[side][-1]["decode"][0]["token_ids"] for side in raw if ok[side]}
-    agree = {side: agreement([last_tokens[side]], [last_tokens[PEER]]) if side in last_tokens and PEER in last_tokens else None
-             for side in ours}
-    firsts = [last_tokens[side] for side in ours if side in last_tokens]
-    near_ties = {side: verdict(ok[side][-1]["agreement"], ok[PEER][-1]["agreement"],
-                                              opts["agreement"]["near_tie_nats"])
-                 for side in ours if ok[side] and ok.get(PEER) and ok[PEER][-1].get("agreement")}
+    ok = {side: [w for w in rounds if not w.get("error")] for side, rounds in raw.items()}
+    last = {side: rounds[-1] for side, rounds in ok.items() if rounds}  # greedy tokens: each side's last good round
+    tokens = {side: w["decode"][0]["token_ids"] for side, w in last.items()}
+    firsts = [tokens[side] for side in ours if side in tokens]
+    workload = {"decode_prompt_tokens": len(spec["decode"]["prompt"]), "decode_new_tokens": spec["decode"]["new_tokens"],
+                "prefill_lengths": [p["tokens"] for p in spec["prefill"]], "batch_sizes": spec["batch"]["sizes"],
+                "batch_prompt_tokens": opts["batch"]["prompt_len"], "batch_new_tokens": spec["batch"]["new_tokens"]}
     return {
-        "sides": list(raw),
-        "rounds": opts["rounds"],
-        "repeats": opts["repeats"],
-        "threads": opts["threads"],
+        "sides": list(raw), "rounds": opts["rounds"], "repeats": opts["repeats"], "threads": opts["threads"],
         "model": {"name": source.name, "source": source.source, "gguf": spec["llamacpp"]["gguf"]},
         "engine_overrides": list(overrides),
-        "engine": engine,
+        # The engine facts the setup line states are the same on every graphexec side but activations.
+        "engine": next((w["engine"] for side in ours for w in ok[side]), None),
         "peer": peer,
         "llamacpp_options": {k: v for k, v in spec["llamacpp"].items() if k != "gguf"},
-        "workload": {
-            "decode_prompt_tokens": len(spec["decode"]["prompt"]),
-            "decode_new_tokens": spec["decode"]["new_tokens"],
-            "prefill_lengths": [p["tokens"] for p in spec["prefill"]],
-            "batch_sizes": spec["batch"]["sizes"],
-            "batch_prompt_tokens": opts["batch"]["prompt_len"],
-            "batch_new_tokens": spec["batch"]["new_tokens"],
-        },
+        "workload": workload,
         "sequence": sequence,
-        "rows": table_rows(row_specs(spec_lengths(spec), spec["batch"]["sizes"], opts["decode"]), per_side, ours),
-        "greedy_agreement": agree,
+        "rows": table_rows(workload, {side: [round_metrics(w) for w in rounds] for side, rounds in raw.items()}, ours),
+        "greedy_agreement": {side: agreement([tokens[side]], [tokens[PEER]]) if side in tokens and PEER in tokens else None
+                             for side in ours},
         # Across the graphexec sides (activation modes or tensor-parallel sizes).
         "greedy_tokens_equal": all(t == firsts[0] for t in firsts) if len(firsts) > 1 else None,
-        "near_tie_agreement": near_ties,
+        "near_tie_agreement": {side: verdict(last[side]["agreement"], last[PEER]["agreement"], opts["agreement"]["near_tie_nats"])
+                               for side in ours if side in last and last.get(PEER, {}).get("agreement")},
         "batch_details": _batch_details([w for side in ours for w in ok[side]]),
         "errors": [{"round": r, "side": side, "error": w["error"]}
                    for side, rounds in raw.items() for r, w in enumerate(rounds) if w.get("error")],
@@ -413,109 +361,45 @@ def assemble(opts, spec, peer, source, overrides, raw, sequence) -> dict[str, An
     }
 
 
-def spec_lengths(spec: dict[str, Any]) -> list[int]:
-    return [p["tokens"] for p in spec["prefill"]]
-
-
 def _batch_details(rounds: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """Per batch size, the worst first-token spread and the prefix-cache hits over rounds: what
-    says whether the decode window was clean."""
-    out: dict[str, dict[str, float]] = {}
-    for worker in rounds:
-        for b, reps in worker["batch"].items():
-            entry = out.setdefault(b, {"first_token_spread_s": 0.0, "cached_tokens": 0})
-            entry["first_token_spread_s"] = max(entry["first_token_spread_s"], *(r["first_token_spread_s"] for r in reps))
-            entry["cached_tokens"] = max(entry["cached_tokens"], *(r["cached_tokens"] for r in reps))
-    return out
-
-
-# ---------------------------------------------------------------------------------------------
-# greedy agreement with llama.cpp, near ties allowed (bench.agreement)
-#
-# Both sides decode the same chat prompts greedily and record, at every step, the gap between their
-# two most likely tokens (log-probability of the first minus the second: the raw logits' gap).  A
-# prompt agrees when its tokens are equal, or when they first differ at a *near tie*: a step where
-# both sides' top-two gaps are below `near_tie_nats`.  There two engines that quantize activations
-# to 8 bits in different orders (and llama.cpp keeps K and V in f16) may honestly pick either token,
-# and after the first difference the continuations are different texts, so nothing later is
-# compared.  The workers (bench/peer_worker.py) only decode and record.
-
-# Short, answerable questions: greedy continuations of ordinary chat turns.
-QUESTIONS = (
-    "What is the capital of France?",
-    "Name three primary colors.",
-    "How many legs does a spider have?",
-    "Write a haiku about the sea.",
-    "What is 12 times 7?",
-    "Give one tip for sleeping better.",
-    "Why is the sky blue?",
-    "Translate 'good morning' into Spanish.",
-)
-
-
-def agreement_prompts(tokenizer, count: int) -> list[list[int]]:
-    """`count` questions as token ids, in the model's chat template where it has one."""
-    if count > len(QUESTIONS):
-        raise ValueError(f"bench.agreement.prompts={count}: at most {len(QUESTIONS)} questions are built in")
-    out = []
-    for question in QUESTIONS[:count]:
-        try:
-            text = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True)
-        except ValueError:  # no chat template: the plain question
-            text = question
-        out.append(tokenizer.encode(text))
-    return out
+    """Per batch size, the worst first-token spread and prefix-cache hits: was the decode window clean?"""
+    sizes = dict.fromkeys(b for worker in rounds for b in worker["batch"])
+    return {b: {key: max([least, *(r[key] for worker in rounds for r in worker["batch"].get(b, []))])
+                for key, least in (("first_token_spread_s", 0.0), ("cached_tokens", 0))} for b in sizes}
 
 
 def verdict(ours: list[dict[str, Any]], theirs: list[dict[str, Any]], near_tie_nats: float) -> dict[str, Any]:
-    """Per prompt ({"token_ids", "gaps"} from each side): where the tokens first differ and both
-    sides' top-two gaps there; the counts of equal prompts and of those that differ first at a
-    near tie; `agree` is their share."""
+    """Greedy agreement with llama.cpp (bench.agreement): a prompt agrees when its tokens are equal or
+    first differ at a *near tie*, both sides' top-two logit gaps below `near_tie_nats`, where engines
+    quantizing activations in other orders may honestly pick either token (later tokens: not compared)."""
     rows = []
     for a, b in zip(ours, theirs):
         at = first_difference(a["token_ids"], b["token_ids"])
         gaps = None if at is None else (a["gaps"][at], b["gaps"][at])
-        near = gaps is not None and max(gaps) < near_tie_nats
-        rows.append({"first_difference": at, "gaps": gaps, "near_tie": near})
-    equal = sum(r["first_difference"] is None for r in rows)
-    near = sum(r["near_tie"] for r in rows)
+        rows.append({"first_difference": at, "gaps": gaps, "near_tie": gaps is not None and max(gaps) < near_tie_nats})
+    equal, near = sum(r["first_difference"] is None for r in rows), sum(r["near_tie"] for r in rows)
     return {"prompts": len(rows), "new_tokens": len(ours[0]["token_ids"]) if ours else 0, "equal": equal,
             "after_near_tie": near, "agree": (equal + near) / len(rows) if rows else None,
             "near_tie_nats": near_tie_nats, "per_prompt": rows}
 
 
-def note(label: str, v: dict[str, Any]) -> str:
-    """One Markdown line of the verdict for a side."""
-    differ = [f"{r['first_difference']} (gaps {r['gaps'][0]:.2f}/{r['gaps'][1]:.2f})" for r in v["per_prompt"]
-              if r["first_difference"] is not None]
-    return (f"{label}: {v['equal'] + v['after_near_tie']}/{v['prompts']} agree ({v['equal']} equal, "
-            f"{v['after_near_tie']} first differ at a near tie, both top-two gaps < {v['near_tie_nats']} nats)"
-            + (f"; first differences at token {', '.join(differ)} (ours/llama.cpp)" if differ else ""))
-
-
-# ---------------------------------------------------------------------------------------------
-# report
-
-
+# Report: the table, notes, plots and summary, as data (bench/report.py renders them).
 def report(result: dict[str, Any]) -> Report:
-    peer, engine, w = result["peer"], result["engine"] or {}, result["workload"]
-    ours, every = graphexec_of(result), list(result["sides"])  # llama.cpp's column only where it ran
+    every = list(result["sides"])  # llama.cpp's column only where it ran
+    ours = [side for side in every if side != PEER]
     ratioed = ours if PEER in every else []
-    out = Report([_setup_line(result)])
-    if not peer["available"]:
-        out.blocks.append(f"**llama.cpp unavailable**: {peer['reason']}. Only the graphexec sides ran.")
-    out.blocks += [
+    unavailable = [] if result["peer"]["available"] else [
+        f"**llama.cpp unavailable**: {result['peer']['reason']}. Only the graphexec sides ran."]
+    return Report([
+        _setup_line(result), *unavailable,
         f"Cells: median (min–max) over {result['rounds']} rounds, each side a fresh process per round, alternated "
         f"{' → '.join(map(label, every))}; ratio (mode) = that graphexec side's median / llama.cpp's "
         "median (↓ lower is better, ↑ higher).",
         Table(["metric", *map(label, every), *(f"ratio ({side_mode(s)})" for s in ratioed)],
               [[row["label"], *(row[s] for s in every), *(times(row["ratios"][s]) for s in ratioed)]
                for row in result["rows"] if any(row[s] is not None for s in every)]),
-        "\n".join(_notes(result, engine, w)),
-    ]
-    out.plots = _plots(result, ours)
-    out.summary = _summary(result, ours)
-    return out
+        "\n".join(_notes(result, result["engine"] or {}, result["workload"])),
+    ], _plots(result, ours), _summary(result, ours))
 
 
 def _setup_line(result: dict[str, Any]) -> str:
@@ -526,112 +410,99 @@ def _setup_line(result: dict[str, Any]) -> str:
         gguf += (f" ({q['type']}, {q['mib']:.1f} MiB, tensors {mix}: `{Path(q['source']).name}` re-quantized by llama.cpp, "
                  f"{'reused from' if q['reused'] else 'written to'} {Path(q['file']).parent})")
     ours = ", ".join(f"{k}={engine[k]}" for k in ENGINE_FACTS if k in engine)
-    overrides = " ".join(result["engine_overrides"]) or "none"
     theirs = ", ".join(f"{k}={v}" for k, v in result["llamacpp_options"].items())
-    version = result["peer"]["version"] or "—"
     return (f"Model {gguf}, {result['threads']} threads per side. graphexec: {ours or 'did not start'} "
-            f"(overrides: {overrides}). llama.cpp: llama-cpp-python {version}, {theirs}.")
+            f"(overrides: {' '.join(result['engine_overrides']) or 'none'}). "
+            f"llama.cpp: llama-cpp-python {result['peer']['version'] or '—'}, {theirs}.")
 
 
 def _notes(result: dict[str, Any], engine: dict[str, Any], w: dict[str, Any]) -> list[str]:
+    llama, raw = result["llamacpp_options"], result["raw"]
     notes = [
         f"- Prompts are the same token ids on both sides; prefill lengths {w['prefill_lengths']} are timed to the first "
         f"token (max_new_tokens=1) with graphexec's prefix cache flushed and llama.cpp's context reset. Prefill chunks: "
-        f"graphexec scheduler.max_prefill_tokens={engine.get('max_prefill_tokens', '—')}, llama.cpp "
-        f"n_batch={result['llamacpp_options']['n_batch']}.",
+        f"graphexec scheduler.max_prefill_tokens={engine.get('max_prefill_tokens', '—')}, llama.cpp n_batch={llama['n_batch']}.",
         f"- Batched decode: graphexec, B requests of {w['batch_prompt_tokens']} distinct prompt tokens and "
         f"{w['batch_new_tokens']} new tokens each, submitted together; decode tokens/s counts every token after each "
         f"request's first, between the earliest first token and the latest last one.",
+        *(f"  - B={b}: first tokens spread over {d['first_token_spread_s']:.3f} s (prefill chunks), prefix-cache hits "
+          f"{d['cached_tokens']} tokens." for b, d in result["batch_details"].items()),
+        f"- KV cache: graphexec's pool is cache.num_slots={engine.get('kv_slots', '—')} tokens, allocated (and resident) "
+        f"at start; llama.cpp's is n_ctx={llama['n_ctx']} tokens of f16 K and V (from the GGUF's shape). Override "
+        "cache.num_slots to compare peak RSS at equal KV capacity. Peak RSS counts llama.cpp's mmapped weights as they "
+        "are touched.",
     ]
-    for b, d in result["batch_details"].items():
-        notes.append(f"  - B={b}: first tokens spread over {d['first_token_spread_s']:.3f} s (prefill chunks), "
-                     f"prefix-cache hits {d['cached_tokens']} tokens.")
-    notes.append(f"- KV cache: graphexec's pool is cache.num_slots={engine.get('kv_slots', '—')} tokens, allocated (and "
-                 f"resident) at start; llama.cpp's is n_ctx={result['llamacpp_options']['n_ctx']} tokens of f16 K and V "
-                 "(from the GGUF's shape). Override cache.num_slots to compare peak RSS at equal KV capacity. "
-                 "Peak RSS counts llama.cpp's mmapped weights as they are touched.")
-    agree = {side: a for side, a in result["greedy_agreement"].items() if a}
-    if agree:
-        per_side = "; ".join(f"{label(s)} {'identical' if a['identical_requests'] else 'differs'}, {a['mean_prefix_fraction']:.0%} "
-                             "agree before the first difference" for s, a in agree.items())
+    if agree := {side: a for side, a in result["greedy_agreement"].items() if a}:
+        per_side = "; ".join(f"{label(s)} {'identical' if a['identical_requests'] else 'differs'}, "
+                             f"{a['mean_prefix_fraction']:.0%} agree before the first difference" for s, a in agree.items())
         notes.append(f"- Greedy B=1 tokens against llama.cpp's (last round, {w['decode_new_tokens']} tokens): {per_side} "
                      "(a sanity check, not a fidelity test: llama.cpp quantizes activations to 8 bits for its quantized dot "
                      "products, as model.activations=q8 does, so near-ties can go either way).")
     if result.get("greedy_tokens_equal") is not None:
-        notes.append("- Greedy B=1 tokens equal across the graphexec sides (last rounds): "
-                     f"{result['greedy_tokens_equal']}.")
-    if result.get("near_tie_agreement"):
-        v = next(iter(result["near_tie_agreement"].values()))
+        notes.append(f"- Greedy B=1 tokens equal across the graphexec sides (last rounds): {result['greedy_tokens_equal']}.")
+    if near := result.get("near_tie_agreement"):
+        v = next(iter(near.values()))
         notes.append(f"- Greedy agreement on {v['prompts']} chat prompts × {v['new_tokens']} tokens (last round; "
-                     "bench/peer.py defines a near tie): "
-                     + "; ".join(note(label(s), x) for s, x in result["near_tie_agreement"].items()) + ".")
-    internal = [r.get("internal_decode_ms_per_token") for wk in result["raw"].get(PEER, []) if not wk.get("error")
-                for r in wk["decode"]]
-    internal = [v for v in internal if v is not None]
-    if internal:
-        notes.append(f"- llama.cpp's own eval timer: {median(internal):.3g} ms/token decode (the table's "
-                     "number is wall clock between yielded tokens, Python included, as for graphexec).")
-    busy = {side: [w.get("busy_cores_before") for w in rounds] for side, rounds in result["raw"].items()}
+                     "bench/peer.py defines a near tie): " + "; ".join(_verdict_note(s, x) for s, x in near.items()) + ".")
+    internal = median(r.get("internal_decode_ms_per_token") for wk in raw.get(PEER, []) if not wk.get("error")
+                      for r in wk["decode"])
+    if internal is not None:
+        notes.append(f"- llama.cpp's own eval timer: {internal:.3g} ms/token decode (the table's number is wall clock "
+                     "between yielded tokens, Python included, as for graphexec).")
+    busy = {side: [wk.get("busy_cores_before") for wk in rounds] for side, rounds in raw.items()}
     if any(v is not None for values in busy.values() for v in values):
         per_side = "; ".join(f"{label(s)} " + ", ".join("—" if v is None else f"{v:.1f}" for v in values)
                              for s, values in busy.items())
         notes.append(f"- Cores busy with other work just before each round's worker started: {per_side}. Where that "
                      "is well above 0, the worker shared its cores and that round's numbers are inflated.")
-    for side, rounds in result["raw"].items():
-        for r, w in enumerate(rounds):
-            if w.get("exit_error"):
-                notes.append(f"- {label(side)} round {r + 1}: the worker printed its results, then exited with code "
-                             f"{w['exit_code']} ({w['exit_error']}); its numbers are kept.")
-    for e in result["errors"]:
-        notes.append(f"- **{label(e['side'])} round {e['round'] + 1} failed**: {e['error']}")
-    notes.append("- Order run: " + " → ".join(label(s["side"]) for s in result["sequence"]) + ".")
-    return notes
+    notes += [f"- {label(side)} round {r + 1}: the worker printed its results, then exited with code {wk['exit_code']} "
+              f"({wk['exit_error']}); its numbers are kept." for side, rounds in raw.items()
+              for r, wk in enumerate(rounds) if wk.get("exit_error")]
+    notes += [f"- **{label(e['side'])} round {e['round'] + 1} failed**: {e['error']}" for e in result["errors"]]
+    return [*notes, "- Order run: " + " → ".join(label(s["side"]) for s in result["sequence"]) + "."]
 
 
-def _medians(result: dict[str, Any], keys: Sequence[str], side: str) -> list[float | None]:
-    rows = {r["key"]: r for r in result["rows"]}
-    return [(rows[key][side] or {}).get("median") if key in rows else None for key in keys]
+def _verdict_note(side: str, v: dict[str, Any]) -> str:
+    differ = [f"{r['first_difference']} (gaps {r['gaps'][0]:.2f}/{r['gaps'][1]:.2f})" for r in v["per_prompt"]
+              if r["first_difference"] is not None]
+    return (f"{label(side)}: {v['equal'] + v['after_near_tie']}/{v['prompts']} agree ({v['equal']} equal, "
+            f"{v['after_near_tie']} first differ at a near tie, both top-two gaps < {v['near_tie_nats']} nats)"
+            + (f"; first differences at token {', '.join(differ)} (ours/llama.cpp)" if differ else ""))
 
 
 def _plots(result: dict[str, Any], ours: list[str]) -> list[Bars]:
-    w, every = result["workload"], [*ours, PEER]
-    rate_keys = [*(f"pp_tok_s@{n}" for n in w["prefill_lengths"]), "decode_tok_s", *(f"batch_tok_s@{b}" for b in w["batch_sizes"])]
-    rate_groups = [*(f"prefill {n}" for n in w["prefill_lengths"]), "decode B=1",
-                   *(f"decode B={b}\n(graphexec only)" for b in w["batch_sizes"])]
-    # llama.cpp's bars only where it measured that very thing (not its B=1 rate under a B=8 group).
-    peer_rates = [(v if not k.startswith("batch") else None) for k, v in zip(rate_keys, _medians(result, rate_keys, PEER))]
-    rates = {label(s): _medians(result, rate_keys, s) for s in ours} | {label(PEER): peer_rates}
-    latency, memory = ["decode_ms", "request_ms"], ["peak_rss_mib", "weight_mib", "kv_mib"]
+    w, every, rows = result["workload"], [*ours, PEER], {r["key"]: r for r in result["rows"]}
+
+    def series(keys: Sequence[str]) -> dict[str, list[float | None]]:
+        # llama.cpp's bars only where it measured that very thing (not its B=1 rate under a B=8 group).
+        return {label(s): [(rows[k][s] or {}).get("median") if k in rows and (s != PEER or rows[k]["peer_key"] == k) else None
+                           for k in keys] for s in every}
+
+    rates = [*(f"pp_tok_s@{n}" for n in w["prefill_lengths"]), "decode_tok_s", *(f"batch_tok_s@{b}" for b in w["batch_sizes"])]
+    groups = [*(f"prefill {n}" for n in w["prefill_lengths"]), "decode B=1",
+              *(f"decode B={b}\n(graphexec only)" for b in w["batch_sizes"])]
     return [
-        Bars("peer_throughput.png", "tokens per second (median over rounds)", "tokens/s", rate_groups, rates,
-             log_y=True),
+        Bars("peer_throughput.png", "tokens per second (median over rounds)", "tokens/s", groups, series(rates), log_y=True),
         Bars("peer_latency.png", "B=1 ms per token (median over rounds)", "ms/token", ["decode only", "whole request"],
-             {label(s): _medians(result, latency, s) for s in every}),
+             series(["decode_ms", "request_ms"])),
         Bars("peer_memory.png", "memory (median over rounds)", "MiB", ["peak RSS", "weights", "KV cache"],
-             {label(s): _medians(result, memory, s) for s in every}),
+             series(["peak_rss_mib", "weight_mib", "kv_mib"])),
     ]
 
 
 def _summary(result: dict[str, Any], ours: list[str]) -> dict[str, float]:
-    names = {"decode_tok_s": "decode B=1 tok/s", "decode_ms": "decode B=1 ms/token", "peak_rss_mib": "peak RSS MiB",
-             "start_s": "start-up s"}
     out: dict[str, float] = {}
     for row in result["rows"]:
-        key = row["key"]
-        if key.startswith("pp_tok_s@"):
-            name = f"prefill {key.split('@')[1]} tok/s"
-        elif key.startswith("batch_tok_s@"):
-            name = f"decode B={key.split('@')[1]} tok/s"
-        elif key in names:
-            name = names[key]
-        else:
+        kind, _, n = row["key"].partition("@")
+        name = {"pp_tok_s": f"prefill {n} tok/s", "batch_tok_s": f"decode B={n} tok/s", "decode_tok_s": "decode B=1 tok/s",
+                "decode_ms": "decode B=1 ms/token", "peak_rss_mib": "peak RSS MiB", "start_s": "start-up s"}.get(kind)
+        if name is None:
             continue
-        for side in [*ours, PEER]:
-            if row[side] is not None and not (side == PEER and key.startswith("batch")):
-                out[f"{label(side)} {name}"] = row[side]["median"]
-        for side in ours:
-            if row["ratios"][side] is not None and (key in ("decode_tok_s", "decode_ms") or key.startswith("pp_tok_s@")):
-                out[f"{label(side)}/llama.cpp {name} ×"] = row["ratios"][side]
+        # In a batch row llama.cpp's number is its B=1 rate: not a number of that name.
+        sides = [*ours, PEER] if row["peer_key"] == row["key"] else ours
+        out |= {f"{label(s)} {name}": row[s]["median"] for s in sides if row[s] is not None}
+        if kind in ("decode_tok_s", "decode_ms", "pp_tok_s"):
+            out |= {f"{label(s)}/llama.cpp {name} ×": row["ratios"][s] for s in ours if row["ratios"][s] is not None}
     for side, v in (result.get("near_tie_agreement") or {}).items():
         out[f"{label(side)} greedy agreement with llama.cpp"] = v["agree"]
     return out

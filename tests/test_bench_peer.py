@@ -86,7 +86,8 @@ def test_prompts_have_exact_lengths_keep_a_leading_bos_and_batch_prompts_share_n
 
 def test_batch_throughput_counts_decode_tokens_between_first_and_last():
     # Two requests, same arrival: first tokens at 1.0 s and 1.5 s, 5 tokens each at 0.1 s apart.
-    got = peer_worker.batch_throughput([(1.0, 0.1, 1.5, 5), (1.5, 0.1, 2.0, 5)])
+    requests = [peer_worker.timed_request(1.0, 0.1, 1.5, [7] * 5), peer_worker.timed_request(1.5, 0.1, 2.0, [7] * 5)]
+    got = peer_worker.batch_throughput(requests)
     assert got["decode_tokens"] == 8
     assert got["decode_s"] == pytest.approx(0.9)  # 1.0 → 1.5 + 4 × 0.1
     assert got["decode_tokens_per_s"] == pytest.approx(8 / 0.9)
