@@ -35,11 +35,11 @@ PACKAGE = "capture.decode.forward.rows"  # every bucket's: its row count a Dim f
 
 def _serve_until_captured(engine) -> tuple[list[list[list[int]]], list[str]]:
     """Greedy tokens while buckets are pending (the capture runs in the idle time between), until
-    a capture process was seen while a request was served, then idle until the capture is done
+    a capture process was seen stopped while a request was served, then idle until the capture is done
     (serving all along would only stretch the compile: the process is stopped while we serve)."""
     seen, child_states, deadline = [], [], time.monotonic() + 600
     while engine.runner.capture_pending() and time.monotonic() < deadline:
-        if len(seen) < 2 or (not child_states and len(seen) < 6):
+        if len(seen) < 2 or ("T" not in child_states and len(seen) < 6):
             seen.append(_greedy(engine))
             child_states += _capture_child_states_while_serving(engine)
             time.sleep(3.0)  # idle: the capture processes run only now
