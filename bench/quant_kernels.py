@@ -29,17 +29,17 @@ from __future__ import annotations
 
 import argparse
 
+import numpy as np
 import torch
 
 from bench.tables import header, machine_line, row
 from bench.timing import paired_ms
-from graphexec.quant import QuantizedWeight, ensure_kernels
-from graphexec.quant.ops import QBLOCK
+from graphexec.quant import BlockWeight, QuantizedWeight, ensure_kernels
+from graphexec.quant.kquants import BLOCK_FORMATS
 from graphexec.quant.repack import repack_rows16
 
-LAYERS = 30
+LAYERS, VOCAB, F32, BF16 = 30, 49152, torch.float32, torch.bfloat16
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down: [N, K]
-VOCAB = 49152
 
 
 def _q4_1(n: int, k: int, gen: torch.Generator):
@@ -47,47 +47,41 @@ def _q4_1(n: int, k: int, gen: torch.Generator):
     return codes, (torch.rand(n, k // 32, generator=gen) * 0.01).half(), (-torch.rand(n, k // 32, generator=gen) * 0.05).half()
 
 
-def _xs(rows: int, dtype=torch.float32) -> dict[int, torch.Tensor]:
+def _xs(rows: int, dtype=F32) -> dict[int, torch.Tensor]:
     return {k: torch.randn(rows, k).to(dtype) for k in (576, 1536)}
 
 
-def _q4_1_sides(rows: int, linears, head, dense: bool) -> dict:
-    xs = {dt: _xs(rows, dt) for dt in (torch.float32, torch.bfloat16)}
-    with_head = rows <= 64
-    qlinear = torch.ops.graphexec.qlinear
+def _q4_1_sides(args, gen: torch.Generator):
+    linears = [_q4_1(n, k, gen) for _ in range(LAYERS) for n, k in SHAPES]
+    head = (torch.randint(-128, 128, (VOCAB, 576), dtype=torch.int8, generator=gen),
+            (torch.rand(VOCAB, 18, generator=gen) * 0.01).half(), None)
+    g, linear = torch.ops.graphexec, torch.nn.functional.linear
 
-    def run_q(dt):
-        def run():
-            for codes, scales, mins in linears:
-                qlinear(xs[dt][codes.shape[1] * 2], codes, scales, mins)
-            if with_head:
-                qlinear(xs[dt][576], *head)
-        return run
+    def sides(rows: int) -> dict:
+        xs = {dt: _xs(rows, dt) for dt in (F32, BF16)}
+        # (K, weight) per call; the head only for M <= 64: prefill prunes to one row per request
+        calls = [(c.shape[1] * 2, (c, s, m)) for c, s, m in linears] + ([(576, head)] if rows <= 64 else [])
 
-    def run_deq_mm():
-        for codes, scales, mins in linears:
-            w = torch.ops.graphexec.qdequantize(codes, scales, mins, torch.bfloat16)
-            xs[torch.bfloat16][w.shape[1]] @ w.T
+        def each(op, dt, weights):
+            def run():  # each output dropped at once: a list of them costs deq+mm a third (allocator)
+                for k, w in weights:
+                    op(xs[dt][k], *w)
+            return run
 
-    q8_linears = [_rows16(*w) for w in linears]
-    q8_head = _rows16(*head)
+        out = {"qlinear fp32": each(g.qlinear, F32, calls),
+               "qlinear q8": each(g.qlinear_q8, F32, [(k, _rows16(*w)) for k, w in calls]),
+               "qlinear bf16": each(g.qlinear, BF16, calls),
+               "deq+mm bf16": each(lambda x, *w: x @ g.qdequantize(*w, BF16).T, BF16, calls[: len(linears)])}
+        if args.no_dense:
+            return out
+        ws = {dt: [g.qdequantize(*w, dt) for w in linears] for dt in (F32, BF16)}
+        packed = [_int4pack(*w) for w in linears]
+        return out | {"dense fp32": lambda: [linear(xs[F32][w.shape[1]], w) for w in ws[F32]],
+                      "dense bf16": lambda: [linear(xs[BF16][w.shape[1]], w) for w in ws[BF16]],
+                      "int4pack bf16": lambda: [torch.ops.aten._weight_int4pack_mm_for_cpu(xs[BF16][k], w, 32, sz)
+                                                for w, sz, k in packed]}
 
-    def run_q8():
-        for packed in q8_linears:
-            torch.ops.graphexec.qlinear_q8(xs[torch.float32][packed[0].shape[1] * QBLOCK], *packed)
-        if with_head:
-            torch.ops.graphexec.qlinear_q8(xs[torch.float32][576], *q8_head)
-
-    sides = {"qlinear fp32": run_q(torch.float32), "qlinear q8": run_q8, "qlinear bf16": run_q(torch.bfloat16),
-             "deq+mm bf16": run_deq_mm}
-    if dense:
-        for dt, name in ((torch.float32, "dense fp32"), (torch.bfloat16, "dense bf16")):
-            ws = [torch.ops.graphexec.qdequantize(c, s, m, dt) for c, s, m in linears]
-            sides[name] = lambda ws=ws, dt=dt: [torch.nn.functional.linear(xs[dt][w.shape[1]], w) for w in ws]
-        packed = [_int4pack(c, s, m) for c, s, m in linears]
-        sides["int4pack bf16"] = lambda: [torch.ops.aten._weight_int4pack_mm_for_cpu(xs[torch.bfloat16][k], w, 32, sz)
-                                          for w, sz, k in packed]
-    return sides
+    return "Q4_1", sides
 
 
 def _rows16(codes, scales, mins):
@@ -105,20 +99,8 @@ def _int4pack(codes, scales, mins):
     return w, sz, k
 
 
-def _q4_1_factory(args, gen: torch.Generator):
-    linears = [_q4_1(n, k, gen) for _ in range(LAYERS) for n, k in SHAPES]
-    head = (torch.randint(-128, 128, (VOCAB, 576), dtype=torch.int8, generator=gen),
-            (torch.rand(VOCAB, 18, generator=gen) * 0.01).half(), None)
-    return "Q4_1", lambda rows: _q4_1_sides(rows, linears, head, not args.no_dense)
-
-
 def _blocks(qtype: str, n: int, k: int, rng):
     """Random bytes with small fp16 scales where the format keeps them: valid blocks."""
-    import numpy as np
-
-    from graphexec.quant import BlockWeight
-    from graphexec.quant.kquants import BLOCK_FORMATS
-
     fmt = BLOCK_FORMATS[qtype]
     raw = rng.integers(0, 256, (n * k // fmt.elements, fmt.nbytes), dtype=np.uint8)
     for at in {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q5_0": (0,), "Q5_1": (0, 2)}[qtype]:
@@ -126,9 +108,7 @@ def _blocks(qtype: str, n: int, k: int, rng):
     return BlockWeight.from_gguf(raw.reshape(n, -1), qtype, (n, k))
 
 
-def _kquant_factory(args, gen: torch.Generator):
-    import numpy as np
-
+def _kquant_sides(args, gen: torch.Generator):
     rng = np.random.default_rng(0)
     types = [args.narrow] * 3 + [args.wide]  # K=576 linears in the narrow type, down (K=1536) in the wide one
     blocks = [_blocks(qtype, n, k, rng) for _ in range(LAYERS) for qtype, (n, k) in zip(types, SHAPES)]
@@ -146,7 +126,7 @@ def _kquant_factory(args, gen: torch.Generator):
 
 
 def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, nargs="+", help="M (default: 1 to 256, --kquant 1 to 64)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--no-dense", action="store_true", help="skip the dense and int4pack sides (1 GB of weights)")
@@ -155,11 +135,10 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--wide", default="Q4_K", choices=["Q4_K", "Q5_K", "Q6_K"], help="--kquant: type of down_proj")
     args = parser.parse_args(argv)
     ensure_kernels()
-    what, sides = (_kquant_factory if args.kquant else _q4_1_factory)(args, torch.Generator().manual_seed(0))
-    rows_list = args.rows or ([1, 2, 4, 8, 16, 32, 64] + ([] if args.kquant else [128, 256]))
+    what, sides = (_kquant_sides if args.kquant else _q4_1_sides)(args, torch.Generator().manual_seed(0))
     print(f"{machine_line()}\nmedian ms per forward's linears ({what})\n")
     print(header(["M", *sides(1)]))
-    for rows in rows_list:
+    for rows in args.rows or ([1, 2, 4, 8, 16, 32, 64] + ([] if args.kquant else [128, 256])):
         with torch.inference_mode():
             result = paired_ms(sides(rows), rounds=args.rounds, steps=1)
         print(row([rows, *(f"{r['median_ms']:.2f}" for r in result.values())]), flush=True)

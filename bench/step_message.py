@@ -33,78 +33,63 @@ def _ints(values) -> torch.Tensor:
     return torch.tensor(list(values), dtype=torch.int64)
 
 
-def decode_message(batch: int) -> StepMessage:
-    table = ReqToTokenPool(max(batch, 1), 4096, journal=True)
-    rows = [table.alloc() for _ in range(batch)]
-    table.take_journal()
-    slots = _ints(range(1000, 1000 + batch))
-    table.write_points(rows, [CONTEXT] * batch, slots)
-    seq = (CONTEXT + 1,) * batch
-    fb = ForwardBatch(
-        forward_mode=ForwardMode.DECODE, batch_size=batch, input_ids=_ints(range(7, 7 + batch)),
-        positions=_ints([CONTEXT] * batch), req_pool_indices=_ints(rows), seq_lens=_ints(seq), seq_lens_cpu=seq,
-        seq_lens_sum=sum(seq), out_cache_loc=slots, extend_prefix_lens=None, extend_seq_lens=None,
-        extend_start_loc=None, extend_prefix_lens_cpu=None, extend_seq_lens_cpu=None, extend_num_tokens=None,
-        num_token_non_padded=batch, sampling_info=None,
+def forward_batch(mode: ForwardMode, runs: list[tuple[int, int]], rows, slots: torch.Tensor, first_id: int = 0,
+                  **extra) -> ForwardBatch:
+    """A ForwardBatch by hand (no public batch API yet; attention_kernels builds its batches here):
+    `runs` is (cached prefix, new tokens) per request, `rows` their table rows, `slots` where the
+    new K/V go, the token ids counting up from `first_id`."""
+    prefix, new, seq = tuple(p for p, _ in runs), tuple(n for _, n in runs), tuple(p + n for p, n in runs)
+    extend = dict(extend_prefix_lens=_ints(prefix), extend_seq_lens=_ints(new),
+                  extend_start_loc=_ints(sum(new[:r]) for r in range(len(runs))), extend_prefix_lens_cpu=prefix,
+                  extend_seq_lens_cpu=new, extend_num_tokens=sum(new))
+    return ForwardBatch(
+        forward_mode=mode, batch_size=len(runs), input_ids=_ints(range(first_id, first_id + sum(new))),
+        positions=_ints(p + i for p, n in runs for i in range(n)), req_pool_indices=_ints(rows), seq_lens=_ints(seq),
+        seq_lens_cpu=seq, seq_lens_sum=sum(seq), out_cache_loc=slots, num_token_non_padded=sum(new),
+        sampling_info=None, **(extend if mode.is_extend() else dict.fromkeys(extend)), **extra,
     )  # fmt: skip
+
+
+def message(mode: ForwardMode, runs: list[tuple[int, int]], first_slot: int, first_id: int, plan=None) -> StepMessage:
+    """One forward's StepMessage: its batch and the journal of a fresh table mapping each new
+    token's position to its slot (slots counting up from `first_slot`)."""
+    table = ReqToTokenPool(len(runs), 4096, journal=True)
+    rows = [table.alloc() for _ in runs]
+    slots = _ints(range(first_slot, first_slot + sum(n for _, n in runs)))
+    table.write_points([r for r, (_, n) in zip(rows, runs) for _ in range(n)],
+                       [p + i for p, n in runs for i in range(n)], slots)
+    fb = forward_batch(mode, runs, rows, slots, first_id, prompt_logprobs=plan)
     return StepMessage(StepKind.FORWARD, fb, tuple(table.take_journal()))
 
 
-def prefill_message(tokens: int, prompt_logprobs: bool) -> StepMessage:
-    table = ReqToTokenPool(1, 4096, journal=True)
-    row = table.alloc()
-    slots = _ints(range(1, tokens + 1))
-    table.write_points([row] * tokens, list(range(tokens)), slots)
-    plan = None
-    if prompt_logprobs:  # every row but the last predicts a prompt token
-        plan = PromptLogprobPlan((PromptLogprobSpan(0, 0, tokens - 1, 1, 5),), _ints(range(tokens - 1)),
-                                 _ints(range(2, tokens + 1)), 5)  # fmt: skip
-    fb = ForwardBatch(
-        forward_mode=ForwardMode.EXTEND, batch_size=1, input_ids=_ints(range(1, tokens + 1)),
-        positions=_ints(range(tokens)), req_pool_indices=_ints([row]), seq_lens=_ints([tokens]),
-        seq_lens_cpu=(tokens,), seq_lens_sum=tokens, out_cache_loc=slots, extend_prefix_lens=_ints([0]),
-        extend_seq_lens=_ints([tokens]), extend_start_loc=_ints([0]), extend_prefix_lens_cpu=(0,),
-        extend_seq_lens_cpu=(tokens,), extend_num_tokens=tokens, num_token_non_padded=tokens,
-        sampling_info=None, prompt_logprobs=plan,
-    )  # fmt: skip
-    return StepMessage(StepKind.FORWARD, fb, tuple(table.take_journal()))
+def measure(msg: StepMessage, seconds: float) -> dict[str, tuple[int, float, float]]:
+    """Per side: bytes, encode µs, decode µs."""
+    pickled, encoded = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL), encode(msg)
+    sides = {"pickle": (pickled, lambda: pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL), lambda: pickle.loads(pickled)),
+             "codec": (encoded, lambda: encode(msg), lambda: decode(encoded))}
+    return {side: (len(data), *(median_us_per_call(fn, seconds, min_calls=20) for fn in calls))
+            for side, (data, *calls) in sides.items()}
 
 
-def measure(message: StepMessage, seconds: float) -> dict[str, float]:
-    pickled = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-    encoded = encode(message)
-    return {
-        "pickle_bytes": len(pickled),
-        "codec_bytes": len(encoded),
-        "pickle_encode_us": median_us_per_call(lambda: pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL), seconds, min_calls=20),
-        "pickle_decode_us": median_us_per_call(lambda: pickle.loads(pickled), seconds, min_calls=20),
-        "codec_encode_us": median_us_per_call(lambda: encode(message), seconds, min_calls=20),
-        "codec_decode_us": median_us_per_call(lambda: decode(encoded), seconds, min_calls=20),
-    }
-
-
-def cases() -> dict[str, StepMessage]:
-    return {
-        "decode B=1": decode_message(1),
-        "decode B=8": decode_message(8),
-        "prefill 512": prefill_message(512, prompt_logprobs=False),
-        "prefill 512 + prompt logprobs": prefill_message(512, prompt_logprobs=True),
-        "keep-alive": StepMessage(StepKind.KEEP_ALIVE),
-    }
+def cases(prefill: int = 512) -> dict[str, StepMessage]:
+    # prompt logprobs: every row but the last predicts a prompt token
+    plan = PromptLogprobPlan((PromptLogprobSpan(0, 0, prefill - 1, 1, 5),), _ints(range(prefill - 1)),
+                             _ints(range(2, prefill + 1)), 5)
+    return {**{f"decode B={b}": message(ForwardMode.DECODE, [(CONTEXT, 1)] * b, 1000, 7) for b in (1, 8)},
+            f"prefill {prefill}": message(ForwardMode.EXTEND, [(0, prefill)], 1, 1),
+            f"prefill {prefill} + prompt logprobs": message(ForwardMode.EXTEND, [(0, prefill)], 1, 1, plan),
+            "keep-alive": StepMessage(StepKind.KEEP_ALIVE)}
 
 
 def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=1.0, help="timing per measurement")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     print(machine_line())
     print(header(["message", "bytes pickle / codec", "pickle enc + dec µs", "codec enc + dec µs", "pickle total µs",
                   "codec total µs"]))
-    for name, message in cases().items():
-        r = measure(message, args.seconds)
-        pickle_us, codec_us = (r[f"{side}_encode_us"] + r[f"{side}_decode_us"] for side in ("pickle", "codec"))
-        print(row([name, f"{r['pickle_bytes']:,} / {r['codec_bytes']:,}",
-                   f"{r['pickle_encode_us']:.1f} + {r['pickle_decode_us']:.1f}",
-                   f"{r['codec_encode_us']:.1f} + {r['codec_decode_us']:.1f}", f"{pickle_us:.1f}", f"{codec_us:.1f}"]),
-              flush=True)
+    for name, msg in cases().items():
+        (pickle_bytes, pe, pd), (codec_bytes, ce, cd) = measure(msg, args.seconds).values()
+        print(row([name, f"{pickle_bytes:,} / {codec_bytes:,}", f"{pe:.1f} + {pd:.1f}", f"{ce:.1f} + {cd:.1f}",
+                   f"{pe + pd:.1f}", f"{ce + cd:.1f}"]), flush=True)

@@ -7,10 +7,8 @@ file:// store; tp_size=1 is one spawned process), each loading its shard through
 path (graphexec/engine/rank_setup.py, capture=eager).  Rank 0 reports, per batch size: the median
 step (forward + gathered logits), the collectives one step makes (counted on a step), the median
 time of one all-reduce of [B, hidden] fp32 rows timed alone in a loop, the resident weight bytes
-per rank and the peak RSS of every rank.
-
-No speed-up is claimed: ranks are processes on the same cores, and on a 2-core machine tp_size=3
-oversubscribes them; this shows what the all-reduces cost and what each rank holds.
+per rank and the peak RSS of every rank.  No speed-up is claimed: ranks are processes on the same
+cores (tp_size=3 oversubscribes 2 cores); this shows what the all-reduces cost and what a rank holds.
 """
 
 from __future__ import annotations
@@ -18,118 +16,79 @@ from __future__ import annotations
 import argparse
 import resource
 import tempfile
-import time
+from contextlib import ExitStack
+from types import SimpleNamespace
+from unittest import mock
 
-from bench.stats import median
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from bench.decode import decode_batch
 from bench.tables import machine_line, table
+from bench.timing import paired_ms
+from graphexec.config import EngineConfig
+from graphexec.engine.rank_setup import load_and_capture
+from graphexec.parallel.group import SINGLE, TPGroup
+from graphexec.scheduler.scheduler import Scheduler
+
+COLUMNS = ["tp", "B", "step ms (median)", "all-reduces / step", "all-gathers / step", "ms / all-reduce [B, hidden]",
+           "weights MiB / rank", "peak RSS MiB / rank (max)"]
 
 
 def _rank(rank: int, size: int, store: str, args, out) -> None:
-    import torch
-    import torch.distributed as dist
-
-    from graphexec.config import EngineConfig
-    from graphexec.engine.rank_setup import load_and_capture
-    from graphexec.parallel.group import SINGLE, TPGroup
-
     torch.set_num_threads(1)
-    tp = SINGLE
     if size > 1:
         dist.init_process_group("gloo", init_method=store, rank=rank, world_size=size)
-        tp = TPGroup(rank, size, dist.group.WORLD)
+    tp = TPGroup(rank, size, dist.group.WORLD) if size > 1 else SINGLE
     config = EngineConfig.from_overrides([f"model={args.model}", "capture=eager", "cache.num_slots=4096"])
     with torch.inference_mode():
         runner = load_and_capture(config, tp).runner
         rows = [_measure(runner, config, tp, batch, args) for batch in args.batch]
-    rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    out.put((rank, rows, runner.weight_nbytes() / 2**20, rss_mib))
+    out.put((rank, rows, runner.weight_nbytes() / 2**20, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024))
     if size > 1:
         dist.destroy_process_group()
 
 
+def _median_ms(fn, calls: int) -> float:
+    # a count of calls, never a time budget: every rank must make the same collectives
+    return paired_ms({"": fn}, rounds=calls, steps=1)[""]["median_ms"]
+
+
 def _measure(runner, config, tp, batch: int, args) -> dict:
-    from types import SimpleNamespace
-
-    from bench.decode import decode_batch
-    from graphexec.scheduler.scheduler import Scheduler
-
     # decode_batch reads these four of an engine; a rank has a runner and its own scheduler.
     rank = SimpleNamespace(runner=runner, scheduler=Scheduler(runner, runner.kv_cache, config.scheduler),
                            model_config=runner.model_config, max_context=runner.max_context)
     fb, release = decode_batch(rank, batch, args.context)
     counts = _count_collectives(lambda: runner.forward_logits(fb))
-    step_ms = []
-    for _ in range(args.steps):
-        start = time.perf_counter()
-        runner.forward_logits(fb)  # re-running rewrites the same slots: every step sees the same state
-        step_ms.append((time.perf_counter() - start) * 1e3)
+    # re-running rewrites the same slots: every step sees the same state
+    step_ms = _median_ms(lambda: runner.forward_logits(fb), args.steps)
     release()
-    return {"batch": batch, "step_ms": median(step_ms), **counts,
-            "all_reduce_ms": _all_reduce_ms(tp, batch, runner.model_config.hidden_size)}
+    x = torch.ones(batch, runner.model_config.hidden_size)
+    all_reduce_ms = _median_ms(lambda: dist.all_reduce(x, group=tp.group), 100) if tp.is_parallel else None
+    return {"batch": batch, "step_ms": step_ms, **counts, "all_reduce_ms": all_reduce_ms}
 
 
 def _count_collectives(step) -> dict:
     """Collectives one eager step makes, counted at TPGroup (the model's only way to them)."""
-    from graphexec.parallel.group import TPGroup
-
-    counts = {"all_reduces": 0, "all_gathers": 0}
-    originals = TPGroup.all_reduce, TPGroup.all_gather
-
-    def counted(name, fn):
-        def wrapper(self, *a, **k):
-            if self.is_parallel:
-                counts[name] += 1
-            return fn(self, *a, **k)
-        return wrapper
-
-    TPGroup.all_reduce, TPGroup.all_gather = counted("all_reduces", originals[0]), counted("all_gathers", originals[1])
-    try:
+    with ExitStack() as stack:
+        calls = {name: stack.enter_context(mock.patch.object(TPGroup, name, autospec=True, side_effect=getattr(TPGroup, name)))
+                 for name in ("all_reduce", "all_gather")}
         step()
-    finally:
-        TPGroup.all_reduce, TPGroup.all_gather = originals
-    return counts
-
-
-def _all_reduce_ms(tp, batch: int, hidden: int, repeats: int = 100) -> float | None:
-    if not tp.is_parallel:
-        return None
-    import torch
-    import torch.distributed as dist
-
-    x = torch.ones(batch, hidden)
-    for _ in range(10):
-        dist.all_reduce(x, group=tp.group)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        dist.all_reduce(x, group=tp.group)
-        times.append((time.perf_counter() - start) * 1e3)
-    return median(times)
+    return {f"{name}s": sum(call.args[0].is_parallel for call in m.call_args_list) for name, m in calls.items()}
 
 
 def run_side(size: int, args) -> list[tuple]:
-    import torch.multiprocessing as mp
-
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
-        store = f"file://{tmp}/store"
-        procs = [ctx.Process(target=_rank, args=(r, size, store, args, out)) for r in range(size)]
+        procs = [ctx.Process(target=_rank, args=(r, size, f"file://{tmp}/store", args, out)) for r in range(size)]
         for p in procs:
             p.start()
         results = sorted((out.get(timeout=args.timeout_s) for _ in range(size)), key=lambda r: r[0])
         for p in procs:
             p.join(60)
     return results
-
-
-def report(sides: dict[int, list[tuple]]) -> str:
-    rows = [[size, row["batch"], f"{row['step_ms']:.1f}", row["all_reduces"], row["all_gathers"],
-             row["all_reduce_ms"], f"{ranks[0][2]:.1f}", f"{max(r[3] for r in ranks):.0f}"]
-            for size, ranks in sides.items() for row in ranks[0][1]]
-    return machine_line() + "\n\n" + table(
-        ["tp", "B", "step ms (median)", "all-reduces / step", "all-gathers / step", "ms / all-reduce [B, hidden]",
-         "weights MiB / rank", "peak RSS MiB / rank (max)"], rows)
 
 
 def main(argv: list[str]) -> None:
@@ -142,5 +101,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--timeout-s", type=float, default=1200.0)
     args = parser.parse_args(argv)
     sides = {size: run_side(size, args) for size in (1, args.tp)}
-    print(report(sides))
+    rows = [[size, row["batch"], f"{row['step_ms']:.1f}", row["all_reduces"], row["all_gathers"], row["all_reduce_ms"],
+             f"{ranks[0][2]:.1f}", f"{max(r[3] for r in ranks):.0f}"] for size, ranks in sides.items() for row in ranks[0][1]]
+    print(machine_line() + "\n\n" + table(COLUMNS, rows))
     print("\nRanks are processes on this machine's cores (one thread each): no speed-up is claimed here.")
