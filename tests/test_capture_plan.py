@@ -114,20 +114,23 @@ def test_each_part_of_the_key_invalidates(tmp_path, monkeypatch):
 
 @pytest.fixture
 def slow_bucket_two(monkeypatch):
-    """Bucket 2's graph made slower than eager on purpose (an injected delay)."""
-    real = FullGraphBackend._bucket_forward
+    """Bucket 2's graph made slower than eager on purpose (an injected delay).  The delay wraps
+    what runs the captured bucket, not the forward it captures: a tape (like a CUDA graph) replays
+    the recorded ops only, never the Python around them."""
+    real = FullGraphBackend._make_runner
 
-    def slowed(self, bucket):
-        forward = real(self, bucket)
+    def slowed(self, bucket, batch):
+        runner = real(self, bucket, batch)
+        if bucket != 2:
+            return runner
 
         def run(fb):
-            if fb.batch_size == 2:
-                time.sleep(0.03)
-            return forward(fb)
+            time.sleep(0.03)
+            return runner(fb)
 
         return run
 
-    monkeypatch.setattr(FullGraphBackend, "_bucket_forward", slowed)
+    monkeypatch.setattr(FullGraphBackend, "_make_runner", slowed)
 
 
 def _greedy(engine):
