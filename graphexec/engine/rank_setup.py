@@ -12,6 +12,7 @@ import torch
 
 from graphexec.cache.manager import KVCacheManager
 from graphexec.config import EngineConfig, draft_model_source
+from graphexec.engine.engine_loop import cuda_index
 from graphexec.errors import ConfigError
 from graphexec.loader import LoadedCheckpoint
 from graphexec.loader.resolve import load_checkpoint
@@ -35,9 +36,9 @@ def load_and_capture(
     capture them in the background, `ModelRunner.capture_next`).  `channel` announces each step
     to the other ranks (rank 0 of several); a rank with one keeps a journal of its table changes
     to send down it."""
-    device = torch.device(config.device)
-    if device.type == "cuda" and device.index is not None:
-        torch.cuda.set_device(device)  # the current CUDA device is per thread (as in EngineLoop)
+    index = cuda_index(torch.device(config.device))
+    if index is not None:
+        torch.cuda.set_device(index)  # the current CUDA device is per thread (as in EngineLoop)
     # Each rank reads only its part of the weights and caches only its KV heads.
     checkpoint = load_checkpoint(config.model, config.torch_dtype, tp_size=tp.size, tp_rank=tp.rank)
     return _build(config, checkpoint, tp, channel, capture)
