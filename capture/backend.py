@@ -73,13 +73,18 @@ class BackendStats:
     executions: int = 0  # forwards run (graph replays for graph backends)
     fallbacks: int = 0  # forwards handed to eager because this backend could not run them
     padded_rows: int = 0  # rows added to reach a bucket, summed over executions
-    # Per bucket of a bucketed backend: pending | compiling | ready | dropped (BUCKET_STATES).
+    # Per bucket of a bucketed backend: pending | compiling | interim | ready | dropped (BUCKET_STATES).
     states: dict[int, str] = field(default_factory=dict)
     # Per decided bucket: kept or dropped, and the timings behind it (capture/measure.py).
     decisions: dict[int, BucketDecision] = field(default_factory=dict)
     # Per bucket that became ready: seconds from the backend's creation (about the weights being
     # loaded) until it could serve.
     ready_after_seconds: dict[int, float] = field(default_factory=dict)
+    # Per bucket that served from a stand-in while its graph was built elsewhere (the `interim`
+    # state): seconds from the backend's creation until the stand-in served, and its timing
+    # against eager (never part of the plan: the graph that replaces it is timed on its own).
+    interim_after_seconds: dict[int, float] = field(default_factory=dict)
+    interim_decisions: dict[int, BucketDecision] = field(default_factory=dict)
     # Compiled code persisted across starts (full_graph `compile.aot`, capture/aot_region.py): what
     # each ready bucket runs ("artifact" loaded, "compiled" ahead of time here, "dynamo" when it
     # could not be), layers compiled ahead of time in this process, artifacts written, loaded,
@@ -112,6 +117,8 @@ class BackendStats:
                 bucket: {
                     "state": state,
                     "ready_after_s": self.ready_after_seconds.get(bucket),
+                    "interim_after_s": self.interim_after_seconds.get(bucket),
+                    "interim": self.interim_decisions[bucket].as_dict() if bucket in self.interim_decisions else None,
                     "origin": self.origins.get(bucket),
                     "pieces": self.pieces.get(bucket),
                     "splits": self.splits.get(bucket),
@@ -123,8 +130,9 @@ class BackendStats:
 
 
 # What a bucket of a bucketed backend is doing: not captured yet (it runs eager meanwhile), being
-# captured, serving from its graph, or measured no faster than eager (it runs eager for good).
-BUCKET_STATES = ("pending", "compiling", "ready", "dropped")
+# captured, serving from a stand-in while its graph is built elsewhere (capture/bucketed.py,
+# `interim`), serving from its graph, or measured no faster than eager (it runs eager for good).
+BUCKET_STATES = ("pending", "compiling", "interim", "ready", "dropped")
 
 
 class CaptureBackend(ABC):

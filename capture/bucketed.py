@@ -28,12 +28,21 @@ forward on its capture batch (capture/measure.py) and dropped unless it is `min_
 faster; a dropped bucket runs eager.  Decisions taken earlier (a stored plan,
 capture/plan_store.py) are handed in with `preset`: a bucket decided dropped is never compiled,
 one decided kept is compiled (or its stored artifact loaded, capture/artifacts.py) without timing
-it again.  `keep: all` keeps every graph (benchmarks, GPUs).  The caller may capture ahead of serving (`capture_plan`, largest bucket first) or one
+it again.  `keep: all` keeps every graph (benchmarks, GPUs).
+
+A bucket whose graph another process builds (`builds_apart`) may serve from a stand-in meanwhile,
+one that process builds first in a fraction of the time (full_graph: the regional layer for a whole
+forward's package, `compile.interim`): once told it is built (`interim_built`), the caller
+captures the bucket again, which loads the stand-in, times it against eager and, if it is faster,
+serves it in the `interim` state; the bucket stays pending, and its next capture (once its graph is
+stored) replaces the stand-in with the graph, timed and decided on its own.  A stand-in decides
+nothing that is kept: the plan holds only the graph's decision.  The caller may capture ahead of serving (`capture_plan`, largest bucket first) or one
 bucket at a time while serving (`pending_buckets`, smallest first: B=1 decode is the most used).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from abc import abstractmethod
 from typing import Callable, ContextManager, Iterator, Mapping
@@ -51,6 +60,7 @@ from capture.padding import StaticInputs
 from capture.recorders import RECORDERS
 from capture.segments import GraphRecorder, SegmentedGraph, record_segments
 
+_log = logging.getLogger(__name__)
 BucketRunner = Callable[[BucketableBatch], torch.Tensor]
 # Runs of a bucket's forward before it is recorded: lazy initialisation (kernels, handles,
 # allocator growth, compilation) must happen outside the graphs.
@@ -83,6 +93,10 @@ class BucketedBackend(CaptureBackend):
         # Where compiled code persists across starts (handed in with `preset`); None: nowhere.
         self.artifacts: ArtifactStore | None = None
         self._runners: dict[int, BucketRunner] = {}
+        # Buckets whose stand-in another process built (`interim_built`), and those whose stand-in
+        # was tried here (each is tried once, kept or not).
+        self._interim_built: set[int] = set()
+        self._interim_tried: set[int] = set()
         self._recorded: dict[int, SegmentedGraph] = {}
         self._prepared = False
         if self.phase is Phase.ROWS and self.recorder is not None:
@@ -99,6 +113,22 @@ class BucketedBackend(CaptureBackend):
 
     def _before_capture(self) -> None:
         """Once, before the first bucket is captured (eagerly or lazily)."""
+
+    def _interim_possible(self, bucket: int) -> bool:
+        """Whether `bucket`, built apart, has a stand-in that builds in a fraction of its graph's time."""
+        return False
+
+    def _interim_stored(self, bucket: int) -> bool:
+        """Whether `bucket`'s stand-in is stored, ready to load."""
+        return False
+
+    def interim_compiled_with(self, bucket: int) -> str:
+        """What building `bucket`'s stand-in produces (`compiled_with`, for stand-ins)."""
+        return f"interim {bucket}"
+
+    def _make_interim_runner(self, bucket: int, batch: BucketableBatch) -> BucketRunner:
+        """`bucket`'s stand-in, run once on `batch` (built and saved, or loaded)."""
+        raise NotImplementedError(f"{self.name} has no stand-in graphs")
 
     # Each bucket is a legitimate compile of the same code (more than one with regional or
     # piecewise compilation), so capture lifts Dynamo's recompile limits.
@@ -132,7 +162,7 @@ class BucketedBackend(CaptureBackend):
         when `lazy` (a bucket is captured on its first batch)."""
         if self.options.lazy:
             return []
-        return [b for b in self.buckets if self.stats.states[b] in ("pending", "compiling")]
+        return [b for b in self.buckets if self.stats.states[b] in ("pending", "compiling", "interim")]
 
     def dummy_batch(self, bucket: int) -> BucketableBatch:
         """A batch of padding rows only, in the static buffers: what a bucket is captured on."""
@@ -143,6 +173,9 @@ class BucketedBackend(CaptureBackend):
         inside the caller's forward scope for it; seconds and memory go to the stats."""
         self._prepare_once()
         if self.stats.states[bucket] == "dropped":
+            return
+        if self.interim_waiting(bucket):
+            self._capture_interim(bucket, batch)
             return
         self.stats.states[bucket] = "compiling"
         try:
@@ -159,11 +192,58 @@ class BucketedBackend(CaptureBackend):
         self.stats.states[bucket] = "ready"
         self.stats.ready_after_seconds[bucket] = round(time.perf_counter() - self._created_at, 3)
 
-    def build(self, bucket: int, batch: BucketableBatch) -> None:
-        """Compile `bucket` on `batch` as `capture_bucket` would, saving what persists (`builds_apart`),
-        but neither time it nor swap it in: what a process that builds for another one runs."""
+    def build(self, bucket: int, batch: BucketableBatch, interim: bool = False) -> None:
+        """Compile `bucket` (with `interim`, its stand-in) on `batch` as `capture_bucket` would,
+        saving what persists (`builds_apart`), but neither time it nor swap it in: what a process
+        that builds for another one runs."""
         self._prepare_once()
-        self._build(bucket, batch)
+        if interim:
+            with self._compile_limits(bucket):
+                self._make_interim_runner(bucket, batch)
+        else:
+            self._build(bucket, batch)
+
+    def interims_to_build(self) -> list[int]:
+        """The pending buckets built apart whose stand-in is still to be built, smallest first.
+        Those whose stand-in is stored already count as built (`interim_built`)."""
+        todo = []
+        for bucket in BucketedBackend.pending_buckets(self):
+            if not (self.builds_apart(bucket) and self._interim_possible(bucket)):
+                continue
+            if self._interim_stored(bucket):
+                self.interim_built(bucket)
+            else:
+                todo.append(bucket)
+        return todo
+
+    def interim_built(self, bucket: int) -> None:
+        """Another process has built (and stored) `bucket`'s stand-in: the next capture loads it."""
+        self._interim_built.add(bucket)
+
+    def interim_waiting(self, bucket: int) -> bool:
+        """Whether capturing `bucket` now would load its stand-in: built, stored, not tried yet,
+        and its graph still being built elsewhere."""
+        return (bucket in self._interim_built and bucket not in self._interim_tried
+                and self.stats.states[bucket] in ("pending", "compiling")
+                and self.builds_apart(bucket) and self._interim_stored(bucket))
+
+    def _capture_interim(self, bucket: int, batch: BucketableBatch) -> None:
+        """Load `bucket`'s stand-in and serve it (`interim`) if it times faster than eager; the
+        bucket stays pending either way."""
+        self._interim_tried.add(bucket)
+        try:
+            with self._compile_limits(bucket):
+                runner = self._make_interim_runner(bucket, batch)
+        except Exception as error:  # noqa: BLE001 - a stand-in is optional: the bucket's graph still comes
+            _log.warning("%s bucket %d: its stand-in failed (%r); it runs eager until its graph is built",
+                         self.config_path, bucket, error)
+            return
+        decision = self._timed(batch, runner)
+        self.stats.interim_decisions[bucket] = decision
+        if decision.kept:
+            self._runners[bucket] = runner
+            self.stats.states[bucket] = "interim"
+            self.stats.interim_after_seconds[bucket] = round(time.perf_counter() - self._created_at, 3)
 
     def builds_apart(self, bucket: int) -> bool:
         """Whether another process running this same backend (same options, same artifact store)
@@ -207,6 +287,10 @@ class BucketedBackend(CaptureBackend):
         """The preset decision, else `keep=all`, else the graph timed against eager on `batch`."""
         if bucket in self._preset:
             return self._preset[bucket]
+        return self._timed(batch, runner)
+
+    def _timed(self, batch: BucketableBatch, runner: BucketRunner) -> BucketDecision:
+        """`runner` timed against eager on `batch` (kept without timing under `keep=all`)."""
         if self.options.keep == "all" or self.mechanism == "eager":
             return BucketDecision(kept=True, reason="keep=all")
         eager_ms, graph_ms = time_interleaved(lambda: self._run_model(batch), lambda: runner(batch))

@@ -21,7 +21,11 @@ fusion across layers (B=1's, where those calls weigh most).  With `compile.aot` 
 mechanism only) each bucket's region, layer or whole forward, is compiled ahead of time
 (capture/aot_region.py): no Dynamo frame per call, and, given the plan's artifact store
 (`preset`), saved beside the plan so a later start with the same key loads it instead of
-tracing and compiling.  Every option, checked, is capture/options.py's `FullGraphOptions`.
+tracing and compiling.  With `compile.interim`, a whole-forward bucket built apart (by the
+capture process) serves meanwhile from the regional layer compiled ahead of time, a stand-in that
+process builds first: seconds where the whole forward's package takes a minute or more
+(docs/STATUS.md, issue 22: the cold routes measured).  Every option, checked, is
+capture/options.py's `FullGraphOptions`.
 """
 
 from __future__ import annotations
@@ -117,8 +121,26 @@ class FullGraphBackend(BucketedBackend):
         forward = self._compiled_forward(bucket) if compiled else self.env.model
         return lambda fb: forward(fb.input_ids, fb.positions)
 
-    def _compiled_forward(self, bucket: int) -> Callable:
-        if not self._is_whole(bucket):
+    def _interim_possible(self, bucket: int) -> bool:
+        return self.options.compile.interim and self._is_whole(bucket)
+
+    def _interim_stored(self, bucket: int) -> bool:
+        return self.artifacts is not None and self.artifacts.path(self.interim_compiled_with(bucket)).exists()
+
+    def interim_compiled_with(self, bucket: int) -> str:
+        return artifact_name(self._region(whole=False), slot_of(bucket, self.options.compile.dynamic))
+
+    def _make_interim_runner(self, bucket: int, batch: BucketableBatch) -> BucketRunner:
+        regional = self._compiled_forward(bucket, whole=False)
+
+        def forward(fb: BucketableBatch) -> torch.Tensor:
+            return regional(fb.input_ids, fb.positions)
+
+        self._first_run(bucket, lambda: forward(batch))
+        return forward
+
+    def _compiled_forward(self, bucket: int, whole: bool | None = None) -> Callable:
+        if not (self._is_whole(bucket) if whole is None else whole):
             if self._regional is None:
                 self._regional = self._regional_forward(self._compile_kwargs())
             return self._regional
@@ -242,12 +264,17 @@ class FullGraphBackend(BucketedBackend):
         return self._packages is not None and self._packaged(bucket) and self._packages.adopt(bucket)
 
     def _make_runner(self, bucket: int, batch: BucketableBatch) -> BucketRunner:
-        # A bucket is compiled (or its artifact loaded) on its first call, here.
+        make = super()._make_runner
+        return self._first_run(bucket, lambda: make(bucket, batch))
+
+    def _first_run(self, bucket: int, run: Callable[[], Any]) -> Any:
+        """`run()`, whose first call of the bucket's compiled code compiles it (or loads its
+        artifact); what it compiled is then saved."""
         with inductor_cache_dir(self.options.compile.cache_dir):
-            runner = super()._make_runner(bucket, batch)
+            result = run()
         for aot in self._aots:
             aot.trust(bucket)
-        return runner
+        return result
 
 
 def _torch_compile(fn: Callable, compile_kwargs: dict[str, Any], **more) -> Callable:

@@ -118,6 +118,12 @@ class CompileOptions:
     as soon as the weights are loaded (capture/aoti_forward.py).  The regional layer keeps aot's
     format.  A forward that cannot be exported (collectives inside: tensor parallelism) is compiled
     by Dynamo instead, with one warning."""
+    interim: bool = _option(False, check.flag)
+    """With aot and a capture process building the whole forward apart (capture.compile_in_child):
+    that process first builds the regional layer ahead of time for those buckets (seconds, where the
+    whole forward takes a minute or more cold), and each serves from it meanwhile if it times faster
+    than eager (the `interim` state).  The whole forward replaces it once built, timed on its own;
+    only that decision is kept in the plan.  A warm start loads the whole forward and never this."""
 
 
 @dataclass(frozen=True)

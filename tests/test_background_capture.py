@@ -25,12 +25,12 @@ job = json.load(sys.stdin)
 sleeper = subprocess.Popen(["sleep", "60"])
 if job["config"]["pidfile"]:
     open(job["config"]["pidfile"], "w").write(str(sleeper.pid))
-for path, bucket in job["buckets"]:
-    print(json.dumps({"event": "start", "config_path": path, "bucket": bucket}), flush=True)
-    outcome = job["config"]["outcomes"].get(str(bucket), "done")
+for path, bucket, stage in job["work"]:
+    print(json.dumps({"event": "start", "config_path": path, "bucket": bucket, "stage": stage}), flush=True)
+    outcome = job["config"]["outcomes"].get(f"{bucket}" if stage == "graph" else f"{bucket} {stage}", "done")
     if outcome == "exit":
         sys.exit(7)
-    print(json.dumps({"event": outcome, "config_path": path, "bucket": bucket, "error": "boom"}), flush=True)
+    print(json.dumps({"event": outcome, "config_path": path, "bucket": bucket, "error": "boom", "stage": stage}), flush=True)
 time.sleep(job["config"]["linger_s"])
 """
 COMMAND = [sys.executable, "-c", FAKE_WORKER]
@@ -49,13 +49,22 @@ class Config:
 class FakeRunner:
     """The runner's side of background capture: pending buckets, the ones a child could build."""
 
-    def __init__(self, buckets, apart, outcomes=None, pidfile=None, shared=()):
+    def __init__(self, buckets, apart, outcomes=None, pidfile=None, shared=(), interims=()):
         self.config = Config(outcomes, pidfile=pidfile)
         self.artifact_key = "k"
         self.pending = list(buckets)
         self.apart = set(apart)
         self.shared = set(shared)  # these share one compile (one group)
-        self.captured, self.compiling = [], []
+        self.interims = list(interims)  # buckets built apart with a stand-in, each its own group
+        self.captured, self.compiling, self.interims_built = [], [], []
+
+    def interims_to_build_apart(self):
+        return [[("capture.decode", b)] for b in self.interims]
+
+    def interim_built_apart(self, config_path, bucket):
+        # What the loop learns while the graph is still owed: the stand-in is there to load.
+        assert bucket in self.pending
+        self.interims_built.append(bucket)
 
     def buckets_to_build_apart(self):
         groups = {}
@@ -127,6 +136,25 @@ def test_groups_of_buckets_go_to_as_many_children_as_allowed(tmp_path, caplog):
     assert len([r for r in caplog.records if "could not build capture.decode bucket 8" in r.getMessage()]) == 1
 
 
+def test_stand_ins_are_built_before_any_graph_and_the_loop_learns_of_each(caplog):
+    """Stand-ins (compile.interim) go first, all to the first child (the one the others yield the
+    cores to), the graphs' groups after them in turn; a built stand-in is reported to the runner
+    while its graph is still owed; a failed one only warns (the bucket runs eager until its graph
+    is built), and its graph is still built."""
+    runner = FakeRunner([1, 2, 4, 8], apart=[1, 2, 4, 8], shared=[2, 4, 8], interims=[1, 2, 4],
+                        outcomes={"2 interim": "failed"})
+    work = BackgroundCapture([runner], in_child=True, child_command=COMMAND, processes=2)
+    with caplog.at_level(logging.INFO, logger="graphexec.engine.background_capture"):
+        _drive(work)
+    builds = [r.getMessage().split(" builds ")[1] for r in caplog.records if " builds " in r.getMessage()]
+    assert builds == ["capture.decode bucket 1 (stand-in), capture.decode bucket 2 (stand-in), capture.decode bucket 4 (stand-in), "
+                      "capture.decode bucket 2, capture.decode bucket 4, capture.decode bucket 8",
+                      "capture.decode bucket 1"]
+    assert runner.interims_built == [1, 4] and sorted(runner.captured) == [1, 2, 4, 8]
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == [
+        "capture process could not build the stand-in of capture.decode bucket 2 (boom)"]
+
+
 def test_nothing_to_build_apart_starts_no_child(tmp_path):
     runner = FakeRunner([1, 2], apart=[])
     started = tmp_path / "started"
@@ -136,7 +164,7 @@ def test_nothing_to_build_apart_starts_no_child(tmp_path):
 
 
 def test_pause_stops_the_child_and_its_children_resume_continues_them_kill_ends_them():
-    child = CaptureChild.start(Config(linger_s=60), [("capture.decode", 1)], "k", command=COMMAND)
+    child = CaptureChild.start(Config(linger_s=60), [("capture.decode", 1, "graph")], "k", command=COMMAND)
     try:
         reports = _reports(child, 2)
         assert [(r.event, r.bucket) for r in reports] == [("start", 1), ("done", 1)]

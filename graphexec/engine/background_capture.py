@@ -16,7 +16,10 @@ SIGSTOP, its whole process group (inductor's compile workers and the C++ compile
 any request is served, and continues them while idle.  The loop then only loads what a child
 saved: the artifact, the bucket's capture forward and its timing against eager
 (capture/measure.py), a fraction of a second to ~2 s (a whole forward); Dynamo and inductor are
-imported while the children compile.
+imported while the children compile.  Where a bucket has a stand-in (full_graph
+`compile.interim`: the regional layer for a whole forward's package), the first child builds every
+stand-in before any graph, and the loop serves each as soon as it is reported, until the graph
+that replaces it is (capture/bucketed.py).
 Buckets that cannot be built apart (no artifacts: a CUDA graph, the op tape, `compile.aot` off)
 are captured on the loop thread as before, and so are a draft model's and any the child failed
 to build.
@@ -105,21 +108,26 @@ class BackgroundCapture:
         self._children = []
 
     def _start_children(self, target: ModelRunner) -> None:
-        groups = target.buckets_to_build_apart()
-        # Whole groups to each child, in turn: the first group (B=1's) starts at once in the first.
+        # Whole groups to each child in turn: the first group starts at once in the first child,
+        # which the others yield the cores to.  Every stand-in goes first, to the first child, as
+        # one group: seconds each where a graph takes a minute or more, they are what serves soonest.
+        groups = [[(*b, GRAPH) for b in group] for group in target.buckets_to_build_apart()]
+        interims = [(*b, INTERIM) for group in target.interims_to_build_apart() for b in group]
+        groups = ([interims] if interims else []) + groups
         jobs = [[b for group in groups[i :: self._processes] for b in group] for i in range(min(self._processes, len(groups)))]
-        for index, buckets in enumerate(jobs):
+        for index, work in enumerate(jobs):
             try:
                 # The first child builds the most used buckets (B=1): the others yield the cores to it.
-                child = CaptureChild.start(target.config, buckets, target.artifact_key, self._child_command,
+                child = CaptureChild.start(target.config, work, target.artifact_key, self._child_command,
                                            niceness=_LATER_CHILD_NICENESS if index else 0)
             except Exception as error:  # noqa: BLE001 - no process (OSError), a config that cannot travel: the loop captures
                 _log.warning("could not start a capture process (%r); capturing on the engine loop instead", error)
                 continue
             self._children.append(child)
-            self._owed.update(buckets)
-            _log.info("capture process %d builds %s", child.pid, ", ".join(f"{p} bucket {b}" for p, b in buckets))
-        if self._children and target.loads_need_compiler(sorted(self._owed)):
+            self._owed.update((path, bucket) for path, bucket, stage in work if stage == GRAPH)
+            _log.info("capture process %d builds %s", child.pid,
+                      ", ".join(f"{p} bucket {b}{' (stand-in)' if s == INTERIM else ''}" for p, b, s in work))
+        if self._children and (interims or target.loads_need_compiler(sorted(self._owed))):
             # The first artifact loaded here would import Dynamo and inductor on the loop thread
             # (2.3-3.4 s on 2 cores): import them now, on a thread that ends, while the children
             # compile for longer than that.  A request that comes during the import still waits
@@ -138,6 +146,11 @@ class BackgroundCapture:
             bucket = (report.config_path, report.bucket)
             if report.event == "start":
                 target.compiling_apart(*bucket)
+            elif report.stage == INTERIM:
+                if report.event == "done":
+                    target.interim_built_apart(*bucket)
+                else:  # the bucket runs eager until its graph is built
+                    _log.warning("capture process could not build the stand-in of %s bucket %d (%s)", *bucket, report.error)
             elif report.event == "done":
                 self._owed.discard(bucket)
             else:
@@ -146,7 +159,7 @@ class BackgroundCapture:
                 self._owed.discard(bucket)
         if exit_code is None:
             return False
-        left = child.unreported()
+        left = [(path, bucket) for path, bucket, stage in child.unreported() if stage == GRAPH]
         if left:
             _log.warning("capture process exited with code %d before building %s; capturing them on the engine "
                          "loop.  Its log ends:\n%s", exit_code, left, child.log_tail())
@@ -165,44 +178,52 @@ def _import_compiler() -> None:
         _log.debug("importing the compiler ahead of the first artifact failed", exc_info=True)
 
 
+# What a child builds of a bucket: its graph, or the stand-in that serves until the graph is built.
+GRAPH = "graph"
+INTERIM = "interim"
+
+
 @dataclass(frozen=True)
 class Report:
-    """One line of the child's stdout: it started, built or failed a bucket."""
+    """One line of the child's stdout: it started, built or failed a bucket's graph or stand-in."""
 
     event: str  # start | done | failed
     config_path: str
     bucket: int
     error: str = ""
+    stage: str = GRAPH
 
     def line(self) -> bytes:
         return json.dumps({"event": self.event, "config_path": self.config_path, "bucket": self.bucket,
-                           "error": self.error}).encode() + b"\n"
+                           "error": self.error, "stage": self.stage}).encode() + b"\n"
 
     @classmethod
     def parse(cls, line: bytes) -> Report:
         raw = json.loads(line)
-        return cls(str(raw["event"]), str(raw["config_path"]), int(raw["bucket"]), str(raw.get("error", "")))
+        return cls(str(raw["event"]), str(raw["config_path"]), int(raw["bucket"]), str(raw.get("error", "")),
+                   str(raw.get("stage", GRAPH)))
 
 
 class CaptureChild:
     """The process building buckets for this engine: started, stopped and continued as a process
     group, its reports read without blocking, its stderr kept in a file for a failure's warning."""
 
-    def __init__(self, proc: subprocess.Popen, log, buckets: list[tuple[str, int]]):
+    def __init__(self, proc: subprocess.Popen, log, work: list[tuple[str, int, str]]):
         self._proc = proc
         self._log = log
-        self._unreported = {tuple(b) for b in buckets}  # given, neither reported done nor failed yet
+        self._unreported = {tuple(w) for w in work}  # given, neither reported done nor failed yet
         self._partial = b""
         self._running = True
         self.pid = proc.pid
 
     @classmethod
-    def start(cls, config, buckets: list[tuple[str, int]], key: str | None,
+    def start(cls, config, work: list[tuple[str, int, str]], key: str | None,
               command: Sequence[str] | None = None, niceness: int = 0) -> CaptureChild:
-        """`command` replaces the worker module (tests); it reads the same JSON from stdin.
-        `niceness`: how much lower than this process's its CPU priority is (and its compilers')."""
+        """`work`: (config path, bucket, GRAPH or INTERIM), built in this order.  `command`
+        replaces the worker module (tests); it reads the same JSON from stdin.  `niceness`: how
+        much lower than this process's its CPU priority is (and its compilers')."""
         threads = torch.get_num_threads()  # part of the plan's key: the child must compile under the same
-        payload = json.dumps({"config": config.to_plain(), "buckets": buckets, "key": key, "threads": threads}).encode()
+        payload = json.dumps({"config": config.to_plain(), "work": work, "key": key, "threads": threads}).encode()
         log = tempfile.TemporaryFile()
         # Its own process group, in this session: SIGSTOP reaches its compilers too.  The worker
         # dies with the thread that started it, stopped or not (capture_worker.py); compilers it
@@ -221,7 +242,7 @@ class CaptureChild:
         except OSError:
             pass  # it exited at once: its exit code and log say why
         os.set_blocking(proc.stdout.fileno(), False)
-        return cls(proc, log, buckets)
+        return cls(proc, log, work)
 
     def reports(self) -> list[Report]:
         """What the child reported since the last call."""
@@ -243,12 +264,12 @@ class CaptureChild:
                 _log.debug("capture process said %r", line)  # not a report (a library printing)
                 continue
             if report.event != "start":
-                self._unreported.discard((report.config_path, report.bucket))
+                self._unreported.discard((report.config_path, report.bucket, report.stage))
             reports.append(report)
         return reports
 
-    def unreported(self) -> list[tuple[str, int]]:
-        """The buckets it was given and has reported neither built nor failed."""
+    def unreported(self) -> list[tuple[str, int, str]]:
+        """The work it was given and has reported neither built nor failed."""
         return sorted(self._unreported)
 
     def exit_code(self) -> int | None:

@@ -2,7 +2,10 @@
 build the engine's model and runner from the engine's config, compile the buckets it was given
 and save their artifacts where the engine's capture then loads them, reporting each on stdout.
 
-    python -m graphexec.engine.capture_worker PARENT_PID  < {"config", "buckets", "key", "threads"}
+    python -m graphexec.engine.capture_worker PARENT_PID  < {"config", "work", "key", "threads"}
+
+`work`: [config path, bucket, "graph" | "interim"] in the order to build them (a bucket's
+stand-in, `compile.interim`, comes before any graph).
 
 It times nothing and writes no plan: the engine times each bucket it loads against eager and
 keeps the plan.  A key that differs from the engine's (another thread count, another CPU model
@@ -23,7 +26,7 @@ from dataclasses import replace
 import torch
 
 from graphexec.config import EngineConfig
-from graphexec.engine.background_capture import Report
+from graphexec.engine.background_capture import INTERIM, Report
 from graphexec.engine.rank_setup import load_and_capture
 from graphexec.parallel import launch
 from graphexec.parallel.replicas import die_with
@@ -45,15 +48,15 @@ def main() -> None:
     if runner.artifact_key != job["key"]:
         _log.error("this process's capture key %s is not the engine's %s: nothing built", runner.artifact_key, job["key"])
         sys.exit(KEY_MISMATCH)
-    for config_path, bucket in job["buckets"]:
-        _report(Report("start", config_path, bucket))
+    for config_path, bucket, stage in job["work"]:
+        _report(Report("start", config_path, bucket, stage=stage))
         try:
-            runner.build_apart(config_path, bucket)
+            runner.build_apart(config_path, bucket, interim=stage == INTERIM)
         except Exception as error:  # noqa: BLE001 - the engine captures this bucket itself
-            _log.exception("building %s bucket %d failed", config_path, bucket)
-            _report(Report("failed", config_path, bucket, f"{error!r}"[:300]))
+            _log.exception("building %s bucket %d (%s) failed", config_path, bucket, stage)
+            _report(Report("failed", config_path, bucket, f"{error!r}"[:300], stage))
         else:
-            _report(Report("done", config_path, bucket))
+            _report(Report("done", config_path, bucket, stage=stage))
 
 
 def _die_with(engine_pid: int) -> None:

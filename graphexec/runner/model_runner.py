@@ -139,7 +139,7 @@ class ModelRunner:
         loop runs while no request waits (`capture.background`).  True if it captured one.  A
         bucket whose capture fails is dropped (logged), and the engine keeps serving it eagerly."""
         for backend in self._bucketed():
-            pending = [b for b in backend.pending_buckets() if (backend.config_path, b) not in skip]
+            pending = self._capturable(backend, skip)
             if not pending:
                 continue
             bucket = pending[0]
@@ -168,6 +168,20 @@ class ModelRunner:
                     groups.setdefault(key, []).append((backend.config_path, bucket))
         return list(groups.values())
 
+    def interims_to_build_apart(self) -> list[list[tuple[str, int]]]:
+        """(config path, bucket) of every bucket built apart whose stand-in another process should
+        build first (`BucketedBackend.interim_built` there), grouped as `buckets_to_build_apart`."""
+        groups: dict[tuple[str, str], list[tuple[str, int]]] = {}
+        for backend in self._bucketed():
+            for bucket in backend.interims_to_build():
+                key = (backend.config_path, backend.interim_compiled_with(bucket))
+                groups.setdefault(key, []).append((backend.config_path, bucket))
+        return list(groups.values())
+
+    def interim_built_apart(self, config_path: str, bucket: int) -> None:
+        """Another process has stored the stand-in of `bucket` of the backend at `config_path`."""
+        self._bucketed_at(config_path).interim_built(bucket)
+
     def loads_need_compiler(self, buckets: list[tuple[str, int]]) -> bool:
         """Whether loading any of `buckets` ((config path, bucket)), once built, imports Dynamo and inductor."""
         return any(self._bucketed_at(path).load_needs_compiler(bucket) for path, bucket in buckets)
@@ -177,14 +191,15 @@ class ModelRunner:
         self._bucketed_at(config_path).compiling_elsewhere(bucket)
 
     @torch.inference_mode()
-    def build_apart(self, config_path: str, bucket: int) -> None:
+    def build_apart(self, config_path: str, bucket: int, interim: bool = False) -> None:
         """In a process that builds for a serving one (graphexec/engine/capture_worker.py): compile
-        the bucket and save its artifact, nothing timed, nothing swapped in, no plan written."""
+        the bucket (with `interim`, its stand-in) and save its artifact, nothing timed, nothing
+        swapped in, no plan written."""
         backend = self._bucketed_at(config_path)
         self._use_static_metadata(backend.static_metadata_rows)
         batch = backend.dummy_batch(bucket)
         with _config_errors(), self._forward_scope(batch):
-            backend.build(bucket, batch)
+            backend.build(bucket, batch, interim)
 
     def _bucketed_at(self, config_path: str) -> BucketedBackend:
         for backend in self._bucketed():
@@ -206,7 +221,14 @@ class ModelRunner:
     def capture_pending(self, skip: Collection[tuple[str, int]] = ()) -> bool:
         """Whether any bucket, but those in `skip` ((config path, bucket)), is still to be captured
         (background capture)."""
-        return any((b.config_path, bucket) not in skip for b in self._bucketed() for bucket in b.pending_buckets())
+        return any(self._capturable(backend, skip) for backend in self._bucketed())
+
+    @staticmethod
+    def _capturable(backend: BucketedBackend, skip: Collection[tuple[str, int]]) -> list[int]:
+        """`backend`'s pending buckets but those in `skip` (another process builds their graph),
+        unless their stand-in waits to be loaded."""
+        return [b for b in backend.pending_buckets()
+                if (backend.config_path, b) not in skip or backend.interim_waiting(b)]
 
     def capture_only_loads(self) -> bool:
         """Whether every bucket still to be captured only loads stored code (milliseconds each)."""

@@ -96,7 +96,7 @@ def _backends(m: EngineMetrics) -> Iterator[Metric]:
     padded = CounterMetricFamily("graphexec_capture_padded_rows", "Rows padded to reach a bucket", labels=labels)
     state = GaugeMetricFamily(
         "graphexec_capture_bucket_state",
-        "1 for a bucket's current state (pending | compiling | ready | dropped), 0 for the others",
+        "1 for a bucket's current state (pending | compiling | interim | ready | dropped), 0 for the others",
         labels=[*labels, "bucket", "state"],
     )
     speedup = GaugeMetricFamily(
