@@ -14,15 +14,12 @@ the tool's calls, the final output, the turns and the seconds.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
-from bench.serve import launched_server
+from bench.serve import against_server, check_parser
 
 CITY = "Paris"
 QUESTION = f"What is the weather in {CITY}?"
@@ -32,41 +29,34 @@ APIS = ("responses", "chat_completions")
 async def run_agents(base_url: str, model: str) -> dict[str, dict[str, Any]]:
     """One agent run per API against the server at base_url; what each did."""
     import openai
-    from agents import (
-        Agent, ModelSettings, OpenAIChatCompletionsModel, OpenAIResponsesModel, Runner, function_tool,
-        set_tracing_disabled,
-    )
+    from agents import set_tracing_disabled
 
     set_tracing_disabled(True)  # traces would go to OpenAI's servers
     client = openai.AsyncOpenAI(base_url=f"{base_url.rstrip('/')}/v1", api_key="unused")
-    results = {}
-    for api in APIS:
-        calls: list[str] = []
-
-        @function_tool
-        def get_weather(city: str) -> str:
-            """The current weather in a city."""
-            calls.append(city)
-            return f"It is sunny and 21 degrees in {city}."
-
-        model_class = OpenAIResponsesModel if api == "responses" else OpenAIChatCompletionsModel
-        agent = Agent(
-            name="weather",
-            instructions="Use the get_weather tool, then answer with what it says.",
-            tools=[get_weather],
-            model=model_class(model, client),
-            model_settings=ModelSettings(tool_choice="required", parallel_tool_calls=False, temperature=0.0, max_tokens=64),
-        )
-        start = time.perf_counter()
-        result = await Runner.run(agent, QUESTION, max_turns=4)
-        results[api] = {
-            "tool_calls": calls,
-            "final_output": result.final_output,
-            "turns": len(result.raw_responses),
-            "seconds": round(time.perf_counter() - start, 2),
-        }
+    results = {api: await run_agent(api, client, model) for api in APIS}
     await client.close()
     return results
+
+
+async def run_agent(api: str, client, model: str) -> dict[str, Any]:
+    from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, OpenAIResponsesModel, Runner, function_tool
+
+    calls: list[str] = []
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """The current weather in a city."""
+        calls.append(city)
+        return f"It is sunny and 21 degrees in {city}."
+
+    model_class = OpenAIResponsesModel if api == "responses" else OpenAIChatCompletionsModel
+    settings = ModelSettings(tool_choice="required", parallel_tool_calls=False, temperature=0.0, max_tokens=64)
+    agent = Agent(name="weather", instructions="Use the get_weather tool, then answer with what it says.",
+                  tools=[get_weather], model=model_class(model, client), model_settings=settings)
+    start = time.perf_counter()
+    result = await Runner.run(agent, QUESTION, max_turns=4)
+    return {"tool_calls": calls, "final_output": result.final_output, "turns": len(result.raw_responses),
+            "seconds": round(time.perf_counter() - start, 2)}
 
 
 def check(base_url: str, model: str) -> dict[str, dict[str, Any]]:
@@ -74,16 +64,8 @@ def check(base_url: str, model: str) -> dict[str, dict[str, Any]]:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--url", help="a running OpenAI-compatible server (default: start graphexec-serve)")
-    parser.add_argument("--model", default="smollm2-135m", help="the served model name")
-    parser.add_argument("--serve-args", nargs="*", default=["capture=eager"], help="overrides for the graphexec-serve it starts")
-    args = parser.parse_args(argv)
-    if args.url:
-        results = check(args.url, args.model)
-    else:
-        with tempfile.TemporaryDirectory() as logs, launched_server(args.serve_args, Path(logs), 300) as target:
-            results = check(target.url, args.model)
+    args = check_parser(__doc__, serve_args=["capture=eager"]).parse_args(argv)
+    results = against_server(args, 300, check)
     print(json.dumps(results, indent=2))
     ok = all(r["tool_calls"] == [CITY] and CITY in str(r["final_output"]) for r in results.values())
     return 0 if ok else 1

@@ -1,15 +1,13 @@
 """Capture suite: what starting an engine costs, per capture backend and bucket, cold and warm.
 
-Every phase is a fresh `graphexec-bench capture_probe` process (nothing compiled in memory) run
-with the run's engine overrides: `probe` below starts an engine there and prints, as one JSON line,
-its start seconds, peak RSS and, per distinct capture backend, seconds and bytes per bucket.
-
-    graphexec-bench capture_probe model=tiny-llama capture.decode.buckets=[1,4]
-  The phases share one inductor cache directory, new and empty
-for this run: the cold phase compiles everything into it, the warm phase reuses what it left
-(with `compile.aot`, loading each kept decode bucket's artifact from the plan directory: its
-seconds then read "(artifact)").
-A probe that fails is recorded as that phase's error, not raised, so the other phase still counts.
+Each phase is a fresh `graphexec-bench capture_probe OVERRIDES` process (nothing compiled in
+memory) with the run's engine overrides: `probe` below starts an engine there and prints, as one
+JSON line, its start seconds, peak RSS and, per distinct capture backend, seconds and bytes per
+bucket.  The phases share one inductor cache directory, new and empty for this run: the cold
+phase compiles everything into it, the warm phase reuses what it left (with `compile.aot`,
+loading each kept decode bucket's artifact from the plan directory: its seconds then read
+"(artifact)").  A probe that fails is that phase's error, not raised, so the other phase still
+counts.
 """
 
 from __future__ import annotations
@@ -20,11 +18,11 @@ import tempfile
 import time
 from typing import Any
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from bench.report import Bars, Report, Table
 from bench.tables import cell
-from bench.workers import emit, run_command
+from bench.workers import cache_env, emit, run_command
 from graphexec.batch.forward_mode import ForwardMode
 
 _ALLOWED_PHASES = (["cold"], ["cold", "warm"])
@@ -34,37 +32,25 @@ def run(cfg, ctx) -> dict[str, Any]:
     phases = list(cfg.bench.phases)
     if phases not in _ALLOWED_PHASES:
         raise ValueError(f"bench.phases={phases} must be one of {list(_ALLOWED_PHASES)} (cold runs first, on an empty cache)")
-    explicit_cache_dirs = _explicit_cache_dirs(cfg)
+    # A cache_dir in the config wins over the environment (full_graph sets TORCHINDUCTOR_CACHE_DIR
+    # from it), so every phase reads that directory as it was.
+    configured = (OmegaConf.select(cfg, f"capture.{mode.config_key}.compile.cache_dir", default=None)
+                  for mode in ForwardMode)
+    explicit_cache_dirs = sorted({str(d) for d in configured if d})
     results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="graphexec-capture-cache-") as cache_dir:
+        # Captured before the probe's engine returns, and the plan (which buckets keep their graphs)
+        # stored in this run's directory: cold measures and stores it, warm loads it.
+        overrides = [*ctx.overrides, "++capture.background=false", f"++capture.cache_dir={os.path.join(cache_dir, 'plans')}"]
         for phase in phases:
             ctx.say(f"capture suite: {phase} phase (fresh process, inductor cache {cache_dir}) ...")
-            results[phase] = _run_probe(list(ctx.overrides), cache_dir, float(cfg.bench.probe_timeout_s))
+            results[phase] = {"error": None} | run_command("capture_probe", overrides, float(cfg.bench.probe_timeout_s),
+                                                           env=cache_env(cache_dir), label="probe",
+                                                           option="bench.probe_timeout_s")
             outcome = results[phase]["error"] or f"engine started in {results[phase]['start_seconds']:.1f} s"
             ctx.say(f"capture suite: {phase} phase done: {outcome}")
-    return {
-        "phases": results,
-        "backends": _merge_backends(results),
-        # A cache_dir in the config wins over the environment (full_graph sets
-        # TORCHINDUCTOR_CACHE_DIR from it), so every phase reads that directory as it was.
-        "explicit_cache_dirs": explicit_cache_dirs,
-        "cold_is_cold": not explicit_cache_dirs,
-    }
-
-
-def _explicit_cache_dirs(cfg) -> list[str]:
-    found = {OmegaConf.select(cfg, f"capture.{mode.config_key}.compile.cache_dir", default=None) for mode in ForwardMode}
-    return sorted(str(d) for d in found if d)
-
-
-def _run_probe(overrides: list[str], cache_dir: str, timeout_s: float) -> dict[str, Any]:
-    # Triton's cache would otherwise live outside the fresh directory if the caller set it.
-    env = {"TORCHINDUCTOR_CACHE_DIR": cache_dir, "TRITON_CACHE_DIR": os.path.join(cache_dir, "triton")}
-    # Captured before the probe's engine returns, and the plan (which buckets keep their graphs)
-    # stored in this run's directory: cold measures and stores it, warm loads it.
-    plan_overrides = ["++capture.background=false", f"++capture.cache_dir={os.path.join(cache_dir, 'plans')}"]
-    return {"error": None} | run_command("capture_probe", [*overrides, *plan_overrides], timeout_s, env=env, label="probe",
-                                         option="bench.probe_timeout_s")
+    return {"phases": results, "backends": _merge_backends(results), "explicit_cache_dirs": explicit_cache_dirs,
+            "cold_is_cold": not explicit_cache_dirs}
 
 
 def _merge_backends(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
@@ -76,14 +62,12 @@ def _merge_backends(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
             name = backend["modes"][0]
             entry = merged.setdefault(name, {"name": name, "modes": backend["modes"], "backend": backend["backend"], "buckets": {}})
             for row in backend["buckets"]:
-                cell = entry["buckets"].setdefault(row["bucket"], {"bucket": row["bucket"]})
-                cell[f"{phase}_seconds"] = row["seconds"]
-                cell[f"{phase}_mib"] = row["bytes"] / 2**20
-                cell[f"{phase}_state"] = row.get("state")
-                cell[f"{phase}_origin"] = row.get("origin")
+                both = entry["buckets"].setdefault(row["bucket"], {"bucket": row["bucket"]})
+                both |= {f"{phase}_seconds": row["seconds"], f"{phase}_mib": row["bytes"] / 2**20,
+                         f"{phase}_state": row.get("state"), f"{phase}_origin": row.get("origin")}
                 for key in ("eager_ms", "graph_ms", "speedup", "reason"):
                     if row.get(key) is not None:
-                        cell.setdefault(key, row[key])  # measured once (cold); warm loads the decision
+                        both.setdefault(key, row[key])  # measured once (cold); warm loads the decision
     for entry in merged.values():
         entry["buckets"] = [entry["buckets"][b] for b in sorted(entry["buckets"])]
     return list(merged.values())
@@ -102,8 +86,7 @@ def report(result: dict[str, Any]) -> Report:
         for phase, p in result["phases"].items()])])
     for phase, p in result["phases"].items():
         if p["error"] is None:
-            out.summary[f"{phase} engine start s"] = p["start_seconds"]
-            out.summary[f"{phase} peak RSS MiB"] = mib(p["peak_rss_bytes"])
+            out.summary |= {f"{phase} engine start s": p["start_seconds"], f"{phase} peak RSS MiB": mib(p["peak_rss_bytes"])}
     for backend in result["backends"]:
         _backend_report(out, backend, phases)
     return out
@@ -149,18 +132,12 @@ def config_without_progress_bars(overrides: list[str]):
     so what is timed is the plan's steady state.  Modes that alias another mode's spec
     (`mixed: ${.extend}`) are left alone, so they keep resolving to the very same spec and still
     share its backend."""
-    from omegaconf import DictConfig, OmegaConf
-
-    from graphexec.batch.forward_mode import ForwardMode
-    from graphexec.config import EngineConfig, compose
+    from graphexec.config import EngineConfig, compose  # imported here: part of the timed start
 
     cfg = compose(overrides)
-    quiet = [
-        f"capture.{key}.progress=false"
-        for key in (mode.config_key for mode in ForwardMode)
-        if key in cfg.capture and not OmegaConf.is_interpolation(cfg.capture, key)
-        and isinstance(cfg.capture[key], DictConfig) and "progress" in cfg.capture[key]
-    ]
+    quiet = [f"capture.{key}.progress=false" for key in (mode.config_key for mode in ForwardMode)
+             if key in cfg.capture and not OmegaConf.is_interpolation(cfg.capture, key)
+             and isinstance(cfg.capture[key], DictConfig) and "progress" in cfg.capture[key]]
     return EngineConfig.from_dictconfig(compose([*overrides, *quiet, "++capture.background=false"]))
 
 
@@ -179,17 +156,12 @@ def distinct_backends(runner) -> list[dict[str, Any]]:
             continue
         # Every bucket with a state: a dropped one has no capture seconds when a stored plan
         # skipped it, and its timings when it was measured here.
-        rows = sorted(set(stats.capture_seconds) | set(stats.states))
         entry["buckets"] = [
-            {
-                "bucket": bucket,
-                "seconds": stats.capture_seconds.get(bucket),
-                "bytes": stats.capture_bytes.get(bucket, 0),
-                "state": stats.states.get(bucket),
-                "origin": stats.origins.get(bucket),  # artifact (loaded) | compiled | dynamo | None
-            }
+            {"bucket": bucket, "seconds": stats.capture_seconds.get(bucket), "bytes": stats.capture_bytes.get(bucket, 0),
+             "state": stats.states.get(bucket),
+             "origin": stats.origins.get(bucket)}  # artifact (loaded) | compiled | dynamo | None
             | (stats.decisions[bucket].as_dict() if bucket in stats.decisions else {})
-            for bucket in rows
+            for bucket in sorted(set(stats.capture_seconds) | set(stats.states))
         ]
     return list(by_instance.values())
 
@@ -204,8 +176,7 @@ def probe(overrides: list[str]) -> dict[str, Any]:
     from graphexec import Engine
 
     engine = Engine(config=config_without_progress_bars(overrides))
-    start_seconds = time.perf_counter() - t0
-    return {"start_seconds": start_seconds, "peak_rss_bytes": peak_rss_bytes(),
+    return {"start_seconds": time.perf_counter() - t0, "peak_rss_bytes": peak_rss_bytes(),
             "backends": distinct_backends(engine.runner)}
 
 

@@ -1,4 +1,5 @@
-"""The lent GPU machine's measurements (scripts/gpu_check.sh runs them), one part per process:
+"""The lent GPU machine's measurements, one part per process (scripts/gpu_check.sh runs each part
+as `python -m bench.cli gpu_check --part P --out F` and merges them; docs/GPU.md):
 
   parity        triton vs torch_native attention: the logits of one decode step per decode bucket and
                 of every token of one prefill per extend bucket, same random weights, eager forwards
@@ -6,13 +7,6 @@
                 bucket, triton attention; goal: >= 5x at B=1
   capture       breakable vs tc_piecewise: seconds to capture each token bucket, each variant in a
                 fresh process on an empty inductor and Triton cache; goal: breakable >= 3x faster
-
-    graphexec-bench gpu_check --part parity --out DIR/parity.json
-    graphexec-bench gpu_check --merge DIR --out gpu_check.json --summary summary.txt [--pytest pytest.txt]
-    graphexec-bench gpu_check --part all --out gpu_check.json --summary summary.txt   # every part here
-
-(scripts/gpu_check.sh runs `python -m bench.cli gpu_check ...`: the same, from a working tree
-that is not installed.)
 
 `--rehearse` runs the same code on the CPU with the tiny model: Triton's interpreter for the kernels
 and the op tape where the GPU records CUDA graphs (capture/recorders.py), so the logic is exercised
@@ -31,9 +25,9 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from bench.workers import run_command
+from bench.workers import cache_env, run_command
 
 DECODE_GOAL = 5.0  # full_graph vs eager at B=1
 CAPTURE_GOAL = 3.0  # tc_piecewise capture seconds / breakable capture seconds
@@ -47,6 +41,7 @@ PARITY_TOLERANCE = {"float32": 2e-3, "bfloat16": 5e-2}
 class Shapes:
     """What each part runs on: the GPU's real shapes, or the rehearsal's tiny CPU ones."""
 
+    rehearsal: bool  # the CPU rehearsal (--rehearse): its numbers mean nothing
     engine: tuple[str, ...]  # overrides every engine shares
     dtype: str  # decode_graph and capture
     parity_dtypes: tuple[str, ...]
@@ -61,14 +56,9 @@ class Shapes:
 
 
 GPU = Shapes(
-    engine=("model=smollm2-135m-random", "device=cuda", "cache.num_slots=65536"),
-    dtype="bfloat16",
-    parity_dtypes=("float32", "bfloat16"),
-    decode_buckets=(1, 8, 32),
-    decode_context=512,
-    extend_buckets=(64, 256, 1024),
-    rounds=5,
-    steps=20,
+    rehearsal=False, engine=("model=smollm2-135m-random", "device=cuda", "cache.num_slots=65536"),
+    dtype="bfloat16", parity_dtypes=("float32", "bfloat16"),
+    decode_buckets=(1, 8, 32), decode_context=512, extend_buckets=(64, 256, 1024), rounds=5, steps=20,
     # The C++ wrapper pays on the CPU, where the wrapper runs every step; a replayed CUDA graph runs
     # none of it, and compiling it would cost the run tens of seconds per bucket.
     decode_graph=("capture.decode.graph=cuda_graph", "capture.decode.compile.cpp_wrapper=false"),
@@ -77,14 +67,9 @@ GPU = Shapes(
     variant_timeout_s={"breakable": 50, "tc_piecewise": 100},
 )
 REHEARSAL = Shapes(
-    engine=("model=tiny-llama", "device=cpu", "cache.num_slots=2048"),
-    dtype="float32",
-    parity_dtypes=("float32",),
-    decode_buckets=(1, 2),
-    decode_context=8,
-    extend_buckets=(8, 16),
-    rounds=1,
-    steps=1,
+    rehearsal=True, engine=("model=tiny-llama", "device=cpu", "cache.num_slots=2048"),
+    dtype="float32", parity_dtypes=("float32",),
+    decode_buckets=(1, 2), decode_context=8, extend_buckets=(8, 16), rounds=1, steps=1,
     decode_graph=("capture.decode.graph=tape",),
     # The op tape records aten calls, which compiled pieces do not make: tc_piecewise's pieces stay eager.
     variant_options={"breakable": {"graph": "tape"}, "tc_piecewise": {"graph": "tape", "compiler": "eager"}},
@@ -98,10 +83,8 @@ REHEARSAL = Shapes(
 def parity(shapes: Shapes) -> dict[str, Any]:
     rows = []
     for dtype in shapes.parity_dtypes:
-        engines = {
-            name: _engine(shapes, dtype, ["capture=eager", f"attention_backend={name}"])
-            for name in ("triton", "torch_native")
-        }
+        engines = {name: _engine(shapes, dtype, ["capture=eager", f"attention_backend={name}"])
+                   for name in ("triton", "torch_native")}
         cases = [("decode", b) for b in shapes.decode_buckets] + [("extend", b) for b in shapes.extend_buckets]
         for phase, bucket in cases:
             got = {name: _logits(engine, phase, bucket, shapes.decode_context) for name, engine in engines.items()}
@@ -167,17 +150,15 @@ def decode_graph(shapes: Shapes) -> dict[str, Any]:
 # -- capture cost: breakable vs tc_piecewise ----------------------------------------------------
 
 
-def capture(shapes: Shapes, rehearse: bool) -> dict[str, Any]:
+def capture(shapes: Shapes) -> dict[str, Any]:
     """Each variant in a fresh process with empty caches: compile seconds are what is compared."""
-    return {"buckets": list(shapes.extend_buckets), "dtype": shapes.dtype,
-            "variants": {name: _capture_in_fresh_process(name, shapes, rehearse) for name in VARIANTS}}
-
-
-def _capture_in_fresh_process(variant: str, shapes: Shapes, rehearse: bool) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory(prefix=f"gpu-check-{variant}-") as cache:
-        env = {"TORCHINDUCTOR_CACHE_DIR": os.path.join(cache, "inductor"), "TRITON_CACHE_DIR": os.path.join(cache, "triton")}
-        args = ["--part", "capture_variant", "--variant", variant, *(["--rehearse"] if rehearse else [])]
-        return run_command("gpu_check", args, shapes.variant_timeout_s[variant], env=env, label=f"{variant} capture")
+    variants = {}
+    for name in VARIANTS:
+        with tempfile.TemporaryDirectory(prefix=f"gpu-check-{name}-") as cache:
+            args = ["--part", "capture_variant", "--variant", name, *(["--rehearse"] if shapes.rehearsal else [])]
+            variants[name] = run_command("gpu_check", args, shapes.variant_timeout_s[name], env=cache_env(cache),
+                                         label=f"{name} capture")
+    return {"buckets": list(shapes.extend_buckets), "dtype": shapes.dtype, "variants": variants}
 
 
 def capture_variant(shapes: Shapes, variant: str) -> dict[str, Any]:
@@ -217,31 +198,29 @@ def capture_variant(shapes: Shapes, variant: str) -> dict[str, Any]:
 
 def verdicts(result: dict[str, Any]) -> list[str]:
     """One line per goal: PASS, FAIL or NOT MEASURED, with the numbers behind it."""
-    lines = []
     decode = result.get("decode_graph", {})
-    b1 = next((row for row in decode.get("buckets", []) if row["bucket"] == 1), None)
-    if b1 is None or "speedup" not in b1:
-        why = (b1 or {}).get("error") or decode.get("error", "no B=1 row")
-        lines.append(f"decode graph >= {DECODE_GOAL:g}x eager at B=1: NOT MEASURED ({why})")
+    b1 = next((row for row in decode.get("buckets", []) if row["bucket"] == 1), {})
+    goal = f"decode graph >= {DECODE_GOAL:g}x eager at B=1"
+    if "speedup" in b1:
+        numbers = (f"{b1['speedup']:.2f}x: eager {b1['eager']['median_ms']:.3f} ms, "
+                   f"full_graph {b1['full_graph']['median_ms']:.3f} ms")
+        lines = [_verdict(goal, b1["speedup"] >= DECODE_GOAL, numbers)]
     else:
-        ok = "PASS" if b1["speedup"] >= DECODE_GOAL else "FAIL"
-        lines.append(f"decode graph >= {DECODE_GOAL:g}x eager at B=1: {ok} ({b1['speedup']:.2f}x: "
-                     f"eager {b1['eager']['median_ms']:.3f} ms, full_graph {b1['full_graph']['median_ms']:.3f} ms)")
+        lines = [_verdict(goal, None, b1.get("error") or decode.get("error", "no B=1 row"))]
     ratio, why = capture_ratio(result.get("capture", {}))
-    if ratio is None:
-        lines.append(f"breakable capture >= {CAPTURE_GOAL:g}x faster than tc_piecewise: NOT MEASURED ({why})")
-    else:
-        ok = "PASS" if ratio >= CAPTURE_GOAL else "FAIL"
-        lines.append(f"breakable capture >= {CAPTURE_GOAL:g}x faster than tc_piecewise: {ok} ({ratio:.2f}x; {why})")
+    lines.append(_verdict(f"breakable capture >= {CAPTURE_GOAL:g}x faster than tc_piecewise",
+                          None if ratio is None else ratio >= CAPTURE_GOAL, why if ratio is None else f"{ratio:.2f}x; {why}"))
     par = result.get("parity", {})
     if "rows" not in par:
-        lines.append(f"triton vs torch_native logits: NOT MEASURED ({par.get('error', 'no rows')})")
-    else:
-        worst = max(par["rows"], key=lambda row: row["rel_diff"] / row["tolerance"])
-        lines.append(f"triton vs torch_native logits: {'PASS' if par['ok'] else 'FAIL'} (worst: {worst['dtype']} "
-                     f"{worst['phase']} {worst['bucket']}: rel diff {worst['rel_diff']:.2e} vs {worst['tolerance']:.0e}, "
-                     f"argmax agree {worst['argmax_agree']:.3f})")
-    return lines
+        return [*lines, _verdict("triton vs torch_native logits", None, par.get("error", "no rows"))]
+    worst = max(par["rows"], key=lambda row: row["rel_diff"] / row["tolerance"])
+    return [*lines, _verdict("triton vs torch_native logits", par["ok"],
+                             f"worst: {worst['dtype']} {worst['phase']} {worst['bucket']}: rel diff {worst['rel_diff']:.2e} "
+                             f"vs {worst['tolerance']:.0e}, argmax agree {worst['argmax_agree']:.3f}")]
+
+
+def _verdict(goal: str, ok: bool | None, numbers: str) -> str:
+    return f"{goal}: {'NOT MEASURED' if ok is None else 'PASS' if ok else 'FAIL'} ({numbers})"
 
 
 def capture_ratio(cap: dict[str, Any]) -> tuple[float | None, str]:
@@ -261,19 +240,15 @@ def capture_ratio(cap: dict[str, Any]) -> tuple[float | None, str]:
 # -- running parts, merging, the environment ----------------------------------------------------
 
 
-def run_part(part: str, shapes: Shapes, rehearse: bool, variant: str | None = None) -> dict[str, Any]:
-    runners: dict[str, Callable[[], dict[str, Any]]] = {
-        "parity": lambda: parity(shapes),
-        "decode_graph": lambda: decode_graph(shapes),
-        "capture": lambda: capture(shapes, rehearse),
-        "capture_variant": lambda: capture_variant(shapes, variant or ""),
-    }
+def run_part(part: str, shapes: Shapes, variant: str | None = None) -> dict[str, Any]:
+    measure = {"parity": parity, "decode_graph": decode_graph, "capture": capture,
+               "capture_variant": lambda shapes: capture_variant(shapes, variant or "")}[part]
     t0 = time.perf_counter()
     try:
-        result = runners[part]()
+        result = measure(shapes)
     except Exception as exc:  # recorded, so the other parts and the summary still come back
         result = {"error": _error(exc), "traceback": traceback.format_exc()[-4000:]}
-    return result | {"seconds": time.perf_counter() - t0, "environment": environment(rehearse)}
+    return result | {"seconds": time.perf_counter() - t0, "environment": environment(shapes.rehearsal)}
 
 
 def merge(parts_dir: Path, rehearse: bool) -> dict[str, Any]:
@@ -295,16 +270,19 @@ def environment(rehearse: bool) -> dict[str, Any]:
 
     by_module = importlib.metadata.packages_distributions()
     imported = sorted({dist for name in list(sys.modules) for dist in by_module.get(name.partition(".")[0], [])})
-    versions = {}
-    for dist in imported:
-        try:
-            versions[dist] = importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            versions[dist] = None
     return {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
             "rehearsal": rehearse, "triton_interpret": os.environ.get("TRITON_INTERPRET"),
-            "imported_distributions": versions}
+            "imported_distributions": {dist: _version(dist) for dist in imported}}
+
+
+def _version(distribution: str) -> str | None:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def _error(exc: Exception) -> str:
@@ -351,19 +329,16 @@ def summary_text(result: dict[str, Any], pytest_log: Path | None) -> str:
         # Lines starting "==" are the script's own step headers, not pytest's.
         tail = [line for line in text.splitlines() if line.strip() and not line.startswith("== ")]
         lines.append(f"pytest -m gpu: {tail[-1] if tail else 'no output'}")
-    for part in PARTS:
-        if "error" in result[part]:
-            lines.append(f"{part}: ERROR {result[part]['error']}")
-        else:
-            lines.append(f"{part}: {result[part].get('seconds', 0):.1f} s")
+    lines += [f"{part}: ERROR {result[part]['error']}" if "error" in result[part]
+              else f"{part}: {result[part].get('seconds', 0):.1f} s" for part in PARTS]
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--part", choices=[*PARTS, "capture_variant", "all"])
+    parser.add_argument("--part", choices=[*PARTS, "capture_variant", "all"], help="all: every part here, then merged")
     parser.add_argument("--variant", choices=VARIANTS)
-    parser.add_argument("--merge", type=Path, help="folder of part JSONs to merge into --out")
+    parser.add_argument("--merge", type=Path, help="folder of part JSONs to merge into --out (and --summary)")
     parser.add_argument("--out", type=Path, help="where the JSON goes (capture_variant: one line on stdout)")
     parser.add_argument("--summary", type=Path)
     parser.add_argument("--pytest", type=Path, help="pytest's output, whose last line goes into the summary")
@@ -378,18 +353,20 @@ def main(argv: list[str]) -> None:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     shapes = REHEARSAL if args.rehearse else GPU
     if args.part == "capture_variant":  # a fresh process of the capture part (bench/workers.py reads the line)
-        print(json.dumps(run_part(args.part, shapes, args.rehearse, args.variant)))
-        return
-    if args.part is not None and args.part != "all":
-        _write(args.out, json.dumps(run_part(args.part, shapes, args.rehearse, args.variant), indent=1))
-        return
-    if args.part == "all":
-        with tempfile.TemporaryDirectory() as tmp:
-            for part in PARTS:
-                _write(Path(tmp) / f"{part}.json", json.dumps(run_part(part, shapes, args.rehearse)))
-            result = merge(Path(tmp), args.rehearse)
+        print(json.dumps(run_part(args.part, shapes, args.variant)))
+    elif args.part in PARTS:
+        _write(args.out, json.dumps(run_part(args.part, shapes), indent=1))
     else:
-        result = merge(args.merge, args.rehearse)
+        _write_merged(args, shapes)
+
+
+def _write_merged(args, shapes: Shapes) -> None:
+    """--merge DIR, or --part all: every part run here first, into a folder of its own."""
+    with tempfile.TemporaryDirectory() as tmp:
+        parts_dir = args.merge or Path(tmp)
+        for part in PARTS if args.part == "all" else ():
+            _write(parts_dir / f"{part}.json", json.dumps(run_part(part, shapes)))
+        result = merge(parts_dir, args.rehearse)
     _write(args.out, json.dumps(result, indent=1))
     if args.summary is not None:
         text = summary_text(result, args.pytest)

@@ -19,7 +19,7 @@ import os
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 MICRO_SUITES = Path(__file__).resolve().parent.parent / "tests" / "test_bench_host_overhead.py"
 
@@ -29,46 +29,37 @@ def step_timers(engine) -> Iterator[list[dict[str, Any]]]:
     """Time every engine-loop step while inside; yields the list the per-step records go into.
     Wraps the calls on these instances only, and restores them on exit."""
     records: list[dict[str, Any]] = []
-    runner, scheduler, loop = engine.runner, engine.scheduler, engine.loop
-    current: dict[str, Any] = {}
+    current: dict[str, Any] = {}  # this step's seconds per wrapped call, its mode and batch size
 
-    def timed(name, fn):
+    def timed(obj, name: str, before: Callable = lambda *args: None, after: Callable = lambda: None):
+        fn = getattr(obj, name)
+
         def wrapper(*args, **kwargs):
+            before(*args)
             t0 = time.perf_counter()
             try:
-                return fn(*args, **kwargs)
+                out = fn(*args, **kwargs)
             finally:
                 current[name] = current.get(name, 0.0) + time.perf_counter() - t0
-        return wrapper
+            after()
+            return out
 
-    forward = timed("forward", runner.forward)
-    forward_and_sample = timed("forward_and_sample", runner.forward_and_sample)
+        setattr(obj, name, wrapper)
+        return obj, name
 
-    def mode_forward(fb):
-        current["mode"], current["batch_size"] = fb.forward_mode.name.lower(), fb.batch_size
-        return forward(fb)
-
-    step = timed("step", scheduler.step)
-    publish = timed("publish", loop.publish)
-
-    def step_then_record():
-        current.clear()
-        return step()
-
-    def publish_then_record():
-        out = publish()
+    def record() -> None:  # after publishing, which ends a step
         if "step" in current:
             records.append(dict(current))
-        return out
 
-    patches = {(runner, "forward"): mode_forward, (runner, "forward_and_sample"): forward_and_sample,
-               (scheduler, "step"): step_then_record, (loop, "publish"): publish_then_record}
-    for (obj, name), fn in patches.items():
-        setattr(obj, name, fn)
+    def mode(fb) -> None:
+        current.update(mode=fb.forward_mode.name.lower(), batch_size=fb.batch_size)
+
+    patched = [timed(engine.runner, "forward", before=mode), timed(engine.runner, "forward_and_sample"),
+               timed(engine.scheduler, "step", before=current.clear), timed(engine.loop, "publish", after=record)]
     try:
         yield records
     finally:
-        for obj, name in patches:
+        for obj, name in patched:
             delattr(obj, name)  # the class's method shows through again
 
 
@@ -77,21 +68,17 @@ def breakdown(records: list[dict[str, Any]], mode: str = "decode") -> dict[str, 
     steps = [r for r in records if r.get("mode") == mode and "forward_and_sample" in r]
     if not steps:
         return {}
-    n = len(steps)
 
-    def mean(fn) -> float:
-        return 1e3 * sum(fn(r) for r in steps) / n
+    def mean_ms(fn) -> float:
+        return 1e3 * sum(fn(r) for r in steps) / len(steps)
 
-    parts = {
-        "steps": n,
-        "forward_ms": mean(lambda r: r["forward"]),
-        "logits_sample_ms": mean(lambda r: r["forward_and_sample"] - r["forward"]),
-        "scheduler_ms": mean(lambda r: r["step"] - r["forward_and_sample"]),
-        "publish_ms": mean(lambda r: r.get("publish", 0.0)),
-    }
-    total = parts["forward_ms"] + parts["logits_sample_ms"] + parts["scheduler_ms"] + parts["publish_ms"]
-    parts |= {"step_ms": total, "host_fraction": (parts["scheduler_ms"] + parts["publish_ms"]) / total}
-    return parts
+    parts = {"forward_ms": mean_ms(lambda r: r["forward"]),
+             "logits_sample_ms": mean_ms(lambda r: r["forward_and_sample"] - r["forward"]),
+             "scheduler_ms": mean_ms(lambda r: r["step"] - r["forward_and_sample"]),
+             "publish_ms": mean_ms(lambda r: r.get("publish", 0.0))}
+    total = sum(parts.values())
+    return {"steps": len(steps), **parts, "step_ms": total,
+            "host_fraction": (parts["scheduler_ms"] + parts["publish_ms"]) / total}
 
 
 def main(argv: list[str]) -> int:

@@ -17,15 +17,13 @@ packed Q4_1/Q8_0 weights, transformers their fp32 dequantization: logits agree t
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from bench.serve import launched_server
+from bench.serve import against_server, check_parser
 from bench.tables import machine_line, table
 
 DATA = Path(__file__).resolve().parent / "lm_eval_data"
@@ -36,68 +34,44 @@ METRICS = {
     "graphexec_gen": ("generate_until.jsonl", ("exact_match",), "equal"),
     "graphexec_ppl": ("perplexity.jsonl", ("word_perplexity", "byte_perplexity", "bits_per_byte"), "close"),
 }
+# Each task's own fields of its lm-eval config (the data and the metrics are METRICS').
+TASK_FIELDS = {
+    "graphexec_mc": {"output_type": "multiple_choice", "doc_to_text": "{{question}}", "doc_to_choice": "{{choices}}",
+                     "doc_to_target": "{{answer}}"},
+    "graphexec_gen": {"output_type": "generate_until", "doc_to_text": "{{question}}", "doc_to_target": "{{answer}}",
+                      "generation_kwargs": {"until": ["\n"], "max_gen_toks": 16, "do_sample": False, "temperature": 0.0}},
+    "graphexec_ppl": {"output_type": "loglikelihood_rolling", "doc_to_text": "", "doc_to_target": "{{text}}"},
+}
+AGGREGATION = {"word_perplexity": "weighted_perplexity", "byte_perplexity": "weighted_perplexity",
+               "bits_per_byte": "bits_per_byte"}  # the others: "mean", higher is better
+EXACT_MATCH_OPTIONS = {"ignore_case": True, "ignore_punctuation": True, "regexes_to_ignore": [r"^\s+", r"\s+$"]}
 
 
 def task_configs() -> list[dict[str, Any]]:
     """The three tasks as lm-eval task configs (dicts, so their data paths are absolute)."""
-
-    def local(name: str, **config: Any) -> dict[str, Any]:
-        data = str(DATA / METRICS[name][0])
-        return {"task": name, "dataset_path": "json", "dataset_kwargs": {"data_files": {"test": data}}, "test_split": "test"} | config
-
-    return [
-        local(
-            "graphexec_mc",
-            output_type="multiple_choice",
-            doc_to_text="{{question}}",
-            doc_to_choice="{{choices}}",
-            doc_to_target="{{answer}}",
-            metric_list=[_metric("acc", "mean", True), _metric("acc_norm", "mean", True)],
-        ),
-        local(
-            "graphexec_gen",
-            output_type="generate_until",
-            doc_to_text="{{question}}",
-            doc_to_target="{{answer}}",
-            generation_kwargs={"until": ["\n"], "max_gen_toks": 16, "do_sample": False, "temperature": 0.0},
-            metric_list=[
-                _metric("exact_match", "mean", True)
-                | {"ignore_case": True, "ignore_punctuation": True, "regexes_to_ignore": [r"^\s+", r"\s+$"]}
-            ],
-        ),
-        local(
-            "graphexec_ppl",
-            output_type="loglikelihood_rolling",
-            doc_to_text="",
-            doc_to_target="{{text}}",
-            metric_list=[
-                _metric("word_perplexity", "weighted_perplexity", False),
-                _metric("byte_perplexity", "weighted_perplexity", False),
-                _metric("bits_per_byte", "bits_per_byte", False),
-            ],
-        ),
-    ]
+    return [{"task": name, "dataset_path": "json", "dataset_kwargs": {"data_files": {"test": str(DATA / file)}},
+             "test_split": "test", "metric_list": [_metric(m) for m in metrics]} | TASK_FIELDS[name]
+            for name, (file, metrics, _) in METRICS.items()]
 
 
-def _metric(name: str, aggregation: str, higher_is_better: bool) -> dict[str, Any]:
-    return {"metric": name, "aggregation": aggregation, "higher_is_better": higher_is_better}
+def _metric(name: str) -> dict[str, Any]:
+    aggregation = AGGREGATION.get(name, "mean")
+    return ({"metric": name, "aggregation": aggregation, "higher_is_better": aggregation == "mean"}
+            | (EXACT_MATCH_OPTIONS if name == "exact_match" else {}))
 
 
 def evaluate_server(base_url: str, model: str) -> dict[str, Any]:
     import lm_eval
 
-    return lm_eval.simple_evaluate(
-        model="local-completions",
-        model_args={"model": model, "base_url": f"{base_url.rstrip('/')}/v1/completions"},
-        tasks=task_configs(),
-        log_samples=True,
-    )
+    return lm_eval.simple_evaluate(model="local-completions", tasks=task_configs(), log_samples=True,
+                                   model_args={"model": model, "base_url": f"{base_url.rstrip('/')}/v1/completions"})
 
 
 def evaluate_hf(model: Any = None, tokenizer: Any = None) -> dict[str, Any]:
     """lm-eval's `hf` model on transformers' SmolLM2 from the default GGUF (or `model` and its
     `tokenizer`: reading them from the GGUF costs seconds each)."""
     import lm_eval
+    import torch
     import transformers
     from lm_eval.models.huggingface import HFLM
 
@@ -107,10 +81,10 @@ def evaluate_hf(model: Any = None, tokenizer: Any = None) -> dict[str, Any]:
     if tokenizer is None:
         tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     if model is None:
-        import torch
-
-        model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    return lm_eval.simple_evaluate(model=HFLM(pretrained=model.eval(), tokenizer=tokenizer, batch_size=1), tasks=task_configs(), log_samples=True)
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                                  dtype=torch.float32)
+    hf = HFLM(pretrained=model.eval(), tokenizer=tokenizer, batch_size=1)
+    return lm_eval.simple_evaluate(model=hf, tasks=task_configs(), log_samples=True)
 
 
 def compare(server: dict[str, Any], hf: dict[str, Any]) -> list[dict[str, Any]]:
@@ -136,20 +110,12 @@ def _score(results: dict[str, Any], task: str, metric: str) -> float:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--url", help="a running OpenAI-compatible server (default: start graphexec-serve)")
-    parser.add_argument("--model", default="smollm2-135m", help="the served model name")
-    parser.add_argument("--serve-args", nargs="*", default=[], help="overrides for the graphexec-serve it starts")
+    parser = check_parser(__doc__, serve_args=[])
     parser.add_argument("--out", type=Path, help="write both sides' scores and the comparison here (JSON)")
     args = parser.parse_args(argv)
     t0 = time.perf_counter()
-    if args.url:
-        server = evaluate_server(args.url, args.model)
-    else:
-        with tempfile.TemporaryDirectory() as logs, launched_server(args.serve_args, Path(logs), 600) as target:
-            server = evaluate_server(target.url, args.model)
-    server_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
+    server = against_server(args, 600, evaluate_server)
+    server_s, t0 = time.perf_counter() - t0, time.perf_counter()
     hf = evaluate_hf()
     hf_s = time.perf_counter() - t0
     rows = compare(server, hf)

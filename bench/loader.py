@@ -4,16 +4,16 @@ GGUFReader, then the whole native load (`load_gguf`: parse, repack the blocks, t
     graphexec-bench loader [--path FILE.gguf] [--rounds 3]
 
 Boundary: measurement only, this process, pure Python/numpy (no OpenMP team to disturb).  Sides
-alternate each round; the file is read once first so both find it in the page cache.
+alternate each round (bench/timing.py); each runs once untimed first, so all find the file in the
+page cache.
 """
 
 from __future__ import annotations
 
 import argparse
-import time
 
-from bench.stats import spread
 from bench.tables import machine_line, table
+from bench.timing import paired_ms
 from graphexec.loader import default_smollm2_gguf
 from graphexec.loader.gguf import load_gguf
 from graphexec.loader.gguf_file import read_gguf
@@ -39,15 +39,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args(argv)
     path = args.path or default_smollm2_gguf()
-    with open(path, "rb") as handle:
-        handle.read()
-    seconds: dict[str, list[float]] = {name: [] for name in CASES}
-    for _ in range(args.rounds):
-        for name, case in CASES.items():
-            start = time.perf_counter()
-            case(path)
-            seconds[name].append(time.perf_counter() - start)
+    timed = paired_ms({name: (lambda case=case: case(path)) for name, case in CASES.items()}, args.rounds, 1)
     print(f"{machine_line()}\nfile {path}\n")
     print(table(["case", "median s", "min s", "max s"],
-                [[name, *(f"{s[k]:.3f}" for k in ("median", "min", "max"))] for name, times in seconds.items()
-                 for s in [spread(times)]]))
+                [[name, *(f"{t[k] / 1e3:.3f}" for k in ("median_ms", "min_ms", "max_ms"))] for name, t in timed.items()]))

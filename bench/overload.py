@@ -95,11 +95,9 @@ async def sampling(interval_s: float, read: Callable[..., Any], *args: Any):
 async def rss_watch(pid: int | None, interval_s: float, settle_s: float):
     """The server's RSS (psutil; None without a pid) before the block, at its peak during it and
     `settle_s` after it (time to return what it freed), in MiB, into the dict yielded."""
-    process = None
-    if pid is not None:
-        import psutil
+    import psutil
 
-        process = psutil.Process(pid)
+    process = None if pid is None else psutil.Process(pid)
 
     def read() -> int | None:
         return None if process is None else process.memory_info().rss

@@ -48,23 +48,16 @@ class History:
 
 def measure(batch_size: int, prompt: int, output: int, rounds: int, steps: int) -> dict[str, dict[str, float]]:
     generator = torch.Generator().manual_seed(0)
-    histories = [
-        History(torch.randint(VOCAB, (prompt,), generator=generator).tolist(),
-                torch.randint(VOCAB, (output,), generator=generator).tolist())
-        for _ in range(batch_size)
-    ]
+    histories = [History(*(torch.randint(VOCAB, (n,), generator=generator).tolist() for n in (prompt, output)))
+                 for _ in range(batch_size)]
     logits = torch.randn(batch_size, VOCAB, generator=generator)
     sampler = Sampler()
 
-    def build(params: SamplingParams):
-        return lambda: SamplingBatchInfo.from_params([params] * batch_size, [None] * batch_size, VOCAB, "cpu", histories)
+    def build(params: SamplingParams) -> SamplingBatchInfo:
+        return SamplingBatchInfo.from_params([params] * batch_size, [None] * batch_size, VOCAB, "cpu", histories)
 
-    def step(params: SamplingParams):
-        return lambda: sampler(logits, SamplingBatchInfo.from_params(
-            [params] * batch_size, [None] * batch_size, VOCAB, "cpu", histories))
-
-    sides = {f"{name} | step": step(p) for name, p in SIDES.items()}
-    sides |= {f"{name} | build": build(p) for name, p in SIDES.items()}
+    sides = {f"{name} | step": lambda p=p: sampler(logits, build(p)) for name, p in SIDES.items()}
+    sides |= {f"{name} | build": lambda p=p: build(p) for name, p in SIDES.items()}
     return paired_ms(sides, rounds, steps)
 
 

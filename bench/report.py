@@ -4,7 +4,7 @@ The common result format: a suite's `run` returns its raw numbers (a JSON-serial
 whole in results.json) and its `report(result)` turns them into a `Report`: paragraphs and
 `Table`s (cells are raw values, formatted here by bench/tables.py's `cell`), `Bars` plot specs
 (or a callable for a figure of its own) and the summary numbers a multirun comparison lines up.
-This module alone writes Markdown and draws.
+This module alone writes Markdown and draws (matplotlib's object API: no global state, no display).
 
 A suite that fails still gets all three files: results.json with `status: failed` and the error,
 and a report that says so, so a `--multirun` sweep goes on and its comparison shows the failure.
@@ -39,7 +39,8 @@ class Table:
 
 @dataclass
 class Bars:
-    """A grouped bar chart (bench/plots.py `grouped_bars`), drawn into the run directory as `file`."""
+    """A grouped bar chart: one group of bars per x label, one bar per series (None: no bar), and a
+    dashed reference line at `hline` if given; drawn into a directory as `file`."""
 
     file: str
     title: str
@@ -49,6 +50,28 @@ class Bars:
     xlabel: str = ""
     log_y: bool = False
     hline: float | None = None
+
+    def draw(self, out_dir: Path) -> str:
+        from matplotlib.figure import Figure
+
+        series, groups = self.series, self.groups
+        fig = Figure(figsize=(max(5.0, 1.1 * len(groups) * max(1, len(series)) ** 0.5 + 2), 3.6), dpi=110)
+        ax = fig.add_subplot()
+        width = 0.8 / max(1, len(series))
+        for i, (name, values) in enumerate(series.items()):
+            xs = [g + (i - (len(series) - 1) / 2) * width for g in range(len(groups))]
+            if pairs := [(x, v) for x, v in zip(xs, values) if v is not None]:
+                bars = ax.bar([x for x, _ in pairs], [v for _, v in pairs], width=width, label=name)
+                ax.bar_label(bars, fmt="%.3g", fontsize=7, padding=1)
+        ax.set_xticks(range(len(groups)), [str(g) for g in groups])
+        ax.set(title=self.title, ylabel=self.ylabel, xlabel=self.xlabel, yscale="log" if self.log_y else "linear")
+        if self.hline is not None:
+            ax.axhline(self.hline, color="grey", linestyle="--", linewidth=0.8)
+        ax.margins(y=0.15)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(Path(out_dir) / self.file)
+        return self.file
 
 
 @dataclass
@@ -61,19 +84,12 @@ class Report:
     summary: dict[str, float] = field(default_factory=dict)
 
     def markdown(self) -> str:
-        parts = []
-        for block in self.blocks:
-            if isinstance(block, Table):
-                parts.append((f"### {block.title}\n\n" if block.title else "") + table(block.columns, block.rows))
-            else:
-                parts.append(block)
+        parts = [(f"### {b.title}\n\n" if b.title else "") + table(b.columns, b.rows) if isinstance(b, Table) else b
+                 for b in self.blocks]
         return "\n\n".join(parts) + "\n"
 
     def draw(self, out_dir: Path) -> list[str]:
-        from bench.plots import grouped_bars
-
-        return [grouped_bars(out_dir / p.file, p.title, p.ylabel, p.groups, p.series, p.xlabel, p.log_y, p.hline)
-                if isinstance(p, Bars) else p(out_dir) for p in self.plots]
+        return [p.draw(out_dir) if isinstance(p, Bars) else p(out_dir) for p in self.plots]
 
 
 def machine() -> dict[str, Any]:
@@ -110,10 +126,14 @@ def run_suite(
     try:
         payload |= {"status": "ok", "result": run()}
     except Exception as exc:  # the sweep goes on; the report shows what failed and where
-        payload |= {"status": "failed", "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+        payload |= _failure("", exc)
     payload["seconds"] = time.time() - started
     write(out_dir, payload, suite)
     return payload
+
+
+def _failure(where: str, exc: Exception) -> dict[str, Any]:
+    return {"status": "failed", "error": f"{where}{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
 
 
 def write(out_dir: Path, payload: dict[str, Any], suite: ModuleType) -> None:
@@ -125,7 +145,7 @@ def write(out_dir: Path, payload: dict[str, Any], suite: ModuleType) -> None:
             body, plot_files = report.markdown(), report.draw(out_dir)
             payload["summary"] = report.summary
         except Exception as exc:  # a report bug must not lose the measurements
-            payload |= {"status": "failed", "error": f"report: {type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+            payload |= _failure("report: ", exc)
     payload["plots"] = plot_files
     (out_dir / RESULTS).write_text(json.dumps(payload, indent=2, default=str))
     (out_dir / REPORT).write_text(render(payload, body))
@@ -133,15 +153,11 @@ def write(out_dir: Path, payload: dict[str, Any], suite: ModuleType) -> None:
 
 def render(payload: dict[str, Any], body: str) -> str:
     m = payload["machine"]
-    head = [
-        f"# graphexec-bench · {payload['suite']} · {payload['label']}",
-        "",
-        f"{m['cpu']} ({m['cpu_count']} CPUs, {m['torch_threads']} torch threads"
-        + (f", {m['cuda']}" if m["cuda"] else "")
-        + f") · torch {m['torch']} · {time.strftime('%Y-%m-%d %H:%M', time.localtime(payload['started']))}"
-        + f" · {payload['seconds']:.0f} s",
-        "",
-    ]
+    gpu = f", {m['cuda']}" if m["cuda"] else ""
+    when = time.strftime("%Y-%m-%d %H:%M", time.localtime(payload["started"]))
+    head = [f"# graphexec-bench · {payload['suite']} · {payload['label']}", "",
+            f"{m['cpu']} ({m['cpu_count']} CPUs, {m['torch_threads']} torch threads{gpu}) · torch {m['torch']} · "
+            f"{when} · {payload['seconds']:.0f} s", ""]
     if payload["status"] != "ok":
         head += [f"**FAILED**: {payload['error']}", "", "```", payload.get("traceback", "").strip(), "```", ""]
     plots = [f"![{p}]({p})" for p in payload.get("plots", [])]

@@ -4,11 +4,12 @@ as vLLM's `bench serve` does (bench/README.md, serve).
 Boundary: this module orchestrates: bench.* checked (errors name the option), the request set
 (bench/serve_datasets.py), a server (`launched_server` below, or bench.url as it is), then per
 request rate an emptied prefix cache and every request sent (bench/serve_client.py); the numbers
-and the report are bench/serve_report.py's.
+and the report are bench/serve_report.py's.  lm_eval_check and agent_check start their server here.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import dataclasses
@@ -18,13 +19,14 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import httpx
 
-from bench.serve_client import arrival_times, send_all, served_model, server_metrics
+from bench.serve_client import arrival_times, flush_prefix_cache, send_all, served_model, server_metrics
 from bench.serve_datasets import BenchRequest, build, describe
 from bench.serve_report import SLO_KEYS, rate_label, report, summarize
 from bench.suites import checked_options
@@ -94,17 +96,6 @@ def _warm_up(url: str, requests: list[BenchRequest], opts: dict[str, Any]) -> li
     return [{"success": r.success, "error": r.error, "latency_s": r.latency_s} for r in records]
 
 
-def flush_prefix_cache(url: str) -> str:
-    """Empty graphexec-serve's prefix cache so a rate does not reuse the previous rate's prompts;
-    other servers answer 404 (recorded, not an error)."""
-    try:
-        with httpx.Client(trust_env=False, timeout=30) as http:
-            response = http.post(f"{url}/flush_cache")
-        return "flushed" if response.status_code == 200 else f"HTTP {response.status_code}"
-    except httpx.HTTPError as error:
-        return type(error).__name__
-
-
 def _rate(rate: float) -> float | str:
     """"inf" for float inf, which json.dumps would write as Infinity (not JSON to strict readers)."""
     return "inf" if math.isinf(rate) else rate
@@ -147,8 +138,7 @@ class Target:
 @contextlib.contextmanager
 def launched_server(overrides: Sequence[str], log_dir: Path, start_timeout_s: float) -> Iterator[Target]:
     """graphexec-serve (this interpreter's: this checkout's graphexec) on a free loopback port, its
-    output in log_dir/server.log, for the duration of the block; stopped however the block ends.
-    lm_eval_check and agent_check start theirs here too."""
+    output in log_dir/server.log, for the duration of the block; stopped however the block ends."""
     port = free_port()
     command = [sys.executable, "-m", "graphexec.entrypoints.serve", *overrides, "server.host=127.0.0.1",
                f"server.port={port}", "server.log_level=warning"]
@@ -193,3 +183,21 @@ def stop(process: subprocess.Popen) -> None:
         process.send_signal(sig)
         with contextlib.suppress(subprocess.TimeoutExpired):
             process.wait(grace)
+
+
+def check_parser(doc: str, serve_args: Sequence[str]) -> argparse.ArgumentParser:
+    """The options of a check run against a server: --url, --model and --serve-args (`against_server`)."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--url", help="a running OpenAI-compatible server (default: start graphexec-serve)")
+    parser.add_argument("--model", default="smollm2-135m", help="the served model name")
+    parser.add_argument("--serve-args", nargs="*", default=list(serve_args),
+                        help="overrides for the graphexec-serve it starts")
+    return parser
+
+
+def against_server(args: argparse.Namespace, start_timeout_s: float, check: Callable[[str, str], Any]) -> Any:
+    """`check(url, model)` against --url, else against a graphexec-serve started with --serve-args."""
+    if args.url:
+        return check(args.url, args.model)
+    with tempfile.TemporaryDirectory() as logs, launched_server(args.serve_args, Path(logs), start_timeout_s) as target:
+        return check(target.url, args.model)

@@ -201,3 +201,14 @@ def server_metrics(url: str) -> dict[str, Any] | None:
                 metrics = response.json()
                 return metrics if isinstance(metrics, dict) else None
     return None
+
+
+def flush_prefix_cache(url: str) -> str:
+    """Empty graphexec-serve's prefix cache so a rate does not reuse the previous rate's prompts;
+    other servers answer 404 (recorded, not an error)."""
+    try:
+        with httpx.Client(trust_env=False, timeout=30) as http:
+            response = http.post(f"{url}/flush_cache")
+        return "flushed" if response.status_code == 200 else f"HTTP {response.status_code}"
+    except httpx.HTTPError as error:
+        return type(error).__name__

@@ -1,9 +1,6 @@
-"""The serve suite's numbers (bench/README.md, serve): one run's (one request rate's) from its
-per-request records, and the report: tables, a latency CDF, a throughput plot, headline numbers.
-
-Boundary: arithmetic over `RequestRecord`s (`summarize`) and formatting of the dict bench/serve.py
-returns (and results.json holds); no I/O.
-"""
+"""The serve suite's numbers (bench/README.md, serve): one request rate's counts, throughputs, goodput
+and TTFT / TPOT / ITL / E2E distributions from its per-request records (`summarize`), and the report:
+tables, a latency CDF, a throughput plot, headline numbers.  No I/O."""
 
 from __future__ import annotations
 
@@ -45,8 +42,7 @@ def latency_values(ok: Sequence[RequestRecord]) -> dict[str, list[float]]:
 
 def summarize(records: Sequence[RequestRecord], wall_s: float, slos: dict[str, float | None]) -> dict[str, Any]:
     """One run's results: counts, throughputs, latency distributions, goodput, consistency checks."""
-    ok = [r for r in records if r.success]
-    failed = [r for r in records if not r.success]
+    ok, failed = [r for r in records if r.success], [r for r in records if not r.success]
     input_tokens = sum(r.prompt_tokens or 0 for r in ok)
     output_tokens = sum(r.output_tokens or 0 for r in ok)
     slos_set = {k: v for k, v in slos.items() if v is not None}

@@ -51,13 +51,9 @@ def percentiles(values: Sequence[float], ps: Sequence[int] = PERCENTILES) -> dic
 
 def distribution(values: Sequence[float]) -> dict[str, float | None]:
     """mean, median, p90, p99 (linear interpolation), min, max and the count."""
-    import numpy as np
-
-    if not values:
-        return {name: None for name in ("mean", "median", "p90", "p99", "min", "max")} | {"count": 0}
-    v = np.asarray(values, dtype=float)
-    return {"mean": float(v.mean()), "median": float(np.percentile(v, 50)), "p90": float(np.percentile(v, 90)),
-            "p99": float(np.percentile(v, 99)), "min": float(v.min()), "max": float(v.max()), "count": int(v.size)}
+    p = percentiles(values)
+    return {"mean": statistics.fmean(values) if values else None, "median": p["p50"], "p90": p["p90"],
+            "p99": p["p99"], "min": min(values, default=None), "max": max(values, default=None), "count": len(values)}
 
 
 def nearest_rank_ms(values_s: Sequence[float]) -> dict[str, float]:

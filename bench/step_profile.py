@@ -24,8 +24,10 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from bench.capture import config_without_progress_bars
 from bench.stats import upper_median
 from bench.tables import machine_line, table
+from bench.timing import paired_ms
 from graphexec.batch.forward_mode import ForwardMode
 from graphexec.engine.threads import call_in_thread
 
@@ -37,24 +39,15 @@ def _profile(engine, batch: int, context: int, steps: int, rows: int) -> str:
 
     runner = engine.runner
     fb, release = decode_batch(engine, batch, context)
-    backend = runner.backends[ForwardMode.DECODE]
-
-    def step():
-        runner.forward_and_sample(fb)
-
     with torch.inference_mode():
-        for _ in range(3):
-            step()
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            step()
-        wall_ms = (time.perf_counter() - t0) * 1e3 / steps
+        wall_ms = paired_ms({"step": lambda: runner.forward_and_sample(fb)}, 1, steps)["step"]["median_ms"]
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             for _ in range(steps):
-                step()
+                runner.forward_and_sample(fb)
     release()
     ops = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
-    return f"B={batch}, backend {backend.name}: {wall_ms:.2f} ms per step unprofiled (mean of {steps})\n{ops}"
+    backend = runner.backends[ForwardMode.DECODE].name
+    return f"B={batch}, backend {backend}: {wall_ms:.2f} ms per step unprofiled (mean of {steps})\n{ops}"
 
 
 def _split(engine) -> str:
@@ -101,16 +94,14 @@ def main(argv: list[str]) -> None:
     from graphexec import Engine
 
     overrides = list(args.overrides)
-    if "capture=eager" not in overrides:
-        overrides += ["capture.extend.progress=false", "capture.decode.progress=false"]
-        if not args.split:  # capture only the profiled buckets
-            overrides.append(f"capture.decode.buckets=[{','.join(str(b) for b in sorted(set(args.batch)))}]")
-    engine = Engine(overrides=[*overrides, "++capture.background=false"])
+    if "capture=eager" not in overrides and not args.split:  # capture only the profiled buckets
+        overrides.append(f"capture.decode.buckets=[{','.join(str(b) for b in sorted(set(args.batch)))}]")
+    engine = Engine(config=config_without_progress_bars(overrides))
     print(machine_line(), flush=True)
     # On a thread that ends, as the engine loop runs the model: the main thread loaded and
     # captured on another one, and two live OpenMP teams in one process slow both.
-    if args.split:
-        print(call_in_thread(lambda: _split(engine)), flush=True)
-    for batch in [] if args.split else args.batch:
-        print(call_in_thread(lambda: _profile(engine, batch, args.context, args.steps, args.rows)), flush=True)
+    jobs = [lambda: _split(engine)] if args.split else [
+        lambda batch=batch: _profile(engine, batch, args.context, args.steps, args.rows) for batch in args.batch]
+    for job in jobs:
+        print(call_in_thread(job), flush=True)
     engine.shutdown()

@@ -24,6 +24,14 @@ def run_command(command: str, args: Sequence[str], timeout_s: float, **kwargs: A
     return run_python(["-m", "bench.cli", command, *args], timeout_s, **kwargs)
 
 
+def cache_env(cache_dir: str) -> dict[str, str]:
+    """Inductor's and Triton's caches under `cache_dir`, for a worker that must start cold (or
+    reuse exactly what an earlier worker left there); Triton's would otherwise stay wherever the
+    caller's environment put it."""
+    return {"TORCHINDUCTOR_CACHE_DIR": os.path.join(cache_dir, "inductor"),
+            "TRITON_CACHE_DIR": os.path.join(cache_dir, "triton")}
+
+
 def run_python(args: Sequence[str], timeout_s: float, env: Mapping[str, str] | None = None, label: str = "worker",
                option: str | None = None, cwd: str | None = None) -> dict[str, Any]:
     """`python <args>` with `env` added to this environment.  The result is the worker's JSON plus
