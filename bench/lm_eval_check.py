@@ -60,17 +60,25 @@ def _metric(name: str) -> dict[str, Any]:
             | (EXACT_MATCH_OPTIONS if name == "exact_match" else {}))
 
 
-def evaluate_server(base_url: str, model: str) -> dict[str, Any]:
+def _evaluate(model: Any, limit: int | None, **kwargs: Any) -> dict[str, Any]:
+    """lm-eval on the three tasks, at most `limit` documents each (None: all).  Its task manager
+    leaves out lm-eval's thousands of built-in task files: indexing them took 10-25 s a call here,
+    and the tasks are configs, not names."""
     import lm_eval
+    from lm_eval.tasks import TaskManager
 
-    return lm_eval.simple_evaluate(model="local-completions", tasks=task_configs(), log_samples=True,
-                                   model_args={"model": model, "base_url": f"{base_url.rstrip('/')}/v1/completions"})
+    return lm_eval.simple_evaluate(model=model, tasks=task_configs(), log_samples=True, limit=limit,
+                                   task_manager=TaskManager(include_defaults=False), **kwargs)
 
 
-def evaluate_hf(model: Any = None, tokenizer: Any = None) -> dict[str, Any]:
+def evaluate_server(base_url: str, model: str, limit: int | None = None) -> dict[str, Any]:
+    return _evaluate("local-completions", limit,
+                     model_args={"model": model, "base_url": f"{base_url.rstrip('/')}/v1/completions"})
+
+
+def evaluate_hf(model: Any = None, tokenizer: Any = None, limit: int | None = None) -> dict[str, Any]:
     """lm-eval's `hf` model on transformers' SmolLM2 from the default GGUF (or `model` and its
     `tokenizer`: reading them from the GGUF costs seconds each)."""
-    import lm_eval
     import torch
     import transformers
     from lm_eval.models.huggingface import HFLM
@@ -84,7 +92,7 @@ def evaluate_hf(model: Any = None, tokenizer: Any = None) -> dict[str, Any]:
         model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                                                   dtype=torch.float32)
     hf = HFLM(pretrained=model.eval(), tokenizer=tokenizer, batch_size=1)
-    return lm_eval.simple_evaluate(model=hf, tasks=task_configs(), log_samples=True)
+    return _evaluate(hf, limit)
 
 
 def compare(server: dict[str, Any], hf: dict[str, Any]) -> list[dict[str, Any]]:

@@ -90,13 +90,17 @@ def test_debug_break_runs_everything_eagerly(eager_tokens):
 
 
 def test_user_marked_break_keeps_tokens(eager_tokens):
-    engine = Engine(overrides=_plan(breaks="[attention,mlp]", buckets="[32,64]"))
+    # One bucket (32: the 15-, 16- and 17-token prompts run its recompiled segments, the others
+    # eager): a second one only compiled the same segments at another size, in each of the three
+    # captures below.
+    engine = Engine(overrides=_plan(breaks="[attention,mlp]", buckets="[32]"))
     for layer in engine.runner.model.layers:
         layer.mlp.forward = break_point("mlp")(layer.mlp.forward)
     backend = engine.runner.backends[ForwardMode.EXTEND]
     engine.runner.capture_backend(backend)  # recompile with the new break marked
     assert [engine.generate([p], PARAMS)[0].token_ids for p in _prompts()] == eager_tokens
-    attention_only = Engine(overrides=_plan(buckets="[32,64]")).runner.backends[ForwardMode.EXTEND]
+    assert backend.stats.executions == 3  # the recompiled bucket ran, not only eager fallbacks
+    attention_only = Engine(overrides=_plan(buckets="[32]")).runner.backends[ForwardMode.EXTEND]
     assert backend.stats.compiles > attention_only.stats.compiles
 
 

@@ -10,6 +10,10 @@ import pytest
 
 pytest.importorskip("lm_eval", reason="lm-eval is in the dev extra: bash scripts/setup.sh --dev")
 
+# Documents per task: all 8 generate_until and all 3 perplexity documents, the first 8 of the 16
+# multiple-choice questions (each is 4 echo requests, one at a time: most of the server's time).
+LIMIT = 8
+
 
 @pytest.mark.slow
 def test_local_completions_scores_equal_lm_evals_hf_model(smollm2_engine, hf_smollm2, hf_smollm2_tokenizer):
@@ -19,12 +23,13 @@ def test_local_completions_scores_equal_lm_evals_hf_model(smollm2_engine, hf_smo
 
     smollm2_engine.flush_cache()
     with ServerThread(create_app(smollm2_engine, server_config())) as server:
-        ours = evaluate_server(server.url, smollm2_engine.config.model.name)
-    theirs = evaluate_hf(hf_smollm2, hf_smollm2_tokenizer)
+        ours = evaluate_server(server.url, smollm2_engine.config.model.name, LIMIT)
+    theirs = evaluate_hf(hf_smollm2, hf_smollm2_tokenizer, LIMIT)
     rows = compare(ours, theirs)
     assert all(row["agree"] for row in rows), rows
     # Per document, not only the aggregates: the same greedy answers, and each choice's
     # loglikelihood within the packed weights' distance from their fp32 dequantization.
+    assert [len(per_doc(ours, task)) for task in ("graphexec_mc", "graphexec_gen", "graphexec_ppl")] == [LIMIT, 8, 3]
     assert per_doc(ours, "graphexec_gen") == per_doc(theirs, "graphexec_gen")
     for task in ("graphexec_mc", "graphexec_ppl"):
         for got, expected in zip(per_doc(ours, task), per_doc(theirs, task), strict=True):
