@@ -4,7 +4,7 @@ ready and its capture or load seconds):
 
   engine s      Engine(...) returns (weights loaded; with capture.background=false, graphs too)
   first token s a 32-token prompt's first token, submitted right after
-  B=1 live s    from Engine(...) until decode B=1 serves a graph or its stand-in (`compile.interim`)
+  B=1 live s    from Engine(...) until decode B=1 serves a graph or its stand-in (`compile.interim_buckets`)
   all live s    ... until every decode bucket serves a graph or a stand-in, or was dropped
   all ready s   ... until no bucket is pending (background capture; eager: engine + first token)
   B=1 ms/token  128 greedy tokens after that (prefix cache flushed), the plan's steady state
@@ -19,7 +19,7 @@ ready and its capture or load seconds):
     graphexec-bench startup --plans auto auto_in_loop --rounds 1 --cold --probe-every 5
         # requests during a cold background capture: compiled in the capture process / on the engine loop
     graphexec-bench startup --plans auto auto_no_interim --rounds 2 --cold
-        # a cold start with and without stand-ins (compile.interim) while the package compiles
+        # a cold start with and without stand-ins (compile.interim_buckets) while the package compiles
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ print(json.dumps(result))
 # every start / aot_compile's artifacts rather than AOTInductor packages.
 _PLANS = {"eager": ["capture=eager"], "graph_first": ["capture=graph_first"],
           "auto_in_loop": ["capture=auto", "capture.compile_in_child=false"],
-          "auto_no_interim": ["capture=auto", "capture.decode.compile.interim=false"]} | {
+          "auto_no_interim": ["capture=auto", "capture.decode.compile.interim_buckets=[]"]} | {
     f"auto{blocking}{kind}": ["capture=auto", *(["capture.background=false"] if blocking else []), *extra]
     for blocking in ("", "_blocking") for kind, extra in (("", []), ("_dynamo", ["capture.decode.compile.aot=false"]),
                                                          ("_aot_compile", ["capture.decode.compile.aoti=false"]))}

@@ -32,7 +32,7 @@ it again.  `keep: all` keeps every graph (benchmarks, GPUs).
 
 A bucket whose graph another process builds (`builds_apart`) may serve from a stand-in meanwhile,
 one that process builds first in a fraction of the time (full_graph: the regional layer for a whole
-forward's package, `compile.interim`): once told it is built (`interim_built`), the caller
+forward's package, `compile.interim_buckets`): once told it is built (`interim_built`), the caller
 captures the bucket again, which loads the stand-in, times it against eager and, if it is faster,
 serves it in the `interim` state; the bucket stays pending, and its next capture (once its graph is
 stored) replaces the stand-in with the graph, timed and decided on its own.  A stand-in decides

@@ -21,8 +21,8 @@ fusion across layers (B=1's, where those calls weigh most).  With `compile.aot` 
 mechanism only) each bucket's region, layer or whole forward, is compiled ahead of time
 (capture/aot_region.py): no Dynamo frame per call, and, given the plan's artifact store
 (`preset`), saved beside the plan so a later start with the same key loads it instead of
-tracing and compiling.  With `compile.interim`, a whole-forward bucket built apart (by the
-capture process) serves meanwhile from the regional layer compiled ahead of time, a stand-in that
+tracing and compiling.  The whole-forward buckets in `compile.interim_buckets` built apart (by the
+capture process) serve meanwhile from the regional layer compiled ahead of time, a stand-in that
 process builds first: seconds where the whole forward's package takes a minute or more
 (docs/STATUS.md, issue 22: the cold routes measured).  Every option, checked, is
 capture/options.py's `FullGraphOptions`.
@@ -122,7 +122,7 @@ class FullGraphBackend(BucketedBackend):
         return lambda fb: forward(fb.input_ids, fb.positions)
 
     def _interim_possible(self, bucket: int) -> bool:
-        return self.options.compile.interim and self._is_whole(bucket)
+        return bucket in self.options.compile.interim_buckets and self._is_whole(bucket)
 
     def _interim_stored(self, bucket: int) -> bool:
         return self.artifacts is not None and self.artifacts.path(self.interim_compiled_with(bucket)).exists()

@@ -118,12 +118,15 @@ class CompileOptions:
     as soon as the weights are loaded (capture/aoti_forward.py).  The regional layer keeps aot's
     format.  A forward that cannot be exported (collectives inside: tensor parallelism) is compiled
     by Dynamo instead, with one warning."""
-    interim: bool = _option(False, check.flag)
-    """With aot and a capture process building the whole forward apart (capture.compile_in_child):
-    that process first builds the regional layer ahead of time for those buckets (seconds, where the
-    whole forward takes a minute or more cold), and each serves from it meanwhile if it times faster
-    than eager (the `interim` state).  The whole forward replaces it once built, timed on its own;
-    only that decision is kept in the plan.  A warm start loads the whole forward and never this."""
+    interim_buckets: tuple[int, ...] = _option((), check.bucket_subset)
+    """With aot, for the whole-forward buckets a capture process builds apart
+    (capture.compile_in_child): that process first builds the regional layer ahead of time for
+    these (seconds, where the whole forward takes a minute or more cold), and each serves from it
+    meanwhile if it times faster than eager (the `interim` state).  The whole forward replaces it
+    once built, timed on its own; only that decision is kept in the plan.  A warm start loads the
+    whole forward and never this.  Each stand-in is timed on the engine loop with the capture
+    process stopped, so a large bucket's stand-in (a few percent faster, ~2.5 s of timing at
+    SmolLM2 B=64) delays the whole forward more than it serves.  Sizes not in `buckets` are ignored."""
 
 
 @dataclass(frozen=True)

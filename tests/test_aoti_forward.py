@@ -3,7 +3,7 @@ capture process while the engine serves, loaded by a later start through torch's
 without importing Dynamo or inductor, the weights the live model's own; a damaged, foreign or
 stale package is rejected with one warning and rebuilt; a forward that cannot be exported is
 compiled by Dynamo instead; while a cold start's package compiles, the regional layer the capture
-process builds first serves (`compile.interim`).  Tiny model; buckets 1, 2 and 4 share one package
+process builds first serves (`compile.interim_buckets`).  Tiny model; buckets 1, 2 and 4 share one package
 whose row count is a Dim."""
 
 from __future__ import annotations

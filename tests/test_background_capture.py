@@ -137,7 +137,7 @@ def test_groups_of_buckets_go_to_as_many_children_as_allowed(tmp_path, caplog):
 
 
 def test_stand_ins_are_built_before_any_graph_and_the_loop_learns_of_each(caplog):
-    """Stand-ins (compile.interim) go first, all to the first child (the one the others yield the
+    """Stand-ins (compile.interim_buckets) go first, all to the first child (the one the others yield the
     cores to), the graphs' groups after them in turn; a built stand-in is reported to the runner
     while its graph is still owed; a failed one only warns (the bucket runs eager until its graph
     is built), and its graph is still built."""

@@ -5,7 +5,7 @@ and save their artifacts where the engine's capture then loads them, reporting e
     python -m graphexec.engine.capture_worker PARENT_PID  < {"config", "work", "key", "threads"}
 
 `work`: [config path, bucket, "graph" | "interim"] in the order to build them (a bucket's
-stand-in, `compile.interim`, comes before any graph).
+stand-in, `compile.interim_buckets`, comes before any graph).
 
 It times nothing and writes no plan: the engine times each bucket it loads against eager and
 keeps the plan.  A key that differs from the engine's (another thread count, another CPU model
