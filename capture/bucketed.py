@@ -36,8 +36,10 @@ forward's package, `compile.interim_buckets`): once told it is built (`interim_b
 captures the bucket again, which loads the stand-in, times it against eager and, if it is faster,
 serves it in the `interim` state; the bucket stays pending, and its next capture (once its graph is
 stored) replaces the stand-in with the graph, timed and decided on its own.  A stand-in decides
-nothing that is kept: the plan holds only the graph's decision.  The caller may capture ahead of serving (`capture_plan`, largest bucket first) or one
-bucket at a time while serving (`pending_buckets`, smallest first: B=1 decode is the most used).
+nothing that is kept: the plan holds only the graph's decision.
+
+The caller may capture ahead of serving (`capture_plan`, largest bucket first) or one bucket at a
+time while serving (`pending_buckets`, smallest first: B=1 decode is the most used).
 """
 
 from __future__ import annotations

@@ -192,7 +192,8 @@ def test_a_corrupt_plan_is_rebuilt_with_one_warning_and_the_same_tokens(tmp_path
 
 @pytest.mark.parametrize("mechanism", ["compile", "tape"])
 def test_background_capture_swaps_graphs_in_between_requests_without_changing_a_token(tmp_path, mechanism):
-    common = [*TINY, "capture.decode.keep=all", f"capture.decode.graph={mechanism}", "capture.cache_dir=null"]
+    common = [*TINY, "capture.decode.keep=all", f"capture.decode.graph={mechanism}", "capture.cache_dir=null",
+              "capture.decode.compile.regional=true"]  # one layer compiled, not the whole forward: the swap is the point
     with Engine(overrides=[*common, "capture.background=false"]) as ahead:
         expected = _greedy(ahead)
     with Engine(overrides=[*common, "capture.background=true", "capture.idle_delay_s=0"]) as engine:

@@ -17,9 +17,9 @@ any request is served, and continues them while idle.  The loop then only loads 
 saved: the artifact, the bucket's capture forward and its timing against eager
 (capture/measure.py), a fraction of a second to ~2 s (a whole forward); Dynamo and inductor are
 imported while the children compile.  Where a bucket has a stand-in (full_graph
-`compile.interim_buckets`: the regional layer for a whole forward's package), the first child builds every
-stand-in before any graph, and the loop serves each as soon as it is reported, until the graph
-that replaces it is (capture/bucketed.py).
+`compile.interim_buckets`: the regional layer for a whole forward's package), the first child
+builds every stand-in before any graph, and the loop serves each as soon as it is reported, until
+the graph that replaces it is (capture/bucketed.py).
 Buckets that cannot be built apart (no artifacts: a CUDA graph, the op tape, `compile.aot` off)
 are captured on the loop thread as before, and so are a draft model's and any the child failed
 to build.
