@@ -264,3 +264,75 @@ def _assert_reported_by_the_server(engine):
     assert speedup["2"] < 0.2 < speedup["1"]
     decode = as_json["backends"]["decode"]["buckets"]
     assert decode["1"]["state"] == "ready" and decode["2"]["state"] == "dropped" and decode["2"]["reason"] == "not faster"
+
+
+# ---- stand-ins (compile.interim_buckets) ------------------------------------------------------------
+
+
+class _StandIns(FullGraphBackend):
+    """full_graph whose graphs another process builds (`graph_stored` says when one is there) and
+    whose stand-ins are stored: bucket 1's as fast as eager, bucket 2's slowed on purpose, bucket
+    4's failing to load.  Graph and stand-ins run the eager forward (the core under test decides,
+    the code that runs is not the point)."""
+
+    graph_stored = False
+
+    def builds_apart(self, bucket):
+        return not self.graph_stored
+
+    def _interim_possible(self, bucket):
+        return True
+
+    def _interim_stored(self, bucket):
+        return True
+
+    def _make_interim_runner(self, bucket, batch):
+        if bucket == 4:
+            raise RuntimeError("no such artifact")
+
+        def run(fb):
+            if bucket == 2:
+                time.sleep(0.03)
+            return self._run_model(fb)
+
+        return run
+
+    def _make_runner(self, bucket, batch):
+        return self._run_model
+
+
+def test_a_stand_in_serves_only_if_faster_and_the_graph_replaces_it_and_alone_is_decided(caplog):
+    with Engine(overrides=["model=tiny-llama", "capture=eager"]) as engine:
+        runner = engine.runner
+        backend = _StandIns(runner.capture_env, {"buckets": [1, 2, 4], "graph": "compile", "keep": "faster",
+                                                 "min_speedup": 0.5, "progress": False})
+
+        def capture(bucket):
+            batch = backend.dummy_batch(bucket)
+            with runner._forward_scope(batch):
+                backend.capture_bucket(bucket, batch)
+
+        assert backend.interims_to_build() == []  # every stand-in stored already: counted as built
+        assert all(backend.interim_waiting(b) for b in (1, 2, 4))
+        with caplog.at_level(logging.WARNING, logger="capture.bucketed"):
+            for bucket in (1, 2, 4):
+                capture(bucket)
+        states = backend.stats.states
+        assert states == {1: "interim", 2: "pending", 4: "pending"}
+        assert backend.stats.interim_decisions[1].kept and not backend.stats.interim_decisions[2].kept
+        assert 4 not in backend.stats.interim_decisions
+        assert [r.getMessage() for r in caplog.records] == [
+            "capture.decode bucket 4: its stand-in failed (RuntimeError('no such artifact')); "
+            "it runs eager until its graph is built"]
+        # Still pending (their graphs are owed), each stand-in tried once, none decided for the plan.
+        assert backend.pending_buckets() == [1, 2, 4] and not any(backend.interim_waiting(b) for b in (1, 2, 4))
+        assert backend.stats.decisions == {}
+        fb = backend.dummy_batch(1)
+        assert backend.can_run(fb) and not backend.can_run(backend.dummy_batch(2))
+        # The graphs arrive: each bucket is captured again, timed on its own and decided.
+        backend.graph_stored = True
+        for bucket in (1, 2, 4):
+            capture(bucket)
+        assert backend.pending_buckets() == [] and set(states.values()) == {"ready"}
+        assert set(backend.stats.decisions) == {1, 2, 4} and all(d.kept for d in backend.stats.decisions.values())
+        assert backend.stats.interim_after_seconds[1] < backend.stats.ready_after_seconds[1]
