@@ -45,10 +45,11 @@ TINY_OVERRIDES = ["model=tiny-llama", "capture=eager", "cache.num_slots=2048"]
 # (`--no-loadscope-reorder` in pyproject.toml), and a long file handed out last keeps one worker
 # busy after the others have finished.  A stale order costs minutes, never a result.
 LONGEST_FIRST = (
-    "test_aoti_forward.py", "test_tp_model.py", "test_capture_plan.py", "test_model_families.py",
-    "test_triton_attention.py", "test_structured_output.py", "test_server_tools.py", "test_kquants.py",
-    "test_quant_q8.py", "test_tp_engine.py", "test_fidelity.py", "test_packaging.py", "test_tc_piecewise.py",
-    "test_lm_eval.py", "test_capture_artifacts.py", "test_bench_capture.py", "test_cli.py", "test_bench_serve.py",
+    "test_aoti_forward.py", "test_fidelity.py", "test_tp_model.py", "test_tp_engine.py", "test_packaging.py",
+    "test_capture_plan.py", "test_model_families.py", "test_bench_capture.py", "test_cli.py", "test_bench_serve.py",
+    "test_structured_output.py", "test_triton_attention.py", "test_capture_artifacts.py", "test_server_tools.py",
+    "test_speculative.py", "test_tc_piecewise.py", "test_sliding_window.py", "test_lm_eval.py", "test_bench.py",
+    "test_full_graph.py",
 )
 
 

@@ -273,7 +273,8 @@ class _StandIns(FullGraphBackend):
     """full_graph whose graphs another process builds (`graph_stored` says when one is there) and
     whose stand-ins are stored: bucket 1's as fast as eager, bucket 2's slowed on purpose, bucket
     4's failing to load.  Graph and stand-ins run the eager forward (the core under test decides,
-    the code that runs is not the point)."""
+    the code that runs is not the point), so the keep threshold is far below 1: timing the same
+    forward against itself under three test workers on two cores measured under 0.5."""
 
     graph_stored = False
 
@@ -292,7 +293,7 @@ class _StandIns(FullGraphBackend):
 
         def run(fb):
             if bucket == 2:
-                time.sleep(0.03)
+                time.sleep(0.2)  # ~100x the tiny model's forward: slower beyond any noise
             return self._run_model(fb)
 
         return run
@@ -305,7 +306,7 @@ def test_a_stand_in_serves_only_if_faster_and_the_graph_replaces_it_and_alone_is
     with Engine(overrides=["model=tiny-llama", "capture=eager"]) as engine:
         runner = engine.runner
         backend = _StandIns(runner.capture_env, {"buckets": [1, 2, 4], "graph": "compile", "keep": "faster",
-                                                 "min_speedup": 0.5, "progress": False})
+                                                 "min_speedup": 0.05, "progress": False})
 
         def capture(bucket):
             batch = backend.dummy_batch(bucket)
