@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass, field
-from typing import Collection, Iterator
+from typing import Callable, Collection, Iterator
 
 import torch
 
@@ -160,21 +160,23 @@ class ModelRunner:
         config could compile and save for this one to load (`build_apart` there), in capture
         order, grouped: the buckets of a group share one compile (`compiled_with`), so one process
         builds all of them; groups are in the order of their first bucket."""
-        groups: dict[tuple[str, str], list[tuple[str, int]]] = {}
-        for backend in self._bucketed():
-            for bucket in backend.pending_buckets():
-                if backend.builds_apart(bucket):
-                    key = (backend.config_path, backend.compiled_with(bucket))
-                    groups.setdefault(key, []).append((backend.config_path, bucket))
-        return list(groups.values())
+        return self._grouped(lambda backend: [b for b in backend.pending_buckets() if backend.builds_apart(b)],
+                             lambda backend, bucket: backend.compiled_with(bucket))
 
     def interims_to_build_apart(self) -> list[list[tuple[str, int]]]:
         """(config path, bucket) of every bucket built apart whose stand-in another process should
         build first (`BucketedBackend.interim_built` there), grouped as `buckets_to_build_apart`."""
+        return self._grouped(lambda backend: backend.interims_to_build(),
+                             lambda backend, bucket: backend.interim_compiled_with(bucket))
+
+    def _grouped(self, buckets_of: Callable[[BucketedBackend], list[int]],
+                 compiled_with: Callable[[BucketedBackend, int], str]) -> list[list[tuple[str, int]]]:
+        """(config path, bucket) of each backend's `buckets_of`, grouped by what compiling them
+        produces, groups in the order of their first bucket."""
         groups: dict[tuple[str, str], list[tuple[str, int]]] = {}
         for backend in self._bucketed():
-            for bucket in backend.interims_to_build():
-                key = (backend.config_path, backend.interim_compiled_with(bucket))
+            for bucket in buckets_of(backend):
+                key = (backend.config_path, compiled_with(backend, bucket))
                 groups.setdefault(key, []).append((backend.config_path, bucket))
         return list(groups.values())
 
