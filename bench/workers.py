@@ -27,9 +27,13 @@ def run_command(command: str, args: Sequence[str], timeout_s: float, **kwargs: A
 def cache_env(cache_dir: str) -> dict[str, str]:
     """Inductor's and Triton's caches under `cache_dir`, for a worker that must start cold (or
     reuse exactly what an earlier worker left there); Triton's would otherwise stay wherever the
-    caller's environment put it."""
+    caller's environment put it.  The temporary directory too: inductor keeps its precompiled
+    C++ headers under it whatever TORCHINDUCTOR_CACHE_DIR says (torch 2.13, ~140 MB and ~6 s
+    each to build), so a cold run that kept the caller's would find them built."""
+    tmp = os.path.join(cache_dir, "tmp")
+    os.makedirs(tmp, exist_ok=True)  # tempfile ignores a TMPDIR that does not exist
     return {"TORCHINDUCTOR_CACHE_DIR": os.path.join(cache_dir, "inductor"),
-            "TRITON_CACHE_DIR": os.path.join(cache_dir, "triton")}
+            "TRITON_CACHE_DIR": os.path.join(cache_dir, "triton"), "TMPDIR": tmp}
 
 
 def run_python(args: Sequence[str], timeout_s: float, env: Mapping[str, str] | None = None, label: str = "worker",

@@ -48,6 +48,16 @@ from capture.vec_isa import IsaRecord
 _log = logging.getLogger(__name__)
 
 _HEADER = b"aoti-package "
+# How a package is built.  The weights stay out: the loader is handed the live model's (`_open`).
+# The wrapper (one C++ function as long as the model is deep, calling the kernels in turn) builds
+# at -O0 in about two thirds of -O1's time and runs a step as fast; without inductor's precompiled
+# headers, which would be built for this one compile (two of them, each seconds and ~140 MB under
+# the system's temporary directory, outside every cache graphexec names) and save less than they
+# cost.  Measured with `graphexec-bench startup --plans auto --cold` and bench=decode, docs/STATUS.md
+# (seventeenth session).
+_INDUCTOR_CONFIGS = {"aot_inductor.package_constants_in_so": False,
+                     "aot_inductor.compile_wrapper_opt_level": "O0",
+                     "aot_inductor.precompile_headers": False}
 # Ops a forward reaches other ranks through: a package cannot carry them (yet).
 _COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d", "_dtensor")
 
@@ -196,8 +206,7 @@ class AotiForward:
             path = os.path.join(tmp, "forward.pt2")
             torch._inductor.aoti_compile_and_package(
                 program, package_path=path,
-                # The weights stay out: the loader is handed the live model's (`_open`).
-                inductor_configs={"aot_inductor.package_constants_in_so": False},
+                inductor_configs=_INDUCTOR_CONFIGS,
             )
             return Path(path).read_bytes()
 
