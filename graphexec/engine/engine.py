@@ -291,12 +291,14 @@ class Engine:
         ids = self.prompt_encoder.encode(prompt, chat=chat, label=label)
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError(f"stop strings need a tokenizer; model {self.model_config.name!r} has none", param="stop")
+        spec = params.structured
         req = Req(
             rid=f"req-{next(self._request_ids)}",
             prompt_ids=ids,
             params=params,
             eos_token_ids=self.model_config.eos_token_ids,
             max_context=self.max_context,
+            grammar=None if spec is None else self.grammar_backend(spec.param).matcher(spec, params.stop_token_ids),
         )
         if req.max_total_tokens() > self.kv_cache.num_slots:
             raise InvalidRequestError(
@@ -304,9 +306,6 @@ class Engine:
                 f"but the pool has {self.kv_cache.num_slots}; lower max_new_tokens or raise cache.num_slots",
                 param="max_tokens",
             )
-        if params.structured is not None:
-            spec = params.structured
-            req.grammar = self.grammar_backend(spec.param).matcher(spec, params.stop_token_ids)
         return req
 
     def _check_logit_bias(self, params: SamplingParams) -> None:
