@@ -50,11 +50,11 @@ _log = logging.getLogger(__name__)
 _HEADER = b"aoti-package "
 # How a package is built.  The weights stay out: the loader is handed the live model's (`_open`).
 # The wrapper (one C++ function as long as the model is deep, calling the kernels in turn) builds
-# at -O0 in about two thirds of -O1's time and runs a step as fast; without inductor's precompiled
-# headers, which would be built for this one compile (two of them, each seconds and ~140 MB under
-# the system's temporary directory, outside every cache graphexec names) and save less than they
-# cost.  Measured with `graphexec-bench startup --plans auto --cold` and bench=decode, docs/STATUS.md
-# (seventeenth session).
+# faster at -O0 and runs a step as fast as at -O1.  Inductor's precompiled headers are left off:
+# they would be built for this one compile (two of them, each taking seconds and ~140 MB under the
+# system's temporary directory, outside every cache graphexec names) and save less than they cost.
+# Measured with `graphexec-bench startup --plans auto --cold` and bench=decode (docs/STATUS.md,
+# seventeenth session).
 _INDUCTOR_CONFIGS = {"aot_inductor.package_constants_in_so": False,
                      "aot_inductor.compile_wrapper_opt_level": "O0",
                      "aot_inductor.precompile_headers": False}
