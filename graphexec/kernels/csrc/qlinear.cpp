@@ -9,10 +9,12 @@
 //   8-bit: codes int8 [N, K]; value = d * q.
 //   scales (d) and mins (m): float16 [N, K/32]; Q4_0 is packed as m = -8 d (exact in fp16).
 //
-// Each block is dequantized in registers with one fma per lane (d*q is exact in fp32, so the weight
-// equals gguf's fp32 dequantization bit for bit); only the dot product's summation order differs
-// from a dense fp32 matmul.  Small M (decode rows) streams the blocks once per tile of M rows;
-// large M (prefill) dequantizes a tile of weight rows and hands it to at::mm.
+// On AVX-512 each block is dequantized in registers with one fma per lane (d*q is exact in fp32, so
+// the weight equals gguf's fp32 dequantization bit for bit); only the dot product's summation order
+// differs from a dense fp32 matmul.  The AVX2 path factors the block instead (d * sum x q + m * sum
+// x, so each code is converted and multiplied once): the same sum, rounded in another order.
+// Small M (decode rows) streams the blocks once per tile of M rows; large M (prefill) dequantizes a
+// tile of weight rows and hands it to at::mm.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
@@ -20,6 +22,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <vector>
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
 #include <immintrin.h>
@@ -158,18 +161,20 @@ template <int MT>
 constexpr int kTileRows = MT >= 4 ? 2 : 4;
 
 template <int MT>
-void rows_tile(const QView& w, int64_t r0, int64_t r1, const float* x, int64_t ldx, float* out, int64_t ldo) {
+void rows_tile(const QView& w, int64_t r0, int64_t r1, const float* x, int64_t ldx, const float* /*xs*/,
+               int64_t /*ldxs*/, float* out, int64_t ldo) {
   constexpr int NR = kTileRows<MT>;
   int64_t r = r0;
   for (; r + NR <= r1; r += NR) dot_tile<MT, NR>(w, r, x, ldx, out, ldo);
   for (; r < r1; ++r) dot_tile<MT, 1>(w, r, x, ldx, out, ldo);
 }
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-// The same streaming kernel on 256-bit registers (AVX2 machines without AVX-512: Zen 2/3, Intel
+// The streaming kernel on 256-bit registers (AVX2 machines without AVX-512: Zen 2/3, Intel
 // clients): a block is four registers, one weight row a tile (16 registers leave no room for
-// two), and four accumulators per activation row where registers allow, so no fma waits on the
-// one before it.  Without it such a machine took the scalar loop below: 7x slower at one row and
-// 16x at 8 (`GRAPHEXEC_KERNEL_ISA=avx2 graphexec-bench quant_kernels`).
+// two).  Without it such a machine took the scalar loop below: 7x slower at one row and 16x at 8.
+// Converting the codes to float is most of a block's work here, so each code is converted once
+// and multiplied once (by x): the scale multiplies the block's dot product and the offset the
+// block's input sum, not every lane (faster at every M; `graphexec-bench quant_kernels`, docs/STATUS.md).
 struct BlockParams {
   alignas(32) float d[8];
   alignas(32) float m[8];
@@ -185,24 +190,26 @@ struct BlockParams {
   }
 };
 
-// Block b of a row as v[0..3] = elements 0-7, 8-15, 16-23, 24-31: fma(d, q, m) exactly as gguf.
-inline void load_block(const QView& w, const uint8_t* q, int64_t b, float d, float m, __m256 v[4]) {
-  const __m256 vd = _mm256_set1_ps(d);
+// Block b of a row's codes as floats, v[0..3] = elements 0-7, 8-15, 16-23, 24-31.
+inline void load_codes(const QView& w, const uint8_t* q, int64_t b, __m256 v[4]) {
   if (w.four_bit) {
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * (kBlock / 2)));
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    const __m128i low = _mm_and_si128(raw, mask), high = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
-    const __m256 vm = _mm256_set1_ps(m);
-    v[0] = _mm256_fmadd_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(low)), vm);
-    v[1] = _mm256_fmadd_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(low, 8))), vm);
-    v[2] = _mm256_fmadd_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(high)), vm);
-    v[3] = _mm256_fmadd_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(high, 8))), vm);
+    // The block's 16 bytes in both 128-bit lanes; in-lane byte shuffles put bytes 0-7 (8-15) one
+    // per 32-bit lane, zero-extended, so a mask gives the low nibbles and a shift the high ones
+    // (vpmovzxbd crosses lanes: slower).
+    const __m256i raw = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * (kBlock / 2))));
+    const __m256i first = _mm256_setr_epi8(0, -1, -1, -1, 1, -1, -1, -1, 2, -1, -1, -1, 3, -1, -1, -1,
+                                           4, -1, -1, -1, 5, -1, -1, -1, 6, -1, -1, -1, 7, -1, -1, -1);
+    const __m256i second = _mm256_add_epi32(first, _mm256_set1_epi32(8));  // bytes 8-15
+    const __m256i mask = _mm256_set1_epi32(0x0F);
+    const __m256i b0 = _mm256_shuffle_epi8(raw, first), b1 = _mm256_shuffle_epi8(raw, second);
+    v[0] = _mm256_cvtepi32_ps(_mm256_and_si256(b0, mask));
+    v[1] = _mm256_cvtepi32_ps(_mm256_and_si256(b1, mask));
+    v[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4));
+    v[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4));
   } else {
     const int8_t* qb = reinterpret_cast<const int8_t*>(q) + b * kBlock;
-    for (int h = 0; h < 4; ++h) {
-      const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qb + 8 * h));
-      v[h] = _mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw)));
-    }
+    for (int h = 0; h < 4; ++h)
+      v[h] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qb + 8 * h))));
   }
 }
 
@@ -212,12 +219,14 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
 }
 
+// sum_j x_j (d q_j + m) = d sum_j x_j q_j + m sum_j x_j: per block one fma by d on the codes'
+// dot product and, per 8 blocks, one fma of the offsets with the inputs' block sums (`xs`, made
+// once per call by `block_sums`), instead of dequantizing every lane first.
 template <int MT>
-inline void dot_row(const QView& w, int64_t r, const float* x, int64_t ldx, float* out, int64_t ldo) {
-  constexpr int A = MT >= 4 ? 2 : 4;  // accumulators per activation row
-  __m256 acc[MT][A];
-  for (int i = 0; i < MT; ++i)
-    for (int a = 0; a < A; ++a) acc[i][a] = _mm256_setzero_ps();
+inline void dot_row(const QView& w, int64_t r, const float* x, int64_t ldx, const float* xs, int64_t ldxs,
+                    float* out, int64_t ldo) {
+  __m256 acc[MT], offsets[MT];
+  for (int i = 0; i < MT; ++i) acc[i] = offsets[i] = _mm256_setzero_ps();
   const uint8_t* q = w.codes + r * w.row_bytes;
   const int64_t block_bytes = w.row_bytes / w.blocks;
   BlockParams p;
@@ -226,31 +235,34 @@ inline void dot_row(const QView& w, int64_t r, const float* x, int64_t ldx, floa
     p.load(w, r, g, count);
     const uint8_t* ahead = q + w.row_bytes + g * block_bytes;  // the next row, as the AVX-512 path
     for (int64_t off = 0; off < block_bytes * count; off += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + off), _MM_HINT_T0);
+    if (w.mins)  // p.m is zero past `count`, and so is xs (padded to whole groups of 8)
+      for (int i = 0; i < MT; ++i) offsets[i] = _mm256_fmadd_ps(_mm256_load_ps(p.m), _mm256_loadu_ps(xs + i * ldxs + g), offsets[i]);
     for (int j = 0; j < count; ++j) {
       const int64_t b = g + j;
       __m256 v[4];
-      load_block(w, q, b, p.d[j], p.m[j], v);
+      load_codes(w, q, b, v);
+      const __m256 vd = _mm256_set1_ps(p.d[j]);
       for (int i = 0; i < MT; ++i) {
         const float* xi = x + i * ldx + b * kBlock;
-        for (int h = 0; h < 4; ++h) acc[i][h % A] = _mm256_fmadd_ps(_mm256_loadu_ps(xi + 8 * h), v[h], acc[i][h % A]);
+        const __m256 even = _mm256_fmadd_ps(_mm256_loadu_ps(xi + 16), v[2], _mm256_mul_ps(_mm256_loadu_ps(xi), v[0]));
+        const __m256 odd = _mm256_fmadd_ps(_mm256_loadu_ps(xi + 24), v[3], _mm256_mul_ps(_mm256_loadu_ps(xi + 8), v[1]));
+        acc[i] = _mm256_fmadd_ps(vd, _mm256_add_ps(even, odd), acc[i]);
       }
     }
   }
-  for (int i = 0; i < MT; ++i) {
-    __m256 total = acc[i][0];
-    for (int a = 1; a < A; ++a) total = _mm256_add_ps(total, acc[i][a]);
-    out[i * ldo + r] = hsum(total);
-  }
+  for (int i = 0; i < MT; ++i) out[i * ldo + r] = hsum(_mm256_add_ps(acc[i], offsets[i]));
 }
 
 template <int MT>
-void rows_tile(const QView& w, int64_t r0, int64_t r1, const float* x, int64_t ldx, float* out, int64_t ldo) {
-  for (int64_t r = r0; r < r1; ++r) dot_row<MT>(w, r, x, ldx, out, ldo);
+void rows_tile(const QView& w, int64_t r0, int64_t r1, const float* x, int64_t ldx, const float* xs, int64_t ldxs,
+               float* out, int64_t ldo) {
+  for (int64_t r = r0; r < r1; ++r) dot_row<MT>(w, r, x, ldx, xs, ldxs, out, ldo);
 }
 #else
 // Portable path: dequantize a few rows at a time and dot them (the compiler vectorizes the loops).
 template <int MT>
-void rows_tile(const QView& w, int64_t r0, int64_t r1, const float* x, int64_t ldx, float* out, int64_t ldo) {
+void rows_tile(const QView& w, int64_t r0, int64_t r1, const float* x, int64_t ldx, const float* /*xs*/,
+               int64_t /*ldxs*/, float* out, int64_t ldo) {
   std::vector<float> row(w.k);
   for (int64_t r = r0; r < r1; ++r) {
     dequantize_rows(w, r, r + 1, row.data());
@@ -265,15 +277,38 @@ void rows_tile(const QView& w, int64_t r0, int64_t r1, const float* x, int64_t l
 
 constexpr int64_t kRowChunk = 16;  // weight rows per task: a few KB of codes, reused across M tiles
 
+// Each activation row's per-block input sums, in rows of `stride` (the blocks rounded up to 8,
+// zero past the last), for kernels that apply a block's offset once (the AVX2 path); empty where
+// the kernel dequantizes every lane.
+std::vector<float> block_sums(const QView& w, const float* x, int64_t m, int64_t stride) {
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)  // rows_tile's AVX2 branch
+  std::vector<float> sums(m * stride, 0.0f);
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t b = 0; b < w.blocks; ++b) {
+      const float* xb = x + i * w.k + b * kBlock;
+      __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(xb), _mm256_loadu_ps(xb + 8)),
+                               _mm256_add_ps(_mm256_loadu_ps(xb + 16), _mm256_loadu_ps(xb + 24)));
+      sums[i * stride + b] = hsum(s);
+    }
+  return sums;
+#else
+  (void)w, (void)x, (void)m, (void)stride;
+  return {};
+#endif
+}
+
 void small_m(const QView& w, const float* x, int64_t m, float* out) {
+  const int64_t stride = (w.blocks + 7) / 8 * 8;
+  const std::vector<float> sums = block_sums(w, x, m, stride);
   at::parallel_for(0, (w.n + kRowChunk - 1) / kRowChunk, 1, [&](int64_t c0, int64_t c1) {
     const int64_t r0 = c0 * kRowChunk, r1 = std::min(w.n, c1 * kRowChunk);
     for (int64_t rs = r0; rs < r1; rs += kRowChunk) {
       const int64_t re = std::min(r1, rs + kRowChunk);
       int64_t i = 0;
-      for (; i + 4 <= m; i += 4) rows_tile<4>(w, rs, re, x + i * w.k, w.k, out + i * w.n, w.n);
-      for (; i + 2 <= m; i += 2) rows_tile<2>(w, rs, re, x + i * w.k, w.k, out + i * w.n, w.n);
-      for (; i < m; ++i) rows_tile<1>(w, rs, re, x + i * w.k, w.k, out + i * w.n, w.n);
+      auto xs = [&](int64_t row) { return sums.empty() ? nullptr : sums.data() + row * stride; };
+      for (; i + 4 <= m; i += 4) rows_tile<4>(w, rs, re, x + i * w.k, w.k, xs(i), stride, out + i * w.n, w.n);
+      for (; i + 2 <= m; i += 2) rows_tile<2>(w, rs, re, x + i * w.k, w.k, xs(i), stride, out + i * w.n, w.n);
+      for (; i < m; ++i) rows_tile<1>(w, rs, re, x + i * w.k, w.k, xs(i), stride, out + i * w.n, w.n);
     }
   });
 }
