@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 from typing import Any, Callable, Iterable, Iterator, Protocol, TypeVar
 
 import torch
@@ -34,41 +35,47 @@ class BreakHandler(Protocol):
     def on_piece(self, fn: Callable[..., Any], args: tuple) -> Any: ...
 
 
-class _BreakSwitch:
-    """Which break points are active, and who runs them.  Changed only by `breaking()` and
-    `intercepting()`, which restore it on exit; compiled code guards on `active`, so segments
-    compiled under one set never run under another."""
-
-    __slots__ = ("active", "handler", "unprepared")
+class _BreakSwitch(threading.local):
+    """Which break points are active in this thread, and who runs them.  Changed only by
+    `breaking()` and `intercepting()`, which restore it on exit; compiled code guards on `active`,
+    so segments compiled under one set never run under another.  Per thread, so a `breaking()`
+    entered by one engine's loop (or a capture thread) never cuts a forward running in another:
+    Dynamo traces and guards a thread-local's attribute as it does a plain object's (torch 2.13
+    cannot trace `ContextVar.get()`, gb0156; tests/test_segments.py)."""
 
     def __init__(self) -> None:
         self.active: frozenset[str] = frozenset()
         self.handler: BreakHandler | None = None
-        # Marked functions whose compiler-disabled twin is not made yet: `breaking()` makes them,
-        # because torch.compiler.disable imports Dynamo (~2 s), which an eager engine never needs.
-        self.unprepared: list[tuple[Callable[..., Any], list[Callable[..., Any]]]] = []
+
+
+class _Marks:
+    """Marked functions whose compiler-disabled twin is not made yet: `breaking()` makes them,
+    because torch.compiler.disable imports Dynamo (~2 s), which an eager engine never needs.
+    Filled as modules are imported (the decorator) and drained once, under a lock."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._unprepared: list[tuple[Callable[..., Any], list[Callable[..., Any]]]] = []
+
+    def add(self, fn: Callable[..., Any], twin: list[Callable[..., Any]]) -> None:
+        with self._lock:
+            self._unprepared.append((fn, twin))
 
     def prepare(self) -> None:
-        while self.unprepared:
-            fn, twin = self.unprepared.pop()
-            twin.append(torch.compiler.disable(fn, recursive=True))
+        with self._lock:
+            while self._unprepared:
+                fn, twin = self._unprepared.pop()
+                twin.append(torch.compiler.disable(fn, recursive=True))
 
 
-# TODO(issue 26): per context (a ContextVar), so a `breaking()` entered in one thread could never
-# cut a forward running in another.  Not yet: torch 2.13's Dynamo cannot trace ContextVar.get()
-# (measured: "Unsupported method call ... method `get` of class `ContextVar`", gb0156), so every
-# marked function would break a fullgraph=True trace (full_graph, tc_piecewise) and cut every
-# segmented one at each break point whether active or not; assume_constant_result over the read
-# fails on a frozenset and would not guard anyway.  A plain object's attribute is traced and
-# guarded (tests/test_segments.py), and today a forward and its `breaking()` share the engine
-# loop's thread.
 _SWITCH = _BreakSwitch()
+_MARKS = _Marks()
 
 
 def break_point(name: str) -> Callable[[F], F]:
     def mark(fn: F) -> F:
-        eager: list[Callable[..., Any]] = []  # filled by _SWITCH.prepare() before a break is active
-        _SWITCH.unprepared.append((fn, eager))
+        eager: list[Callable[..., Any]] = []  # filled by _MARKS.prepare() before a break is active
+        _MARKS.add(fn, eager)
 
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
@@ -112,7 +119,7 @@ def _suspended(handler: BreakHandler) -> Iterator[None]:
 
 @contextlib.contextmanager
 def breaking(names: Iterable[str]) -> Iterator[None]:
-    _SWITCH.prepare()
+    _MARKS.prepare()
     previous = _SWITCH.active
     _SWITCH.active = frozenset(names)
     try:

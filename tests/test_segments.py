@@ -171,6 +171,43 @@ def test_the_break_switch_is_traced_through_and_guarded():
     assert len(graphs) == settled
 
 
+def test_a_break_active_in_one_thread_never_cuts_a_forward_in_another():
+    """Two engines in one process run their loops on two threads: a `breaking()` (and a
+    recording's handler) entered by one must leave the other's forwards whole, compiled or not."""
+    import threading
+
+    x = torch.randn(4)
+    inside, release = threading.Event(), threading.Event()
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append({n.target.__name__ for n in gm.graph.nodes if n.op == "call_function"})
+        return gm.forward
+
+    compiled = torch.compile(lambda t: _double(t + 3) - 3, backend=backend)
+
+    class Refuse:
+        def on_break(self, name, fn, args, kwargs):
+            raise AssertionError(f"the other thread's handler ran break {name!r}")
+
+    def hold_the_switch():
+        from capture.break_points import intercepting
+
+        with breaking({"double"}), intercepting(Refuse()):
+            inside.set()
+            release.wait(30)
+
+    holder = threading.Thread(target=hold_the_switch)
+    holder.start()
+    try:
+        assert inside.wait(30)
+        torch.testing.assert_close(compiled(x), x * 2 + 3)
+        assert graphs == [{"add", "mul", "sub"}]  # traced whole: the break is off in this thread
+    finally:
+        release.set()
+        holder.join()
+
+
 def test_a_host_read_inside_a_segment_is_refused_as_cuda_capture_would():
     x = torch.randn(4)
     with pytest.raises(RuntimeError, match="reads a device value on the host inside a recorded segment"):
