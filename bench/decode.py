@@ -17,6 +17,7 @@ from graphexec import SamplingParams
 from graphexec.batch.forward_mode import ForwardMode
 from graphexec.batch.request import Req
 from graphexec.engine.threads import call_in_thread
+from graphexec.scheduler.hand_batches import HandBatches
 
 _HOST_PARTS = {"step_ms": "step ms", "forward_ms": "model forward", "logits_sample_ms": "logits + sampling",
                "scheduler_ms": "scheduler + batch building", "publish_ms": "publishing"}
@@ -61,29 +62,30 @@ def paired_bucket(engine, graph, bucket: int, context_len: int, rounds: int, ste
 
 
 def new_requests(engine, lengths: Sequence[int], seed: int, prefix: str = "bench", max_new_tokens: int = 2):
-    """Unscheduled requests with seeded random prompts of `lengths` tokens, and how to release them."""
+    """Unscheduled requests with seeded random prompts of `lengths` tokens, the hand batches that
+    run them, and how to release them."""
     gen = torch.Generator().manual_seed(seed)
     reqs = [Req(f"{prefix}{i}", torch.randint(3, engine.model_config.vocab_size, (n,), generator=gen).tolist(),
                 SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True), (), engine.max_context)
             for i, n in enumerate(lengths)]
+    hand = HandBatches(engine.kv_cache)
 
     def release() -> None:
         for req in reqs:
-            engine.scheduler.release(req, cache=False)
+            hand.release(req, cache=False)
 
-    return reqs, release
+    return reqs, hand, release
 
 
 def decode_batch(engine, batch_size: int, context_len: int):
     """`batch_size` requests whose KV holds `context_len` tokens, ready for one decode step."""
     runner = engine.runner
-    reqs, release = new_requests(engine, [context_len] * batch_size, batch_size)
-    runner.forward(runner.init_forward_batch(engine.scheduler.plan_extend(reqs)))
-    for req in reqs:
-        req.num_computed_tokens = req.seq_len
-        req.output_ids.append(5)
+    reqs, hand, release = new_requests(engine, [context_len] * batch_size, batch_size)
+    prefill = hand.extend(reqs)
+    runner.forward(runner.init_forward_batch(prefill))
+    hand.ran(prefill, [5] * batch_size)
     # Re-running this batch rewrites the same slots, so every timed step sees the same state.
-    return runner.init_forward_batch(engine.scheduler.plan_decode(reqs)), release
+    return runner.init_forward_batch(hand.decode(reqs)), release
 
 
 def report(result: dict[str, Any]) -> Report:

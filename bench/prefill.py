@@ -43,8 +43,8 @@ def run(cfg, ctx) -> dict[str, Any]:
 
 def extend_batch(engine, tokens: int):
     """One prefill batch of exactly `tokens` new tokens (two requests), and how to free it."""
-    reqs, release = new_requests(engine, [tokens // 2, tokens - tokens // 2] if tokens > 1 else [1], tokens, "prefill", 1)
-    return engine.runner.init_forward_batch(engine.scheduler.plan_extend(reqs)), release
+    reqs, hand, release = new_requests(engine, [tokens // 2, tokens - tokens // 2] if tokens > 1 else [1], tokens, "prefill", 1)
+    return engine.runner.init_forward_batch(hand.extend(reqs)), release
 
 
 # What each variant is built from: its module, the shared piecewise base and the segmented-capture

@@ -53,18 +53,19 @@ def _profile(engine, batch: int, context: int, steps: int, rows: int) -> str:
 def _split(engine) -> str:
     from graphexec import SamplingParams
     from graphexec.batch.request import Req
+    from graphexec.scheduler.hand_batches import HandBatches
 
-    runner, scheduler = engine.runner, engine.scheduler
+    runner, hand = engine.runner, HandBatches(engine.kv_cache)
     params = SamplingParams(max_new_tokens=2 * SPLIT_STEPS, ignore_eos=True)
     req = Req("r", list(range(100, 164)), params, (), engine.max_context)
     times: dict[str, list[float]] = {"plan": [], "init_forward_batch": [], "forward": [], "logits_and_sample": []}
     with torch.inference_mode():
-        out = runner.forward_and_sample(runner.init_forward_batch(scheduler.plan_extend([req])))
-        req.num_computed_tokens = req.seq_len
-        req.output_ids.append(int(out.sampler.next_token_ids[0]))
+        prefill = hand.extend([req])
+        out = runner.forward_and_sample(runner.init_forward_batch(prefill))
+        hand.ran(prefill, out.sampler.next_token_ids[:1].tolist())
         for step in range(SPLIT_STEPS):
             t0 = time.perf_counter()
-            batch = scheduler.plan_decode([req])
+            batch = hand.decode([req])
             t1 = time.perf_counter()
             fb = runner.init_forward_batch(batch)
             t2 = time.perf_counter()
@@ -72,12 +73,11 @@ def _split(engine) -> str:
             t3 = time.perf_counter()
             token = int(runner.sampler(runner.logits_processor(hidden, fb), fb.sampling_info).next_token_ids[0])
             t4 = time.perf_counter()
-            req.num_computed_tokens = req.seq_len
-            req.output_ids.append(token)
+            hand.ran(batch, [token])
             if step >= SPLIT_SKIP:
                 for key, seconds in zip(times, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
                     times[key].append(seconds)
-    scheduler.release(req)
+    hand.release(req)
     return (f"medians of {SPLIT_STEPS - SPLIT_SKIP} B=1 steps, ms\n\n"
             + table(list(times), [[f"{upper_median(v) * 1e3:.3f}" for v in times.values()]]))
 

@@ -30,7 +30,6 @@ from bench.timing import paired_ms
 from graphexec.config import EngineConfig
 from graphexec.engine.rank_setup import load_and_capture
 from graphexec.parallel.group import SINGLE, TPGroup
-from graphexec.scheduler.scheduler import Scheduler
 
 COLUMNS = ["tp", "B", "step ms (median)", "all-reduces / step", "all-gathers / step", "ms / all-reduce [B, hidden]",
            "weights MiB / rank", "peak RSS MiB / rank (max)"]
@@ -44,7 +43,7 @@ def _rank(rank: int, size: int, store: str, args, out) -> None:
     config = EngineConfig.from_overrides([f"model={args.model}", "capture=eager", "cache.num_slots=4096"])
     with torch.inference_mode():
         runner = load_and_capture(config, tp).runner
-        rows = [_measure(runner, config, tp, batch, args) for batch in args.batch]
+        rows = [_measure(runner, tp, batch, args) for batch in args.batch]
     out.put((rank, rows, runner.weight_nbytes() / 2**20, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024))
     if size > 1:
         dist.destroy_process_group()
@@ -55,10 +54,10 @@ def _median_ms(fn, calls: int) -> float:
     return paired_ms({"": fn}, rounds=calls, steps=1)[""]["median_ms"]
 
 
-def _measure(runner, config, tp, batch: int, args) -> dict:
-    # decode_batch reads these four of an engine; a rank has a runner and its own scheduler.
-    rank = SimpleNamespace(runner=runner, scheduler=Scheduler(runner, runner.kv_cache, config.scheduler),
-                           model_config=runner.model_config, max_context=runner.max_context)
+def _measure(runner, tp, batch: int, args) -> dict:
+    # decode_batch reads these four of an engine; a rank has a runner and its cache.
+    rank = SimpleNamespace(runner=runner, kv_cache=runner.kv_cache, model_config=runner.model_config,
+                           max_context=runner.max_context)
     fb, release = decode_batch(rank, batch, args.context)
     counts = _count_collectives(lambda: runner.forward_logits(fb))
     # re-running rewrites the same slots: every step sees the same state

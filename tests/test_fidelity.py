@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from graphexec import Engine, SamplingParams
+from graphexec.scheduler.hand_batches import HandBatches
 from tests.invariants import assert_no_leak
 from tests.reference import hf_greedy, hf_last_logits, hf_model_from
 
@@ -44,17 +45,16 @@ def _runner_logits(engine, prompts, decode_tokens):
     runner = engine.runner
     from graphexec.batch.request import Req
 
+    hand = HandBatches(engine.kv_cache)
     reqs = [Req(f"r{i}", p, GREEDY, (), engine.max_context) for i, p in enumerate(prompts)]
-    batch = engine.scheduler.plan_extend(reqs)
+    batch = hand.extend(reqs)
     prefill = runner.forward_and_sample(runner.init_forward_batch(batch)).logits
-    for req, tok in zip(reqs, decode_tokens):
-        req.num_computed_tokens = req.seq_len
-        req.output_ids.append(tok)
-    batch = engine.scheduler.plan_decode(reqs)
+    hand.ran(batch, decode_tokens)
+    batch = hand.decode(reqs)
     decode = runner.forward_and_sample(runner.init_forward_batch(batch)).logits
+    hand.ran(batch)
     for req in reqs:
-        req.num_computed_tokens = req.seq_len
-        engine.scheduler.release(req)
+        hand.release(req)
     return prefill, decode
 
 
@@ -164,16 +164,18 @@ def test_prefix_then_extend_equals_one_extend(tiny_engine):
 
     prompt = [11, 12, 13, 14, 15, 16]
     full, _ = _runner_logits(tiny_engine, [prompt], [5])
+    hand = HandBatches(tiny_engine.kv_cache)
     req = Req("p", prompt[:3], GREEDY, (), tiny_engine.max_context)
-    batch = tiny_engine.scheduler.plan_extend([req])
+    batch = hand.extend([req])
     runner.forward_and_sample(runner.init_forward_batch(batch))
-    req.num_computed_tokens = 3
+    hand.ran(batch)
+    assert req.num_computed_tokens == 3
     req.prompt_ids = prompt
-    batch = tiny_engine.scheduler.plan_extend([req])
+    batch = hand.extend([req])
     fb = runner.init_forward_batch(batch)
     assert fb.positions.tolist() == [3, 4, 5]
     logits = runner.forward_and_sample(fb).logits
     torch.testing.assert_close(logits[0], full[0], atol=1e-5, rtol=1e-5)
-    req.num_computed_tokens = req.seq_len
-    tiny_engine.scheduler.release(req)
+    hand.ran(batch)
+    hand.release(req)
     assert_no_leak(tiny_engine)

@@ -11,6 +11,7 @@ from graphexec import Engine, SamplingParams
 from graphexec.batch.forward_mode import ForwardMode
 from graphexec.batch.request import Req
 from graphexec.sampling.sampler import Sampler, SamplingBatchInfo
+from graphexec.scheduler.hand_batches import HandBatches
 from graphexec.speculative.cost_model import StepCosts
 from graphexec.speculative.ngram import NgramDrafter
 from graphexec.speculative.policy import choose_lengths
@@ -77,29 +78,27 @@ def test_policy_drafts_only_where_it_pays():
 
 def _start(engine, prompt):
     """A hand-run request with its prompt prefilled and its first token appended."""
-    scheduler, runner = engine.scheduler, engine.runner
+    hand, runner = HandBatches(engine.kv_cache), engine.runner
     req = Req(f"r{len(prompt)}", prompt, SamplingParams(max_new_tokens=32, ignore_eos=True), (), engine.max_context)
-    logits, _ = runner.forward_logits(runner.init_forward_batch(scheduler.plan_extend([req])))
-    req.num_computed_tokens = len(prompt)
-    req.output_ids.append(int(logits[0].argmax()))
+    batch = hand.extend([req])
+    logits, _ = runner.forward_logits(runner.init_forward_batch(batch))
+    hand.ran(batch, [int(logits[0].argmax())])
     return req
 
 
 def _sequential(engine, req, tokens):
     """Logits of decoding `tokens` (the first is the request's last) one step at a time; the
     request is then rewound (its KV unmapped, its ids restored)."""
-    scheduler, runner = engine.scheduler, engine.runner
+    hand, runner = HandBatches(engine.kv_cache), engine.runner
     start, outputs = req.num_computed_tokens, list(req.output_ids)
     rows = []
-    for j, token in enumerate(tokens):
-        if j:
-            req.output_ids.append(token)
-        logits, _ = runner.forward_logits(runner.init_forward_batch(scheduler.plan_decode([req])))
-        req.num_computed_tokens += 1
+    for next_token in [*tokens[1:], None]:
+        batch = hand.decode([req])
+        logits, _ = runner.forward_logits(runner.init_forward_batch(batch))
+        hand.ran(batch, None if next_token is None else [next_token])
         rows.append(logits[0])
     req.output_ids[:] = outputs
-    engine.kv_cache.truncate(req, start)
-    req.num_computed_tokens = start
+    hand.rewind(req, start)
     return torch.stack(rows)
 
 
@@ -117,7 +116,8 @@ def test_verify_forward_equals_sequential_decode(attention, plan):
     drafts = [_ids(3, 10), [], _ids(1, 11)]
     expected = [_sequential(engine, r, [r.output_ids[-1], *d]) for r, d in zip(reqs, drafts)]
 
-    fb = engine.runner.init_forward_batch(engine.scheduler.plan_verify(reqs, drafts))
+    hand = HandBatches(engine.kv_cache)
+    fb = engine.runner.init_forward_batch(hand.verify(reqs, drafts))
     assert fb.forward_mode is ForwardMode.TARGET_VERIFY and fb.batch_size == 7
     assert fb.positions.tolist() == [9, 10, 11, 12, 17, 5, 6]
     backend = engine.runner.backends[ForwardMode.TARGET_VERIFY]
@@ -129,8 +129,8 @@ def test_verify_forward_equals_sequential_decode(attention, plan):
     # fp32 throughout; the kernels reduce in another order for a row that sees more keys at once.
     torch.testing.assert_close(logits, torch.cat(expected), atol=2e-4, rtol=1e-4)
     for req in reqs:
-        engine.kv_cache.truncate(req, req.num_computed_tokens)
-        engine.scheduler.release(req)
+        hand.rewind(req, req.num_computed_tokens)
+        hand.release(req)
     assert_no_leak(engine)
 
 
@@ -414,7 +414,8 @@ def test_each_verify_row_is_penalised_over_the_drafts_before_it():
     req = _start(engine, _ids(7, 1))
     req.params = params
     draft = [req.output_ids[-1], 11, 11]  # repeats: frequency counts each occurrence
-    fb = engine.runner.init_forward_batch(engine.scheduler.plan_verify([req], [draft]))
+    hand = HandBatches(engine.kv_cache)
+    fb = engine.runner.init_forward_batch(hand.verify([req], [draft]))
     vocab = engine.model_config.vocab_size
     logits = torch.randn(len(draft) + 1, vocab, generator=torch.Generator().manual_seed(0))
     processed = fb.sampling_info.penalties.apply(logits)
@@ -423,6 +424,6 @@ def test_each_verify_row_is_penalised_over_the_drafts_before_it():
         info = SamplingBatchInfo.from_params([params], [None], vocab, "cpu", histories=[alone])
         torch.testing.assert_close(processed[i], info.penalties.apply(logits[i : i + 1])[0])
     assert processed[0, 5] == -math.inf and processed[2, 5] > -math.inf  # min_tokens met at row 2
-    engine.kv_cache.truncate(req, req.num_computed_tokens)
-    engine.scheduler.release(req)
+    hand.rewind(req, req.num_computed_tokens)
+    hand.release(req)
     assert_no_leak(engine)

@@ -245,22 +245,21 @@ def _rank_run(rank: int, tp, overrides: list[str], out_file: str) -> None:
     from graphexec.config import EngineConfig
     from graphexec.engine.rank_setup import load_and_capture
     from graphexec.sampling_params import SamplingParams
-    from graphexec.scheduler.scheduler import Scheduler
+    from graphexec.scheduler.hand_batches import HandBatches
 
     config = EngineConfig.from_overrides(overrides)
     with torch.inference_mode():
         rank_parts = load_and_capture(config, tp)
         runner = rank_parts.runner
-        scheduler = Scheduler(runner, rank_parts.kv_cache, config.scheduler)
+        hand = HandBatches(rank_parts.kv_cache)
         params = SamplingParams(max_new_tokens=4, ignore_eos=True)
         reqs = [Req(f"r{i}", p, params, (), runner.max_context) for i, p in enumerate(PROMPTS)]
-        fb = runner.init_forward_batch(scheduler.plan_extend(reqs))
+        batch = hand.extend(reqs)
+        fb = runner.init_forward_batch(batch)
         prefill_hidden = runner.forward(fb)
         prefill_logits = runner.logits_processor(prefill_hidden, fb)
-        for req, token in zip(reqs, prefill_logits.argmax(-1).tolist()):
-            req.num_computed_tokens = req.seq_len
-            req.output_ids.append(token)
-        fb = runner.init_forward_batch(scheduler.plan_decode(reqs))
+        hand.ran(batch, prefill_logits.argmax(-1).tolist())
+        fb = runner.init_forward_batch(hand.decode(reqs))
         decode_hidden = runner.forward(fb)
         decode_logits = runner.logits_processor(decode_hidden, fb)
     result = dict(

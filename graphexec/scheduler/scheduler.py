@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Sequence
 
 from graphexec.batch.request import FinishReason, Req
 from graphexec.batch.schedule_batch import ScheduleBatch
@@ -268,32 +267,6 @@ class Scheduler:
         self.kv_cache.release(req, cache=cache)
         if self.speculator is not None:
             self.speculator.forget(req)
-
-    # ---- batches built by hand (tests, benchmarks): no admission policy, no prefix reuse ----
-
-    def plan_extend(self, reqs: Sequence[Req], extend_lens: Sequence[int] | None = None) -> ScheduleBatch:
-        """Slots for each request's next `extend_lens` uncomputed tokens (default: all of them)
-        and the batch that computes them.  Set `num_computed_tokens` after running it."""
-        for req in reqs:
-            if not self.kv_cache.holds(req):
-                self.kv_cache.admit(req, reuse_prefix=False)
-        if extend_lens is None:
-            extend_lens = [r.seq_len - r.num_computed_tokens for r in reqs]
-        slots = self.kv_cache.allocate(reqs, extend_lens)
-        return ScheduleBatch.extend(reqs, extend_lens, self.kv_cache.rows(reqs), slots)
-
-    def plan_decode(self, reqs: Sequence[Req]) -> ScheduleBatch:
-        slots = self.kv_cache.allocate(reqs, [1] * len(reqs))
-        return ScheduleBatch.decode(reqs, self.kv_cache.rows(reqs), slots)
-
-    def plan_verify(self, reqs: Sequence[Req], drafts: Sequence[Sequence[int]]) -> ScheduleBatch:
-        """Slots for each request's last token and drafts, and the TARGET_VERIFY batch of them."""
-        slots = self.kv_cache.allocate(reqs, [len(d) + 1 for d in drafts])
-        return ScheduleBatch.verify(reqs, drafts, self.kv_cache.rows(reqs), slots)
-
-    def release(self, req: Req, cache: bool = True) -> None:
-        """Free what a hand-run request holds (its computed KV cached when `cache`)."""
-        self.kv_cache.release(req, cache=cache)
 
 
 def _logprob_entry(out, row: int, top_k: int) -> dict:
