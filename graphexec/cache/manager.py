@@ -224,7 +224,7 @@ class KVCacheManager:
         del self._held[req]
 
     def truncate(self, req: Req, length: int) -> None:
-        """Unmap and free the request's own slots past `length` (a benchmark rewinding a step)."""
+        """Unmap and free the request's own slots past `length`: rejected drafts, a hand run rewound."""
         held = self._held[req]
         if not held.prefix_len <= length <= held.allocated:
             raise ValueError(f"truncate to {length}: request {req.rid} maps {held.allocated}, its prefix {held.prefix_len}")
