@@ -180,13 +180,24 @@ struct BlockParams {
   alignas(32) float m[8];
   void load(const QView& w, int64_t r, int64_t b0, int count) {
     const int64_t at = r * w.blocks + b0;
-    alignas(16) c10::Half half[8] = {};
-    std::memcpy(half, w.scales + at, count * sizeof(c10::Half));
-    _mm256_store_ps(d, _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(half))));
-    if (w.mins) {
-      std::memcpy(half, w.mins + at, count * sizeof(c10::Half));
-      _mm256_store_ps(m, _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(half))));
+    const bool whole = at + 8 <= w.n * w.blocks;  // eight values readable (a row's tail reads the next row's)
+    _mm256_store_ps(d, halves(w.scales + at, count, whole));
+    if (w.mins) _mm256_store_ps(m, halves(w.mins + at, count, whole));
+  }
+  // Eight fp16 values as floats, zero past `count`: one load wherever eight are readable.  A
+  // variable-length memcpy is a library call, several a row: it cost a third of the one-row time
+  // (`graphexec-bench quant_kernels`, docs/STATUS.md).
+  static __m256 halves(const c10::Half* src, int count, bool whole) {
+    __m128i raw;
+    if (whole) {
+      raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+      if (count < 8) raw = _mm_and_si128(raw, _mm_cmpgt_epi16(_mm_set1_epi16(count), _mm_setr_epi16(0, 1, 2, 3, 4, 5, 6, 7)));
+    } else {
+      alignas(16) c10::Half half[8] = {};
+      std::memcpy(half, src, count * sizeof(c10::Half));
+      raw = _mm_load_si128(reinterpret_cast<const __m128i*>(half));
     }
+    return _mm256_cvtph_ps(raw);
   }
 };
 
