@@ -123,3 +123,42 @@ def test_forward_mode_predicates():
     assert not ForwardMode.EXTEND.is_graph_capturable() and not ForwardMode.MIXED.is_graph_capturable()
     assert ForwardMode.TARGET_VERIFY.is_graph_capturable() and not ForwardMode.TARGET_VERIFY.is_extend()
     assert [m.config_key for m in ForwardMode] == ["extend", "decode", "mixed", "idle", "target_verify"]
+
+
+def test_hand_batches_move_requests_on_and_give_every_slot_back():
+    """Batches built by hand (tests, benches): extend, then decode, each `ran` moving the request's
+    computed length to what the batch wrote; `rewind` unmaps the slots after a length; a verify
+    batch's outcome is refused (only its caller knows what it accepted)."""
+    import pytest
+
+    from graphexec.scheduler.hand_batches import HandBatches
+
+    kv = _kv(prefix_cache=True)
+    hand = HandBatches(kv)
+    req = _req("h", [11, 12, 13, 14])
+    prefill = hand.extend([req], [3])  # a chunk: 3 of the 4 prompt tokens
+    assert prefill.extend_lens == [3] and not prefill.samples[0]
+    hand.ran(prefill)
+    assert req.num_computed_tokens == 3 and req.output_ids == []
+    prefill = hand.extend([req])
+    assert prefill.prefix_lens == [3] and prefill.extend_lens == [1]
+    hand.ran(prefill, [7])
+    assert (req.num_computed_tokens, req.output_ids) == (4, [7])
+    decode = hand.decode([req])
+    assert decode.forward_mode is ForwardMode.DECODE and decode.input_ids == [7] and decode.seq_lens == [5]
+    hand.ran(decode, [8])
+    assert (req.num_computed_tokens, req.output_ids) == (5, [7, 8])
+    with pytest.raises(ValueError, match="2 next tokens for 1 requests"):
+        hand.ran(hand.decode([req]), [1, 2])
+    assert req.num_computed_tokens == 5 and req.output_ids == [7, 8]  # refused whole
+    hand.rewind(req, 5)  # the refused decode's slot
+    verify = hand.verify([req], [[9, 9]])
+    with pytest.raises(ValueError, match="TARGET_VERIFY"):
+        hand.ran(verify)
+    hand.rewind(req, 5)
+    assert req.num_computed_tokens == 5
+    kv.audit()
+    hand.release(req, cache=False)
+    kv.audit()
+    assert kv.num_free + kv.num_cached == kv.num_slots and not kv.holders()
+    assert kv.num_free_rows == kv.req_to_token_pool.max_requests
