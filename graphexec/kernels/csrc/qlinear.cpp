@@ -17,6 +17,7 @@
 // tile of weight rows and hands it to at::mm.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/cpu/Utils.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
@@ -345,10 +346,23 @@ at::Tensor large_m(const QView& w, const at::Tensor& x2d) {
   return out;
 }
 
-// Activation rows from which bf16/fp16 inputs take the dequantize-tile + at::mm path (AVX512-BF16
-// GEMM beats streaming blocks through fp32 FMAs there).  fp32 inputs always stream: the block
-// kernel already runs at the FMA units' peak from 8 rows up.  Measured by bench/quant_kernels.py.
+// Activation rows from which bf16/fp16 inputs take the dequantize-tile + at::mm path, on CPUs that
+// multiply that type natively (AVX512-BF16 GEMM beats streaming blocks through fp32 FMAs there).
+// Elsewhere at::mm widens the type through fp32 and the tile path lost to streaming at every M (an
+// AVX2 Zen 3, docs/STATUS.md).  fp32 inputs always stream: the block kernel already runs
+// at the FMA units' peak from 8 rows up.  Measured by bench/quant_kernels.py.
 constexpr int64_t kMmMinRowsHalf = 48;
+
+bool native_gemm(at::ScalarType dtype) {
+  static const auto caps = at::cpu::get_cpu_capabilities();  // the running CPU's, not the builder's
+  auto has = [](const char* name) {
+    const auto it = caps.find(name);
+    return it != caps.end() && it->second.isBool() && it->second.toBool();
+  };
+  static const bool bf16 = has("avx512_bf16") || has("amx_bf16");
+  static const bool fp16 = has("avx512_fp16") || has("amx_fp16");
+  return dtype == at::kBFloat16 ? bf16 : dtype == at::kHalf && fp16;
+}
 
 at::Tensor qlinear_cpu(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                        const c10::optional<at::Tensor>& mins) {
@@ -361,7 +375,7 @@ at::Tensor qlinear_cpu(const at::Tensor& x, const at::Tensor& codes, const at::T
   const at::Tensor x2d = x.reshape({-1, w.k}).contiguous();
   const int64_t m = x2d.size(0);
   if (m == 0) return at::empty(out_shape, x.options());
-  if (x.scalar_type() != at::kFloat && m >= kMmMinRowsHalf) return large_m(w, x2d).view(out_shape);
+  if (m >= kMmMinRowsHalf && native_gemm(x.scalar_type())) return large_m(w, x2d).view(out_shape);
   const at::Tensor x32 = x2d.to(at::kFloat);
   at::Tensor out = at::empty({m, w.n}, x32.options());
   small_m(w, x32.data_ptr<float>(), m, out.data_ptr<float>());
