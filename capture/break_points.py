@@ -39,7 +39,7 @@ class _BreakSwitch(threading.local):
     """Which break points are active in this thread, and who runs them.  Changed only by
     `breaking()` and `intercepting()`, which restore it on exit; compiled code guards on `active`,
     so segments compiled under one set never run under another.  Per thread, so a `breaking()`
-    entered by one engine's loop (or a capture thread) never cuts a forward running in another:
+    entered on one engine's loop thread never cuts a forward running on another's:
     Dynamo traces and guards a thread-local's attribute as it does a plain object's (torch 2.13
     cannot trace `ContextVar.get()`, gb0156; tests/test_segments.py)."""
 
