@@ -334,12 +334,14 @@ class ModelRunner:
         """Per-mode counters: capture cost, executions, fallbacks, padded rows.  Modes that share
         a backend show the same counters; `modes` lists them, so a sum can count each once."""
         sharing: dict[int, list[str]] = {}
+        distinct: dict[int, CaptureBackend] = {}
         for mode, backend in self.backends.items():
             sharing.setdefault(id(backend), []).append(mode.config_key)
-        return {
-            mode.config_key: backend.stats.as_dict() | {"backend": backend.name, "modes": sharing[id(backend)]}
-            for mode, backend in self.backends.items()
-        }
+            distinct.setdefault(id(backend), backend)
+        # One conversion per backend, its modes sharing the dict: the loop publishes these every
+        # step, and decode, idle and verify share one backend.
+        once = {key: b.stats.as_dict() | {"backend": b.name, "modes": sharing[key]} for key, b in distinct.items()}
+        return {mode.config_key: once[id(backend)] for mode, backend in self.backends.items()}
 
     def weight_nbytes(self) -> int:
         """Bytes of resident weights: parameters and packed quantized arrays, not derived RoPE tables."""
