@@ -348,9 +348,9 @@ at::Tensor large_m(const QView& w, const at::Tensor& x2d) {
 
 // Activation rows from which bf16/fp16 inputs take the dequantize-tile + at::mm path, on CPUs that
 // multiply that type natively (AVX512-BF16 GEMM beats streaming blocks through fp32 FMAs there).
-// Elsewhere at::mm widens the type through fp32 and the tile path lost to streaming at every M (an
-// AVX2 Zen 3, docs/STATUS.md).  fp32 inputs always stream: the block kernel already runs
-// at the FMA units' peak from 8 rows up.  Measured by bench/quant_kernels.py.
+// Elsewhere at::mm widens the type through fp32 and the tile path lost to streaming at every M
+// (measured on an AVX2 Zen 3: docs/STATUS.md).  fp32 inputs always stream: the block kernel
+// already runs at the FMA units' peak from 8 rows up.  Measured by bench/quant_kernels.py.
 constexpr int64_t kMmMinRowsHalf = 48;
 
 bool native_gemm(at::ScalarType dtype) {
