@@ -85,12 +85,12 @@ for qtype in TYPES:
         packed = repack_rows16(weight)
         out[qtype, rows, "q8"] = torch.ops.graphexec.qlinear_q8(x, packed.codes, packed.scales, packed.mins, packed.rows)
 out["quantize_q8"] = torch.ops.graphexec.quantize_q8(torch.randn(9, 160, generator=torch.Generator().manual_seed(9)))
-# GGUF's own blocks (K-quants, Q5_x): dequantized bit for bit, and streamed (1, 5) or tiled (48).
+# GGUF's own blocks (K-quants, Q5_x): dequantized bit for bit, and streamed (1, 5, 9) or tiled (48).
 from tests.test_kquants import TYPES as BLOCK_TYPES, _weight
 for qtype in BLOCK_TYPES:
     weight, _ = _weight(qtype, 40, 512)
     out[qtype, "dequantize"] = torch.ops.graphexec.qdequantize_blocks(weight.blocks, weight.format.type_id, torch.float32)
-    for rows in (1, 5, 48):
+    for rows in (1, 5, 9, 48):  # 9: AVX2 streams more than 4 rows four at a time
         x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
         out[qtype, rows] = torch.ops.graphexec.qlinear_blocks(x, weight.blocks, weight.format.type_id)
         packed = block_rows16(weight)  # the 8-bit activation path's layout

@@ -196,9 +196,10 @@ inline __m512 decode_chunk(const uint8_t* blk, int c, float scale, float offset)
   return _mm512_mul_ps(_mm512_set1_ps(scale), v);
 }
 #elif defined(__AVX2__) && defined(__FMA__)
-// decode_chunk on 256-bit registers (AVX2 builds), stored: the 16 values of chunk c into out.
+// decode_chunk on 256-bit registers (AVX2 builds): the 16 values of chunk c, elements 0-7 in v[0]
+// and 8-15 in v[1], each the same single-rounding fma.
 template <int64_t QT>
-inline void decode_chunk_avx2(const uint8_t* blk, int c, float scale, float offset, float* out) {
+inline void decode_chunk_avx2(const uint8_t* blk, int c, float scale, float offset, __m256 v[2]) {
   uint32_t hi_mask;
   const __m128i q = chunk_bytes<QT>(blk, c, hi_mask);
   const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
@@ -210,9 +211,9 @@ inline void decode_chunk_avx2(const uint8_t* blk, int c, float scale, float offs
       q32 = _mm256_or_si256(q32, _mm256_slli_epi32(bit, 4));
     }
     if constexpr (kBias<QT> != 0) q32 = _mm256_sub_epi32(q32, _mm256_set1_epi32(kBias<QT>));
-    const __m256 v = _mm256_cvtepi32_ps(q32);
-    _mm256_storeu_ps(out + 8 * half, kHasOffset<QT> ? _mm256_fmadd_ps(_mm256_set1_ps(scale), v, _mm256_set1_ps(offset))
-                                                    : _mm256_mul_ps(_mm256_set1_ps(scale), v));
+    const __m256 f = _mm256_cvtepi32_ps(q32);
+    v[half] = kHasOffset<QT> ? _mm256_fmadd_ps(_mm256_set1_ps(scale), f, _mm256_set1_ps(offset))
+                             : _mm256_mul_ps(_mm256_set1_ps(scale), f);
   }
 }
 #endif
@@ -232,7 +233,9 @@ void dequantize_rows(const BView& w, int64_t row0, int64_t row1, float* dst) {
 #if defined(__AVX512F__)
         _mm512_storeu_ps(o, decode_chunk<QT>(blk, c, sc, off));
 #elif defined(__AVX2__) && defined(__FMA__)
-        decode_chunk_avx2<QT>(blk, c, sc, off, o);
+        __m256 v[2];
+        decode_chunk_avx2<QT>(blk, c, sc, off, v);
+        _mm256_storeu_ps(o, v[0]), _mm256_storeu_ps(o + 8, v[1]);
 #else
         decode_chunk_scalar<QT>(blk, c, sc, off, o);
 #endif
@@ -310,9 +313,9 @@ inline float dot_lanes(const float* x, const float* row, int64_t k) {
   return total;
 }
 
-// Portable path (and AVX2): dequantize one row at a time and dot it with MT rows.
+// Portable path: dequantize one row at a time and dot it with MT rows.
 template <int64_t QT, int MT>
-void rows_tile(const BView& w, int64_t r0, int64_t r1, const float* x, int64_t ldx, float* out, int64_t ldo) {
+void dequantized_rows_tile(const BView& w, int64_t r0, int64_t r1, const float* x, int64_t ldx, float* out, int64_t ldo) {
   thread_local std::vector<float> row;
   if (static_cast<int64_t>(row.size()) < w.k) row.resize(w.k);
   for (int64_t r = r0; r < r1; ++r) {
@@ -320,6 +323,54 @@ void rows_tile(const BView& w, int64_t r0, int64_t r1, const float* x, int64_t l
     for (int i = 0; i < MT; ++i) out[i * ldo + r] = dot_lanes(x + i * ldx, row.data(), w.k);
   }
 }
+
+#if defined(__AVX2__) && defined(__FMA__)
+inline float hsum(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+
+// AVX2, up to 4 activation rows: each chunk decoded into two registers and multiplied straight
+// into the rows' sums, one accumulator per half (independent fma chains), instead of storing a
+// dequantized row and reading it back (`graphexec-bench quant_kernels --kquant`, docs/STATUS.md).
+// More rows than 4 would need more registers than AVX2 has: they go four at a time, each four
+// decoding the chunks again (still faster than a stored row at 8 and 16 rows).
+template <int64_t QT, int MT>
+void rows_tile(const BView& w, int64_t r0, int64_t r1, const float* x, int64_t ldx, float* out, int64_t ldo) {
+  if constexpr (MT > 4) {
+    rows_tile<QT, 4>(w, r0, r1, x, ldx, out, ldo);
+    rows_tile<QT, MT - 4>(w, r0, r1, x + 4 * ldx, ldx, out + 4 * ldo, ldo);
+  } else {
+    constexpr int per = kPerParam<QT>;
+    float scale[16], offset[16] = {};  // Q6_K has no offsets
+    for (int64_t r = r0; r < r1; ++r) {
+      __m256 lo[MT], hi[MT];
+      for (int i = 0; i < MT; ++i) lo[i] = hi[i] = _mm256_setzero_ps();
+      const uint8_t* row = w.data + r * w.row_bytes;
+      for (int64_t b = 0; b < w.blocks; ++b) {
+        const uint8_t* blk = row + b * w.block_bytes;
+        block_params<QT>(blk, scale, offset);
+        const float* xb = x + b * w.block_elems;
+        for (int c = 0; c < kChunks<QT>; ++c) {
+          __m256 v[2];
+          decode_chunk_avx2<QT>(blk, c, scale[c / per], offset[c / per], v);
+          for (int i = 0; i < MT; ++i) {
+            lo[i] = _mm256_fmadd_ps(_mm256_loadu_ps(xb + i * ldx + c * kChunk), v[0], lo[i]);
+            hi[i] = _mm256_fmadd_ps(_mm256_loadu_ps(xb + i * ldx + c * kChunk + 8), v[1], hi[i]);
+          }
+        }
+      }
+      for (int i = 0; i < MT; ++i) out[i * ldo + r] = hsum(_mm256_add_ps(lo[i], hi[i]));
+    }
+  }
+}
+#else
+template <int64_t QT, int MT>
+void rows_tile(const BView& w, int64_t r0, int64_t r1, const float* x, int64_t ldx, float* out, int64_t ldo) {
+  dequantized_rows_tile<QT, MT>(w, r0, r1, x, ldx, out, ldo);
+}
+#endif
 #endif
 
 constexpr int64_t kRowChunk = 16;  // weight rows per task: a few KB of blocks, reused across M tiles
