@@ -299,9 +299,9 @@ void rows_tile(const BView& w, int64_t r0, int64_t r1, const float* x, int64_t l
 }
 #else
 // x . row over 16 running sums: a float reduction the compiler may not reorder, written so it need
-// not (one accumulator lane per element mod 16 vectorizes to two 256-bit fmas per step).  A single
-// running sum kept AVX2 builds in a scalar loop: a forward's K-quant linears 71 ms at one row
-// (`GRAPHEXEC_KERNEL_ISA=avx2 graphexec-bench quant_kernels --kquant`).
+// not (one accumulator lane per element mod 16 vectorizes per step).  A single running sum kept
+// the loop scalar: when AVX2 builds still took this path, a forward's K-quant linears took 71 ms
+// at one row (`GRAPHEXEC_KERNEL_ISA=avx2 graphexec-bench quant_kernels --kquant`).
 inline float dot_lanes(const float* x, const float* row, int64_t k) {
   float acc[16] = {};
   int64_t j = 0;
