@@ -87,7 +87,7 @@ inline void block_params(const uint8_t* blk, float* scale, float* offset) {
     const uint32_t sc_hi = (c & 0x0F0F0F0Fu) | ((a >> 2) & 0x30303030u);
     const uint32_t m_hi = ((c >> 4) & 0x0F0F0F0Fu) | ((b >> 2) & 0x30303030u);
     const float d = half_at(blk), dmin = half_at(blk + 2);
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)  // 256-bit instructions: AVX2 has them all
     const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, static_cast<int>(sc_hi), static_cast<int>(sc_lo))));
     const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, static_cast<int>(m_hi), static_cast<int>(m_lo))));
     _mm256_storeu_ps(scale, _mm256_mul_ps(_mm256_set1_ps(d), sc));
@@ -107,6 +107,10 @@ inline void block_params(const uint8_t* blk, float* scale, float* offset) {
 #if defined(__AVX512F__)
     const __m512 s = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc))));
     _mm512_storeu_ps(scale, _mm512_mul_ps(_mm512_set1_ps(d), s));
+#elif defined(__AVX2__)
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc));
+    _mm256_storeu_ps(scale, _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw))));
+    _mm256_storeu_ps(scale + 8, _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(raw, 8)))));
 #else
     for (int c = 0; c < 16; ++c) scale[c] = d * static_cast<float>(sc[c]);
 #endif
